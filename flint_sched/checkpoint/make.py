@@ -1,0 +1,89 @@
+"""Generated checkpoints: seeded random weights written as NVFP4 GGUF or BF16 Hugging Face layout,
+or made directly on the device (`dummy`), and the embedded default model kept in the cache.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from flint_sched.checkpoint.common import Checkpoint
+from flint_sched.checkpoint.gguf_io import write_gguf
+from flint_sched.checkpoint.hf_io import write_hf
+from flint_sched.checkpoint.random_init import random_tensor
+from flint_sched.config import FlintConfig, preset
+from flint_sched.envs import cache_dir
+from flint_sched.model.weights import check_nvfp4_shapes, tensor_specs
+from flint_sched.quant.nvfp4 import quantize
+from flint_sched.tokenizer import FlintTokenizer, build_tokenizer
+
+FORMATS = ("gguf-nvfp4", "hf-bf16")
+WEIGHT_FORMATS = ("nvfp4", "bf16")
+DEFAULT_MODEL = "flint-tiny"
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def make_checkpoint(config: FlintConfig, fmt: str, seed: int, out: str | Path,
+                    device: str | torch.device | None = None, progress: bool = True,
+                    tokenizer: FlintTokenizer | None = None) -> Path:
+    """Write a seeded random checkpoint; returns the GGUF file or the HF directory."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown checkpoint format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    dev = resolve_device(device)
+    tokenizer = tokenizer or build_tokenizer(config.vocab_size, seed)
+    out = Path(out)
+
+    def make_tensor(spec):
+        return random_tensor(spec, config, seed, dev)
+
+    if fmt == "gguf-nvfp4":
+        if out.is_dir():
+            out = out / "model.gguf"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_gguf(out, config, tokenizer, make_tensor, progress)
+    else:
+        write_hf(out, config, tokenizer, make_tensor, progress)
+    return out
+
+
+def dummy_checkpoint(config: FlintConfig, weight_format: str = "nvfp4", seed: int = 0,
+                     device: str | torch.device | None = None,
+                     tokenizer: FlintTokenizer | None = None) -> Checkpoint:
+    """Random weights made on the device in their final form, with no file (for benchmarks)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if weight_format == "nvfp4":
+        check_nvfp4_shapes(config)
+    dev = resolve_device(device)
+    weights = {}
+    for spec in tensor_specs(config):
+        values = random_tensor(spec, config, seed, dev)
+        if weight_format == "nvfp4" and spec.quantized:
+            weights[spec.name] = quantize(values, per_leading_scale=spec.stacked_experts)
+        else:
+            weights[spec.name] = values if spec.fp32 else values.to(torch.bfloat16)
+        del values
+    tokenizer = tokenizer or build_tokenizer(config.vocab_size, seed)
+    return Checkpoint(config, tokenizer, weights, weight_format, "dummy")
+
+
+def default_checkpoint_path(name: str = DEFAULT_MODEL, fmt: str = "hf-bf16", seed: int = 0,
+                            progress: bool = True) -> Path:
+    """The generated checkpoint of a preset in the cache, made once (atomically) on first use."""
+    suffix = ".gguf" if fmt == "gguf-nvfp4" else ""
+    path = cache_dir() / f"{name}-seed{seed}-{fmt}{suffix}"
+    if path.exists():
+        return path
+    tmp = path.with_name(path.name + ".partial")
+    if tmp.is_dir():
+        shutil.rmtree(tmp)
+    made = make_checkpoint(preset(name), fmt, seed, tmp, device="cpu", progress=progress)
+    made.rename(path)
+    return path

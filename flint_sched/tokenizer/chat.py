@@ -1,0 +1,94 @@
+"""Chat prompt rendering with Jinja2, the way Hugging Face renders chat templates.
+
+Templates run in an immutable sandbox with HF's globals (`raise_exception`, `strftime_now`) and a
+`tojson` filter that keeps non-ASCII. Tool-call `arguments` given as a JSON string are parsed before
+rendering (invalid JSON becomes {}); every template failure surfaces as a ValueError.
+"""
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from importlib import resources
+
+from jinja2 import Template
+from jinja2.exceptions import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+TEMPLATE_RESOURCE = "chat_template.jinja"
+
+
+def default_chat_template() -> str:
+    """Flint's own template (the GLM-4.7 format), shipped with the package."""
+    return resources.files(__package__).joinpath(TEMPLATE_RESOURCE).read_text(encoding="utf-8")
+
+
+def render_chat(
+    template: str,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs,
+) -> str:
+    """Renders OpenAI-style `messages` into prompt text; kwargs (e.g. `enable_thinking`) go to the template."""
+    compiled = _compile(template)
+    try:
+        return compiled.render(
+            messages=[_with_parsed_arguments(message) for message in messages],
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
+        )
+    except (TemplateError, TypeError, ValueError) as error:
+        raise ValueError(f"chat template failed: {error}") from error
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> Template:
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    try:
+        return environment.from_string(template)
+    except TemplateError as error:
+        raise ValueError(f"chat template does not compile: {error}") from error
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """HF's `tojson`: json.dumps keeping non-ASCII; our template asks for compact separators itself."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+def _strftime_now(format_string: str) -> str:
+    return datetime.now().strftime(format_string)
+
+
+def _with_parsed_arguments(message: dict) -> dict:
+    """A copy of `message` whose tool calls carry `arguments` as a dict."""
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if not calls:
+        return message
+    parsed = []
+    for call in calls:
+        if isinstance(call, dict) and isinstance(call.get("function"), dict):
+            function = call["function"]
+            call = {**call, "function": {**function, "arguments": _parse_arguments(function.get("arguments"))}}
+        elif isinstance(call, dict) and "arguments" in call:
+            call = {**call, "arguments": _parse_arguments(call["arguments"])}
+        parsed.append(call)
+    return {**message, "tool_calls": parsed}
+
+
+def _parse_arguments(arguments):
+    if not isinstance(arguments, str):
+        return arguments if arguments is not None else {}
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,33 @@
+import dataclasses
+
+import pytest
+import torch
+
+from flint_sched.checkpoint.random_init import random_tensor
+from flint_sched.config import preset
+from flint_sched.model.weights import tensor_specs
+
+
+def fp32_weights(config, seed=0):
+    """The seeded random weights of a config, in fp32 on the CPU."""
+    return {s.name: random_tensor(s, config, seed) for s in tensor_specs(config)}
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    return preset("flint-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_short_window(tiny_config):
+    """flint-tiny with an 8-token window, so sequences wrap it cheaply."""
+    return dataclasses.replace(tiny_config, sliding_window=8)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
