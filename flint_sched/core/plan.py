@@ -1,0 +1,84 @@
+"""The plain data between the scheduler and the executor: StepPlan in, StepResult back.
+
+A ScheduledRequest feeds token_ids at positions start_position .. end_position-1, and its
+block_table covers exactly positions 0 .. end_position-1 when the plan is made. The list fields
+(token_ids aside) are the scheduler's own lists, shared rather than copied: the executor reads them
+during execute() and never mutates them; after update() they may have grown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from flint_sched.core.request import FinishReason
+from flint_sched.sampling_params import SamplingParams
+
+ExecutionPath = Literal["low_latency", "grouped"]
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: a prefill chunk, or the last token for a decode."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    ring_slot: int
+    samples: bool
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    is_resumed_after_preemption: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_position(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step runs, in a stable order: running decodes, running prefills, new admissions.
+
+    path is "low_latency" when every entry is a one-token decode and there are at most
+    low_latency_max_seqs of them, else "grouped". preempted_request_ids and finished_request_ids
+    name requests whose executor-side state (ring slot contents, sampler state) must be dropped.
+    """
+
+    scheduled_requests: list[ScheduledRequest]
+    num_tokens: int
+    path: ExecutionPath
+    preempted_request_ids: list[str]
+    finished_request_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_requests
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Sampled tokens for every entry with samples=True (a list each, one token for now)."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class RequestStepOutput:
+    """What one step produced for one request: new tokens, and why it finished, if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    logprobs: Any = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

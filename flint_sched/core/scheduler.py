@@ -1,0 +1,267 @@
+"""Continuous batching over a per-step token budget, in the manner of vLLM v1 (no torch).
+
+Each step takes running decodes, then running prefill chunks, then waiting requests in arrival
+order (preempted ones first), within max_num_batched_tokens tokens and max_num_seqs requests.
+Every scheduled request holds blocks for all positions up to the end of its chunk; when blocks run
+out, the newest running request is preempted (recompute). schedule() and update() alternate.
+
+    index             0  1  2  3  4  5  6  7  8
+    all_token_ids     p0 p1 p2 p3 p4 p5 o0 o1 o2     prompt p0..p5, output o0..o2
+    KV written        [=====================]        num_computed_tokens = 8
+    decode step                               [o2]   token_ids = all[8:9], start_position = 8
+    after preemption  num_computed_tokens = 0, so all[0:9] is recomputed like a prompt (in
+                      chunks); only the chunk that ends with o2 samples.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from flint_sched.core.kv_allocator import HybridKVAllocator, KVAllocation
+from flint_sched.core.plan import RequestStepOutput, ScheduledRequest, StepPlan, StepResult
+from flint_sched.core.request import FinishReason, Request, RequestStatus
+from flint_sched.core.scheduler_config import SchedulerConfig
+from flint_sched.sampling_params import SamplingParams
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class _StepBuilder:
+    """The plan being built: entries by request id (so a preempted one can be taken back)."""
+
+    __slots__ = ("budget", "entries", "preempted_request_ids")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.entries: dict[str, ScheduledRequest] = {}
+        self.preempted_request_ids: list[str] = []
+
+    def add(self, request: Request, num_new_tokens: int, allocation: KVAllocation) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        self.entries[request.request_id] = ScheduledRequest(
+            request.request_id,
+            request.all_token_ids[start:end],
+            start,
+            allocation.block_table,
+            allocation.ring_slot,
+            end == len(request.all_token_ids),
+            request.sampling_params,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            start == 0 and request.num_preemptions > 0,
+        )
+        self.budget -= num_new_tokens
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and the KV allocator; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_allocator = HybridKVAllocator(
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            num_ring_slots=config.max_num_seqs,
+            sliding_window=config.sliding_window,
+        )
+        self._requests: dict[str, Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: dict[str, Request] = {}
+        self._finished_since_plan: list[str] = []
+        self._num_arrivals = 0
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running_requests(self) -> int:
+        return len(self._running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._requests.get(request_id)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: Iterable[int] = (),
+    ) -> Request:
+        """Queue a request; ValueError if it could never run.
+
+        Rejected: a duplicate id, an empty prompt, a prompt of max_model_len tokens or more (there
+        must be room for one output token), and a request whose longest possible KV
+        (min(prompt + max_tokens, max_model_len) - 1 positions: the last sampled token is never
+        fed back) needs more blocks than the whole pool, so a lone request always fits.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens, "
+                f"max_model_len is {self.config.max_model_len} (prompt + output must fit)"
+            )
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            sampling_params,
+            eos_token_ids,
+            arrival_index=self._num_arrivals,
+            max_model_len=self.config.max_model_len,
+        )
+        num_blocks_needed = self.kv_allocator.num_blocks_for(request.max_num_tokens - 1)
+        if num_blocks_needed > self.config.num_blocks:
+            raise ValueError(
+                f"request {request_id!r} may need {num_blocks_needed} KV blocks, "
+                f"the pool has {self.config.num_blocks}: lower max_tokens"
+            )
+        self._num_arrivals += 1
+        self._requests[request_id] = request
+        self._waiting.append(request)
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish with "abort" and free everything; False if no such unfinished request."""
+        return self.finish_request(request_id, FinishReason.ABORT)
+
+    def finish_request(self, request_id: str, finish_reason: FinishReason | str) -> bool:
+        """Finish now (stop strings, aborts) and free everything; False if already finished."""
+        reason = FinishReason(finish_reason)
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, reason)
+        return True
+
+    def schedule(self) -> StepPlan:
+        """Choose this step's requests and chunks, allocating (or preempting) as needed."""
+        step = _StepBuilder(self.config.max_num_batched_tokens)
+        prefilling: list[Request] = []
+        for request in list(self._running.values()):
+            if request.status is not _RUNNING:
+                continue
+            if len(request.all_token_ids) - request.num_computed_tokens == 1:
+                self._schedule_running(request, 1, step)
+            else:
+                prefilling.append(request)
+        for request in prefilling:
+            if request.status is _RUNNING and step.budget > 0:
+                num_left = len(request.all_token_ids) - request.num_computed_tokens
+                self._schedule_running(request, min(num_left, step.budget), step)
+        if not step.preempted_request_ids:
+            self._admit_waiting(step)
+
+        entries = list(step.entries.values())
+        num_tokens = self.config.max_num_batched_tokens - step.budget
+        is_low_latency = (
+            len(entries) <= self.config.low_latency_max_seqs
+            and num_tokens == len(entries)
+            and all(entry.samples for entry in entries)
+        )
+        finished_request_ids, self._finished_since_plan = self._finished_since_plan, []
+        return StepPlan(
+            entries,
+            num_tokens,
+            "low_latency" if is_low_latency else "grouped",
+            step.preempted_request_ids,
+            finished_request_ids,
+        )
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestStepOutput]:
+        """Advance by the plan and the sampled tokens; one output per request that sampled.
+
+        Entries of requests finished since schedule() (aborts, stop strings) are skipped.
+        """
+        outputs: list[RequestStepOutput] = []
+        sampled = result.sampled_token_ids
+        logprobs = result.logprobs
+        for entry in plan.scheduled_requests:
+            request = self._running.get(entry.request_id)
+            if request is None:
+                continue
+            if request.num_computed_tokens != entry.start_position:
+                raise RuntimeError(
+                    f"stale plan for request {entry.request_id!r}: it has "
+                    f"{request.num_computed_tokens} computed tokens, the plan starts at "
+                    f"{entry.start_position} (each plan is updated once, in order)"
+                )
+            if not entry.samples:
+                request.num_computed_tokens += len(entry.token_ids)
+                continue
+            new_token_ids = sampled.get(entry.request_id)
+            if not new_token_ids:
+                raise ValueError(f"StepResult has no sampled token for {entry.request_id!r}")
+            request.num_computed_tokens += len(entry.token_ids)
+            reason = None
+            for count, token_id in enumerate(new_token_ids, 1):
+                reason = request.append_output_token(token_id)
+                if reason is not None:
+                    new_token_ids = new_token_ids[:count]
+                    self._finish(request, reason)
+                    break
+            outputs.append(
+                RequestStepOutput(
+                    entry.request_id,
+                    new_token_ids,
+                    reason,
+                    request.stop_reason,
+                    None if logprobs is None else logprobs.get(entry.request_id),
+                )
+            )
+        return outputs
+
+    def _schedule_running(self, request: Request, num_new_tokens: int, step: _StepBuilder) -> None:
+        end = request.num_computed_tokens + num_new_tokens
+        allocator = self.kv_allocator
+        while not allocator.can_allocate(request.request_id, end):
+            if self._preempt_newest(step) is request:
+                return
+        step.add(request, num_new_tokens, allocator.allocate(request.request_id, end))
+
+    def _admit_waiting(self, step: _StepBuilder) -> None:
+        allocator = self.kv_allocator
+        while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            num_left = len(request.all_token_ids) - request.num_computed_tokens
+            num_new_tokens = min(num_left, step.budget)
+            end = request.num_computed_tokens + num_new_tokens
+            if not allocator.can_allocate(request.request_id, end):
+                return
+            self._waiting.popleft()
+            request.status = _RUNNING
+            self._running[request.request_id] = request
+            step.add(request, num_new_tokens, allocator.allocate(request.request_id, end))
+
+    def _preempt_newest(self, step: _StepBuilder) -> Request:
+        """Recompute-preempt the most recently admitted running request, even one in this plan."""
+        request_id, request = self._running.popitem()
+        self.kv_allocator.free(request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._waiting.appendleft(request)
+        entry = step.entries.pop(request_id, None)
+        if entry is not None:
+            step.budget += len(entry.token_ids)
+        step.preempted_request_ids.append(request_id)
+        return request
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request_id = request.request_id
+        if request.status is _RUNNING:
+            del self._running[request_id]
+            self.kv_allocator.free(request_id)
+        else:
+            self._waiting.remove(request)
+        request.finish(reason)
+        del self._requests[request_id]
+        self._finished_since_plan.append(request_id)

@@ -1,0 +1,42 @@
+"""The scheduler's limits: a frozen struct, validated when built, no I/O.
+
+max_num_seqs is also the number of ring slots, and max_num_batched_tokens >= max_num_seqs so that
+every running decode always fits one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one engine; max_num_seqs is also the number of ring slots."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_blocks: int
+    max_model_len: int
+    block_size: int = 16
+    sliding_window: int = 513
+    low_latency_max_seqs: int = 8
+
+    def __post_init__(self) -> None:
+        minimums = {
+            "max_num_seqs": 1,
+            "max_num_batched_tokens": 1,
+            "num_blocks": 1,
+            "max_model_len": 2,
+            "block_size": 1,
+            "sliding_window": 1,
+            "low_latency_max_seqs": 0,
+        }
+        for name, minimum in minimums.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so that every running decode fits a step"
+            )
