@@ -21,6 +21,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (or its directory) overriding the checkpoint's")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (%(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
@@ -34,16 +35,20 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from flint_sched.checkpoint.loader import load_checkpoint
-    from flint_sched.generate import generate_greedy_or_sampled
-    ckpt = load_checkpoint(args.model, args.load_format, args.device, args.hf_config_path, args.tokenizer,
-                           args.weight_format, args.seed, progress=not args.json)
-    for prompt in args.prompt:
-        result = generate_greedy_or_sampled(ckpt, prompt, args.max_tokens, args.temperature, args.seed)
+    from flint_sched.llm import LLM
+    from flint_sched.sampling_params import SamplingParams
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    llm = LLM(args.model, progress=not args.json, load_format=args.load_format, weight_format=args.weight_format,
+              hf_config_path=args.hf_config_path, tokenizer=args.tokenizer, device=args.device, seed=args.seed,
+              max_model_len=args.max_model_len)
+    for prompt, result in zip(args.prompt, llm.generate(args.prompt, params), strict=True):
+        choice = result.outputs[0]
         if args.json:
-            print(json.dumps(result, ensure_ascii=False))
+            print(json.dumps({"prompt": prompt, "prompt_token_ids": result.prompt_token_ids,
+                              "output_token_ids": choice.token_ids, "text": choice.text,
+                              "finish_reason": choice.finish_reason}, ensure_ascii=False))
         else:
-            print(prompt + result["text"])
+            print(prompt + choice.text)
     return 0
 
 

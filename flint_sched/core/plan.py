@@ -62,6 +62,15 @@ class StepPlan:
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probability of a sampled token and the top alternatives, from the raw model logits."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
 class StepResult:
     """Sampled tokens for every entry with samples=True (a list each, one token for now)."""
 

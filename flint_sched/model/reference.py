@@ -107,10 +107,11 @@ class FlintReference:
         self.device = torch.device(device) if device is not None else _weights_device(weights)
 
     def w(self, name: str) -> torch.Tensor:
+        """A dense weight in the compute dtype (fp32 tensors, the correction bias, stay fp32)."""
         t = self.weights[name]
         if isinstance(t, NVFP4Tensor):
             return t.to(self.device).dequantize(self.dtype)
-        return t.to(self.device, self.dtype)
+        return t.to(self.device, torch.float32 if t.dtype == torch.float32 else self.dtype)
 
     def experts(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Stacked expert weights [len(ids), out, in] of the given experts only."""

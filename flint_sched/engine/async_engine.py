@@ -1,0 +1,241 @@
+"""The asyncio engine: add_request / abort / a stream of RequestOutput, around one loop task.
+
+    loop:  [execute N (worker thread)] -> update(N) -> schedule(N+1) -> [execute N+1] ...
+                                                                     +-> post-process N (here)
+The scheduler is touched only from the event loop; the executor runs in one worker thread, so the
+CPU work of step N (detokenize, stop strings, streams) overlaps the model work of step N+1. Blocks
+freed while N+1 runs are reallocated only by the next schedule(), after N+1 has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import itertools
+import logging
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from flint_sched.core.plan import RequestStepOutput, StepPlan, StepResult
+from flint_sched.core.scheduler import Scheduler
+from flint_sched.engine.output_processor import ChoiceState
+from flint_sched.engine.outputs import CompletionOutput, EngineError, RequestOutput
+from flint_sched.sampling_params import SamplingParams
+from flint_sched.tokenizer import FlintTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    queue: asyncio.Queue
+    choices: dict[str, ChoiceState] = field(default_factory=dict)   # scheduler id -> choice
+    num_finished: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.choices)
+
+
+class AsyncEngine:
+    """Owns the scheduler and the executor; see the module docstring for the loop."""
+
+    def __init__(self, scheduler: Scheduler, executor, tokenizer: FlintTokenizer, vocab_size: int):
+        self.scheduler = scheduler
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = scheduler.config.max_model_len
+        self._requests: dict[str, _Request] = {}
+        self._choice_owner: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._wakeup = asyncio.Event()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flint-step")
+        self._task: asyncio.Task | None = None
+        self.dead_error: BaseException | None = None
+        self.num_preemptions = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="flint-engine-loop")
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done() and self.dead_error is None
+
+    async def shutdown(self) -> None:
+        """Stop the loop, end every open stream with an error, free everything."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self._fail_all(EngineError("the engine was shut down"))
+        self._worker.shutdown(wait=True)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
+                    request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue a request (text or token ids); ValueError when it can never run."""
+        if not self.is_running:
+            raise EngineError(f"the engine is not running ({self.dead_error or 'not started'})")
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(prompt_ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = _Request(request_id, prompt_ids, asyncio.Queue())
+        one = dataclasses.replace(params, n=1)
+        added = []
+        try:
+            for index in range(params.n):
+                choice_id = request_id if params.n == 1 else f"{request_id}#{index}"
+                choice_params = one if params.seed is None else dataclasses.replace(one, seed=params.seed + index)
+                self.scheduler.add_request(choice_id, prompt_ids, choice_params, self.tokenizer.eos_token_ids)
+                added.append(choice_id)
+                request.choices[choice_id] = ChoiceState(index, choice_params, self.tokenizer)
+        except ValueError:
+            for choice_id in added:
+                self.scheduler.abort_request(choice_id)
+            raise
+        self._requests[request_id] = request
+        self._choice_owner.update({choice_id: request for choice_id in request.choices})
+        self._wakeup.set()
+        return self._stream(request)
+
+    def _validate(self, prompt_ids: list[int], p: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if len(prompt_ids) + p.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{len(prompt_ids) + p.max_tokens} were requested ({len(prompt_ids)} in the prompt, "
+                f"{p.max_tokens} for the completion)")
+        for name, ids in (("logit_bias", p.logit_bias), ("stop_token_ids", p.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} names token id {bad[0]}, outside the vocabulary (0..{self.vocab_size - 1})")
+
+    async def _stream(self, request: _Request) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await request.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not request.finished:           # the consumer left early (disconnect, break, cancel)
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request now with "abort", freeing its blocks and ring slots."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self._end(request, None)
+        return True
+
+    def _end(self, request: _Request, error: BaseException | None) -> None:
+        """Free everything the request holds; its stream gets a final "abort" output, or the error."""
+        self._requests.pop(request.request_id, None)
+        for choice_id, choice in request.choices.items():
+            self.scheduler.abort_request(choice_id)
+            self._choice_owner.pop(choice_id, None)
+            if choice.output.finish_reason is None:
+                choice.fail("abort")
+        request.num_finished = len(request.choices)
+        outputs = [copy.copy(c.output) for c in request.choices.values()]
+        request.queue.put_nowait(error if error is not None else
+                                 RequestOutput(request.request_id, request.prompt_token_ids, outputs, True))
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        in_flight: tuple[StepPlan, asyncio.Future] | None = None
+        try:
+            while True:
+                if in_flight is None:
+                    in_flight = self._start_step(loop)
+                    if in_flight is None:
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
+                        continue
+                plan, future = in_flight
+                try:
+                    result: StepResult = await future
+                except Exception as e:  # a failing step fails its requests, the loop goes on
+                    logger.exception("step failed")
+                    self._fail_plan(plan, e)
+                    in_flight = None
+                    continue
+                outputs = self.scheduler.update(plan, result)
+                in_flight = self._start_step(loop)
+                self._process(outputs)
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            logger.exception("the engine loop died")
+            self.dead_error = e
+            self._fail_all(EngineError(f"the engine loop died: {e!r}"))
+            raise
+
+    def _start_step(self, loop: asyncio.AbstractEventLoop) -> tuple[StepPlan, asyncio.Future] | None:
+        if not self.scheduler.has_unfinished_requests():
+            return None
+        plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted_request_ids)
+        if plan.is_empty:
+            return None
+        return plan, loop.run_in_executor(self._worker, self.executor.execute, plan)
+
+    def _process(self, outputs: list[RequestStepOutput]) -> None:
+        for step in outputs:
+            request = self._choice_owner.get(step.request_id)
+            if request is None:
+                continue
+            choice = request.choices[step.request_id]
+            out = choice.apply(step)
+            if choice.stopped_by_string and step.finish_reason is None:
+                self.scheduler.finish_request(step.request_id, "stop")
+            if out.finished:
+                request.num_finished += 1
+                self._choice_owner.pop(step.request_id, None)
+            self._publish(request, [out])
+
+    def _publish(self, request: _Request, changed: list[CompletionOutput]) -> None:
+        """Stream the changed choices; the last update carries every choice (unchanged: no delta)."""
+        outputs = [copy.copy(c) for c in changed]
+        if request.finished:
+            self._requests.pop(request.request_id, None)
+            outputs += [dataclasses.replace(c.output, delta_text="", delta_token_ids=[],
+                                            delta_logprobs=None if c.output.logprobs is None else [])
+                        for c in request.choices.values() if c.output not in changed]
+            outputs.sort(key=lambda c: c.index)
+        request.queue.put_nowait(RequestOutput(request.request_id, request.prompt_token_ids, outputs,
+                                               request.finished))
+
+    def _fail_plan(self, plan: StepPlan, error: Exception) -> None:
+        failed = {self._choice_owner[e.request_id] for e in plan.scheduled_requests
+                  if e.request_id in self._choice_owner}
+        for request in failed:
+            self._end(request, EngineError(f"step failed: {error!r}"))
+
+    def _fail_all(self, error: Exception) -> None:
+        for request in list(self._requests.values()):
+            self._end(request, error)

@@ -1,0 +1,38 @@
+"""EngineConfig: how to build an engine (model source, limits, memory), frozen and validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | Path | None = None          # .gguf, HF directory, preset; None: flint-tiny
+    load_format: str = "auto"
+    weight_format: str = "nvfp4"             # for load_format="dummy"
+    hf_config_path: str | Path | None = None
+    tokenizer: str | Path | None = None
+    device: str = "auto"
+    dtype: str = "auto"                      # auto: float32 on CPU, bfloat16 on GPU
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None         # None: the model's, capped by the KV pool
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 256 << 20
+    num_kv_blocks: int | None = None         # overrides the memory-based sizing (tests)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "cpu_kv_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

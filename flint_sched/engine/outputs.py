@@ -1,0 +1,38 @@
+"""What the engine streams back: one RequestOutput per change, carrying deltas and running totals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flint_sched.core.plan import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    """One choice (of `n`) of a request: everything so far, and what this update added."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None        # all so far, when requested
+    delta_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None                    # "stop", "length", "abort"
+    stop_reason: int | str | None = None                # the stop token id or stop string
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]    # the choices this update changed (all of them at the end)
+    finished: bool                     # every choice has finished
+
+
+class EngineError(RuntimeError):
+    """A step failed or the engine stopped; the requests it concerned are over."""

@@ -1,0 +1,1 @@
+"""Executors turn a StepPlan into a StepResult: the torch path here, the CUDA path beside it."""

@@ -1,0 +1,67 @@
+"""The KV tensors behind the hybrid allocator's integers: paged blocks and per-request rings.
+
+    full  [num_full_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
+          position p of a request lives in block block_table[p // block_size], row p % block_size
+    ring  [num_sliding_layers, 2 (K, V), num_slots, window, kv_heads, head_dim]
+          position p lives at row p % window of the request's slot; the last `window` positions
+          written are there, older ones are overwritten
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flint_sched.config import FlintConfig
+
+
+class KVCache:
+    def __init__(self, config: FlintConfig, num_blocks: int, block_size: int, num_slots: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        g, d = config.num_key_value_heads, config.head_dim
+        self.block_size = block_size
+        self.window = config.sliding_window
+        self.full = torch.zeros(len(config.full_layers), 2, num_blocks, block_size, g, d, dtype=dtype, device=device)
+        self.ring = torch.zeros(len(config.sliding_layers), 2, num_slots, self.window, g, d, dtype=dtype, device=device)
+        self.full_index = {layer: i for i, layer in enumerate(config.full_layers)}
+        self.ring_index = {layer: i for i, layer in enumerate(config.sliding_layers)}
+
+    @staticmethod
+    def bytes_per_block(config: FlintConfig, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return len(config.full_layers) * 2 * block_size * config.kv_size * itemsize
+
+    @staticmethod
+    def bytes_per_slot(config: FlintConfig, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return len(config.sliding_layers) * 2 * config.sliding_window * config.kv_size * itemsize
+
+    def _paged_rows(self, block_table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return block_table[positions // self.block_size], positions % self.block_size
+
+    def write_full(self, layer: int, block_table: torch.Tensor, positions: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor) -> None:
+        blocks, rows = self._paged_rows(block_table, positions)
+        kv = self.full[self.full_index[layer]]
+        kv[0, blocks, rows] = k.to(kv.dtype)
+        kv[1, blocks, rows] = v.to(kv.dtype)
+
+    def read_full(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [num_tokens, kv_heads, head_dim] of positions 0 .. num_tokens-1."""
+        positions = torch.arange(num_tokens, device=block_table.device)
+        blocks, rows = self._paged_rows(block_table, positions)
+        kv = self.full[self.full_index[layer]]
+        return kv[0, blocks, rows], kv[1, blocks, rows]
+
+    def write_ring(self, layer: int, slot: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the last `window` of the given positions (older ones would be overwritten anyway)."""
+        keep = slice(max(0, positions.numel() - self.window), None)
+        rows = positions[keep] % self.window
+        kv = self.ring[self.ring_index[layer]]
+        kv[0, slot, rows] = k[keep].to(kv.dtype)
+        kv[1, slot, rows] = v[keep].to(kv.dtype)
+
+    def read_ring(self, layer: int, slot: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the given past positions, which must be among the last `window` written."""
+        rows = positions % self.window
+        kv = self.ring[self.ring_index[layer]]
+        return kv[0, slot, rows], kv[1, slot, rows]

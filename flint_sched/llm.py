@@ -1,0 +1,62 @@
+"""The offline Python API: `LLM(...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from flint_sched.engine.builder import build_engine, build_parts
+from flint_sched.engine.config import EngineConfig
+from flint_sched.engine.outputs import RequestOutput
+from flint_sched.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine to completion on uvloop when it is installed, else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+class LLM:
+    """Loads the model once; each `generate` call runs the engine until every prompt is done."""
+
+    def __init__(self, model: str | None = None, progress: bool = True, **engine_args: Any):
+        self.config = EngineConfig(model=model, **engine_args)
+        self.parts = build_parts(self.config, progress)
+
+    @property
+    def tokenizer(self):
+        return self.parts.checkpoint.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in order; a prompt is text or token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        return run_async(self._generate(list(prompts), params))
+
+    async def _generate(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
+        engine = build_engine(self.parts)
+        engine.start()
+        try:
+            streams = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+
+            async def last(stream) -> RequestOutput:
+                out = None
+                async for out in stream:
+                    pass
+                return out
+
+            return list(await asyncio.gather(*(last(s) for s in streams)))
+        finally:
+            await engine.shutdown()

@@ -1,0 +1,200 @@
+"""The asyncio engine end to end on flint-tiny (CPU): concurrency, aborts, preemption, failures."""
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+
+from flint_sched.checkpoint.make import dummy_checkpoint
+from flint_sched.engine import EngineConfig, EngineError
+from flint_sched.engine.builder import build_engine, build_parts
+from flint_sched.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_short_window):
+    return dummy_checkpoint(tiny_short_window, "bf16", seed=11, device="cpu")
+
+
+def parts_for(ckpt, **kw):
+    args = dict(device="cpu", max_num_seqs=16, max_num_batched_tokens=64, block_size=4, num_kv_blocks=400)
+    return build_parts(EngineConfig(**{**args, **kw}), progress=False, checkpoint=ckpt)
+
+
+@pytest.fixture(scope="module")
+def parts(ckpt):
+    return parts_for(ckpt)
+
+
+async def collect(stream):
+    deltas, last = [], None
+    async for out in stream:
+        deltas.append(out)
+        last = out
+    return deltas, last
+
+
+async def run_engine(parts, requests):
+    engine = build_engine(parts)
+    engine.start()
+    try:
+        results = await asyncio.gather(*(collect(engine.add_request(p, sp)) for p, sp in requests))
+        allocator = engine.scheduler.kv_allocator
+        assert allocator.num_used_blocks == 0 and allocator.num_used_ring_slots == 0
+        return results, engine
+    finally:
+        await engine.shutdown()
+
+
+def prompt(rng, n):
+    return [rng.randrange(4000) for _ in range(n)]
+
+
+async def test_100_concurrent_requests_with_random_parameters(parts):
+    rng = random.Random(0)
+    requests = []
+    for _ in range(100):
+        params = SamplingParams(
+            n=rng.choice([1, 1, 2]), temperature=rng.choice([0.0, 0.7, 1.3]), top_p=rng.choice([1.0, 0.9]),
+            top_k=rng.choice([0, 20]), min_p=rng.choice([0.0, 0.05]), max_tokens=rng.randint(1, 12),
+            seed=rng.choice([None, rng.randrange(100)]), logprobs=rng.choice([None, 0, 3]), ignore_eos=True,
+            presence_penalty=rng.choice([0.0, 0.5]), repetition_penalty=rng.choice([1.0, 1.2]))
+        requests.append((prompt(rng, rng.randint(1, 40)), params))
+    results, _ = await run_engine(parts, requests)
+    for (_, params), (deltas, last) in zip(requests, results):
+        assert last.finished and len(last.outputs) == params.n
+        for choice in last.outputs:
+            assert len(choice.token_ids) == params.max_tokens and choice.finish_reason == "length"
+            if params.logprobs is not None:
+                assert len(choice.logprobs) == params.max_tokens
+                assert all(len(lp.top) == params.logprobs for lp in choice.logprobs)
+        streamed = {}
+        for out in deltas:
+            for c in out.outputs:
+                streamed.setdefault(c.index, []).extend(c.delta_token_ids)
+        assert {c.index: c.token_ids for c in last.outputs} == streamed
+
+
+async def test_abort_mid_stream_returns_every_block_and_slot(parts):
+    engine = build_engine(parts)
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=50, ignore_eos=True)
+        stream = engine.add_request(prompt(random.Random(1), 30), params)
+        other = engine.add_request(prompt(random.Random(2), 20), params, request_id="explicit")
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break                         # the consumer leaves: the request is aborted
+        await stream.aclose()
+        assert engine.abort("explicit") and not engine.abort("explicit")
+        deltas, last = await collect(other)
+        assert last.outputs[0].finish_reason == "abort"
+        await asyncio.sleep(0.05)
+        allocator = engine.scheduler.kv_allocator
+        assert allocator.num_used_blocks == 0 and allocator.num_used_ring_slots == 0
+        assert not engine.scheduler.has_unfinished_requests()
+    finally:
+        await engine.shutdown()
+
+
+async def test_greedy_under_a_tiny_pool_equals_an_unconstrained_run(ckpt, parts):
+    rng = random.Random(3)
+    requests = [(prompt(rng, rng.randint(5, 30)), SamplingParams(temperature=0, max_tokens=rng.randint(5, 20),
+                                                                 ignore_eos=True)) for _ in range(12)]
+    free, _ = await run_engine(parts, requests)
+    tight, engine = await run_engine(parts_for(ckpt, num_kv_blocks=14), requests)
+    assert engine.num_preemptions > 0
+    assert [last.outputs[0].token_ids for _, last in free] == [last.outputs[0].token_ids for _, last in tight]
+
+
+async def test_a_seeded_request_does_not_depend_on_the_batch(parts):
+    rng = random.Random(4)
+    target = (prompt(rng, 10), SamplingParams(temperature=1.0, seed=77, max_tokens=10, ignore_eos=True))
+    alone, _ = await run_engine(parts, [target])
+    others = [(prompt(rng, 12), SamplingParams(temperature=1.0, max_tokens=8)) for _ in range(5)]
+    crowded, _ = await run_engine(parts, others[:2] + [target] + others[2:])
+    assert alone[0][1].outputs[0].token_ids == crowded[2][1].outputs[0].token_ids
+
+
+async def test_stop_strings_are_never_streamed_past(parts):
+    p = prompt(random.Random(5), 12)
+    base, _ = await run_engine(parts, [(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))])
+    text = base[0][1].outputs[0].text
+    assert len(text) > 12
+    stop = text[6:10]
+    expected = text[: text.find(stop)]
+    stopped, _ = await run_engine(parts, [(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                            stop=[stop, "never-there"]))])
+    deltas, last = stopped[0]
+    choice = last.outputs[0]
+    assert "".join(c.delta_text for out in deltas for c in out.outputs) == expected == choice.text
+    assert choice.finish_reason == "stop" and choice.stop_reason == stop
+
+
+async def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(parts):
+    engine = build_engine(parts)
+    real = engine.executor
+    calls = {"n": 0}
+
+    class Flaky:
+        def execute(self, plan):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("device on fire")
+            return real.execute(plan)
+
+    engine.executor = Flaky()
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=10, ignore_eos=True)
+        with pytest.raises(EngineError, match="device on fire"):
+            await collect(engine.add_request([1, 2, 3], params))
+        _, last = await collect(engine.add_request([4, 5, 6], params))
+        assert last.finished and len(last.outputs[0].token_ids) == 10
+        assert engine.scheduler.kv_allocator.num_used_blocks == 0
+    finally:
+        await engine.shutdown()
+
+
+async def test_bad_requests_fail_when_made(parts):
+    engine = build_engine(parts)
+    engine.start()
+    try:
+        limit = engine.max_model_len
+        with pytest.raises(ValueError, match="maximum context length"):
+            engine.add_request([1] * (limit - 3), SamplingParams(max_tokens=5))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.add_request([1, 10**6], SamplingParams())
+        with pytest.raises(ValueError, match="logit_bias"):
+            engine.add_request([1], SamplingParams(logit_bias={10**6: 1.0}))
+        with pytest.raises(ValueError, match="empty"):
+            engine.add_request([], SamplingParams())
+        assert not engine.scheduler.has_unfinished_requests()
+    finally:
+        await engine.shutdown()
+    with pytest.raises(EngineError, match="not running"):
+        engine.add_request([1], SamplingParams())
+
+
+async def test_shutdown_ends_open_streams(parts):
+    engine = build_engine(parts)
+    engine.start()
+    stream = engine.add_request([1, 2], SamplingParams(max_tokens=500, ignore_eos=True))
+    await stream.__anext__()
+    await engine.shutdown()
+    with pytest.raises(EngineError, match="shut down"):
+        await collect(stream)
+
+
+def test_offline_llm_api(ckpt, tmp_path, monkeypatch):
+    from flint_sched.llm import LLM
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
+    llm = LLM("flint-tiny", progress=False, device="cpu", max_num_seqs=4)
+    outs = llm.generate(["Hello", "Bonjour"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+    again = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert dataclasses.is_dataclass(outs[0])

@@ -1,0 +1,46 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flint_sched.engine.stop_strings import StopStringChecker
+
+
+def test_holds_back_a_possible_start_and_releases_it():
+    c = StopStringChecker(["STOP"])
+    assert c.feed("abc S") == "abc "
+    assert c.feed("T") == ""
+    assert c.feed("x") == "STx"
+    assert c.flush() == "" and c.matched is None
+
+
+def test_match_across_pieces_cuts_before_the_stop_string():
+    c = StopStringChecker(["</end>", "zz"])
+    assert c.feed("hello </e") == "hello "
+    assert c.feed("nd> more") == ""
+    assert c.matched == "</end>" and c.feed("later") == "" and c.flush() == ""
+
+
+def test_the_stop_string_completed_first_wins():
+    c = StopStringChecker(["bc", "ab"])
+    assert c.feed("xabc") == "x" and c.matched == "ab"
+    c = StopStringChecker(["S", "TSS"])
+    assert c.feed("TSS") == "T" and c.matched == "S"
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="abST", max_size=40), stops=st.lists(st.text(alphabet="abST", min_size=1, max_size=3),
+                                                                     max_size=3),
+       cuts=st.lists(st.integers(0, 40), max_size=8))
+def test_any_split_gives_the_text_before_the_first_stop(text, stops, cuts):
+    c = StopStringChecker(stops)
+    bounds = sorted({0, len(text), *[min(x, len(text)) for x in cuts]})
+    out = "".join(c.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])) + c.flush()
+    assert out == first_completed_cut(text, stops)
+
+
+def first_completed_cut(text, stops):
+    """Generation stops as soon as a stop string is complete: cut at the earliest one then."""
+    for end in range(len(text) + 1):
+        starts = [end - len(s) for s in stops if end >= len(s) and text[end - len(s):end] == s]
+        if starts:
+            return text[: min(starts)]
+    return text
