@@ -96,13 +96,13 @@ def test_preemption_and_resume_match_the_reference(tiny_short_window):
     check_against_reference(config, weights, ex, requests, outputs)
 
 
-def test_the_real_513_window_across_chunks(tiny_config):
+@pytest.mark.parametrize("sched_budget", [128, 600])   # 600: one chunk, attention in query blocks
+def test_the_real_513_window_across_chunks(tiny_config, sched_budget):
     rng = random.Random(9)
     weights = fp32_weights(tiny_config, 9)
     requests = [("long", [rng.randrange(tiny_config.vocab_size) for _ in range(530)],
                  SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)),
                 ("short", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))]
-    sched_budget = 128                                   # 530 tokens in 5 chunks
     ex, outputs, _ = run_mix(tiny_config, weights, requests, num_blocks=80, block_size=16, budget=sched_budget,
                              max_num_seqs=2)
     assert check_against_reference(tiny_config, weights, ex, requests, outputs) == 10

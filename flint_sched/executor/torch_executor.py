@@ -20,6 +20,8 @@ from flint_sched.executor.sampler import sample_one
 from flint_sched.model.reference import FlintReference, apply_rope, attention_with_sinks, rms_norm
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
+QUERY_BLOCK = 256   # query rows per attention call on full layers: scores are [heads, rows, context]
+
 
 def dense_weights(weights: Weights, dtype: torch.dtype, device: torch.device) -> Weights:
     """Dequantize NVFP4 weights once; fp32 tensors (the correction bias) stay fp32."""
@@ -30,6 +32,15 @@ def dense_weights(weights: Weights, dtype: torch.dtype, device: torch.device) ->
         else:
             out[name] = w.to(device, torch.float32 if w.dtype == torch.float32 else dtype)
     return out
+
+
+def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                      q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """attention_with_sinks over QUERY_BLOCK query rows at a time (long prefill chunks)."""
+    if q.shape[0] <= QUERY_BLOCK:
+        return attention_with_sinks(q, k, v, sinks, q_pos, k_pos, window)
+    return torch.cat([attention_with_sinks(q[a:a + QUERY_BLOCK], k, v, sinks, q_pos[a:a + QUERY_BLOCK], k_pos, window)
+                      for a in range(0, q.shape[0], QUERY_BLOCK)])
 
 
 class TorchExecutor:
@@ -106,7 +117,7 @@ class TorchExecutor:
                 self.kv.write_full(i, table, pos, k[rows], v[rows])
                 k_all, v_all = self.kv.read_full(i, table, entry.end_position)
                 k_pos = torch.arange(entry.end_position, device=x.device)
-                out[rows] = attention_with_sinks(q[rows], k_all, v_all, sinks, pos, k_pos, None)
+                out[rows] = blocked_attention(q[rows], k_all, v_all, sinks, pos, k_pos, None)
         return out.reshape(n, c.q_size) @ m.w(p + "o_proj.weight").t()
 
     def _sliding_attention(self, i: int, entry: ScheduledRequest, pos: torch.Tensor, q: torch.Tensor,
@@ -121,6 +132,6 @@ class TorchExecutor:
         k_old, v_old = self.kv.read_ring(i, entry.ring_slot, history)
         k_all = torch.cat((k_old.to(k.dtype), k))
         v_all = torch.cat((v_old.to(v.dtype), v))
-        out = attention_with_sinks(q, k_all, v_all, sinks, pos, torch.cat((history, pos)), window)
+        out = blocked_attention(q, k_all, v_all, sinks, pos, torch.cat((history, pos)), window)
         self.kv.write_ring(i, entry.ring_slot, pos, k, v)
         return out

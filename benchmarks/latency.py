@@ -1,0 +1,185 @@
+"""`flint-sched bench latency`: decode step time and prefill throughput of the executor, no HTTP.
+
+Decode: B requests that each already hold C tokens of (random) KV run one-token steps; the plans
+are built directly (the KV is filled with random values instead of a C-token prefill), and each
+step is timed end to end (forward, LM head, token choice). Prefill: one prompt in chunks of
+`--max-num-batched-tokens`. Cases whose KV does not fit the memory budget are skipped and said so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from flint_sched.checkpoint.make import dummy_checkpoint, resolve_device
+from flint_sched.config import preset
+from flint_sched.core.plan import ScheduledRequest, StepPlan
+from flint_sched.executor.kv_cache import KVCache
+from flint_sched.executor.torch_executor import TorchExecutor
+from flint_sched.sampling_params import SamplingParams
+from flint_sched.benchmarks.step_bytes import decode_step_bytes
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+@dataclass
+class DecodeResult:
+    batch: int
+    context: int
+    step_ms: float
+    tokens_per_s: float
+    bytes_per_step: float
+    floor_ms: float
+    achieved_gbps: float
+    bandwidth_share: float
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="flint", help="preset (weights are made with --load-format dummy)")
+    p.add_argument("--weight-format", default="bf16", choices=("nvfp4", "bf16"))
+    p.add_argument("--device", default="auto")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,64,256")
+    p.add_argument("--contexts", default="1024,32768,102400")
+    p.add_argument("--prefill-lens", default="1024,8192,102400")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-budget-gib", type=float, default=None,
+                   help="memory for KV; default: free GPU memory minus 6 GiB (CPU: 4 GiB)")
+    p.add_argument("--num-steps", type=int, default=5)
+    p.add_argument("--max-case-seconds", type=float, default=60.0, help="skip the rest of a case past this")
+    p.add_argument("--bandwidth-gbps", type=float, default=None, help="default: measured with a device copy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def measure_bandwidth_gbps(device: torch.device) -> float:
+    """Device-to-device copy of 2 GiB, counting bytes read plus written."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(1 << 30, dtype=torch.int16, device=device).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 10 * 2 * src.numel() * 2 / (time.perf_counter() - start) / 1e9
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_plan(batch: int, context: int, blocks_per_request: int) -> StepPlan:
+    entries = [ScheduledRequest(f"r{b}", [b + 1], context, list(range(b * blocks_per_request, (b + 1) * blocks_per_request)),
+                                b, True, GREEDY, [1], [], False) for b in range(batch)]
+    return StepPlan(entries, batch, "low_latency" if batch <= 8 else "grouped", [], [])
+
+
+def run_decode(executor: TorchExecutor, args, batch: int, context: int, bandwidth: float) -> DecodeResult:
+    plan = decode_plan(batch, context, math.ceil((context + 1) / args.block_size))
+    executor.execute(plan)                                          # warm-up
+    times, deadline = [], time.perf_counter() + args.max_case_seconds
+    for _ in range(args.num_steps):
+        _sync(executor.device)
+        start = time.perf_counter()
+        executor.execute(plan)
+        _sync(executor.device)
+        times.append(time.perf_counter() - start)
+        if time.perf_counter() > deadline:
+            break
+    step = statistics.median(times)
+    nbytes = decode_step_bytes(executor.config, batch, context, args.weight_format).total
+    return DecodeResult(batch, context, step * 1e3, batch / step, nbytes, nbytes / bandwidth / 1e6,
+                        nbytes / step / 1e9, nbytes / step / 1e9 / bandwidth)
+
+
+def run_prefill(executor: TorchExecutor, args, length: int) -> float | None:
+    """Prompt tokens per second for one prompt of `length` tokens, or None past the time limit."""
+    chunk = args.max_num_batched_tokens
+    table = list(range(math.ceil(length / args.block_size)))
+    deadline = time.perf_counter() + args.max_case_seconds
+    _sync(executor.device)
+    start = time.perf_counter()
+    for pos in range(0, length, chunk):
+        n = min(chunk, length - pos)
+        entry = ScheduledRequest("p", [7] * n, pos, table, 0, pos + n == length, GREEDY, [7], [], False)
+        executor.execute(StepPlan([entry], n, "grouped", [], []))
+        if time.perf_counter() > deadline:
+            return None
+    _sync(executor.device)
+    return length / (time.perf_counter() - start)
+
+
+def run(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    config = preset(args.model)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bandwidth = args.bandwidth_gbps or measure_bandwidth_gbps(device)
+    ckpt = dummy_checkpoint(config, args.weight_format, args.seed, device)
+    batches, contexts, prefills = _ints(args.batch_sizes), _ints(args.contexts), _ints(args.prefill_lens)
+    max_seqs = max(batches)
+    executor = TorchExecutor(config, ckpt.weights, KVCache(config, 1, args.block_size, 1, dtype, device),
+                             ckpt.tokenizer.eos_token_ids, dtype, device, args.seed)
+    del ckpt                                   # the executor holds its own (dense) copy
+    largest = max([b * math.ceil((c + 1) / args.block_size) for b in batches for c in contexts]
+                  + [math.ceil(n / args.block_size) for n in prefills])
+    fit = int((_budget(args, device) - max_seqs * KVCache.bytes_per_slot(config, dtype))
+              // KVCache.bytes_per_block(config, args.block_size, dtype))
+    num_blocks = min(largest, fit)
+    executor.kv = KVCache(config, num_blocks, args.block_size, max_seqs, dtype, device)
+    executor.kv.full.normal_()
+    executor.kv.ring.normal_()
+    print(f"device {device}, {args.weight_format} weights, KV pool {num_blocks} blocks of {args.block_size}, "
+          f"bandwidth {bandwidth:.0f} GB/s")
+    results, skipped = [], []
+    for context in contexts:
+        for batch in batches:
+            if batch * math.ceil((context + 1) / args.block_size) > num_blocks:
+                skipped.append((batch, context))
+                continue
+            r = run_decode(executor, args, batch, context, bandwidth)
+            results.append(r)
+            print(f"decode B={batch:<4} C={context:<7} {r.step_ms:9.2f} ms/step {r.tokens_per_s:10.1f} tok/s "
+                  f"floor {r.floor_ms:7.3f} ms  {r.achieved_gbps:8.1f} GB/s ({100 * r.bandwidth_share:5.1f} %)",
+                  flush=True)
+    prefill = {}
+    for length in prefills:
+        fits = math.ceil(length / args.block_size) <= num_blocks
+        prefill[length] = run_prefill(executor, args, length) if fits else None
+        print(f"prefill {length:>7} tokens: " + (f"{prefill[length]:.0f} tok/s" if prefill[length] else
+                                                 "skipped (KV or time limit)"), flush=True)
+    if skipped:
+        print("skipped (KV does not fit): " + ", ".join(f"B={b} C={c}" for b, c in skipped))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "bandwidth_gbps": bandwidth, "decode": [asdict(r) for r in results],
+                       "prefill_tokens_per_s": prefill, "skipped": skipped}, f, indent=2)
+    return 0
+
+
+def _budget(args, device: torch.device) -> float:
+    if args.kv_budget_gib is not None:
+        return args.kv_budget_gib * 2**30
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] - 6 * 2**30
+    return 4 * 2**30
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))
