@@ -1,0 +1,95 @@
+// Greedy token choice: ids[b] = argmax_v logits[b, v], exactly as torch.argmax (ties and NaN:
+// the lowest index; a NaN counts as the maximum; -0 == +0).
+// Grid (splits, B): each CTA scans `chunk` logits of one row and writes one packed candidate
+//   (order_key(value) << 32) | (0xFFFFFFFF - index)      larger = better, ties -> lower index
+// to `partial` [B][splits]; the last CTA to take the ticket reduces every row and resets it.
+#include "common.cuh"
+
+#define ARGMAX_THREADS 256
+
+__device__ __forceinline__ u64 argmax_candidate(float v, int index) {
+  u32 u = __float_as_uint(v);
+  if (v == 0.0f) u = 0u;  // -0 ties with +0
+  u32 key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  if (v != v) key = 0xFFFFFFFFu;
+  return ((u64)key << 32) | (u64)(0xFFFFFFFFu - (u32)index);
+}
+
+__device__ __forceinline__ u64 u64_max(u64 a, u64 b) { return a > b ? a : b; }
+
+__device__ __forceinline__ u64 warp_max_u64(u64 v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = u64_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
+  return v;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void argmax_rows(void* out, int out_int64, const void* logits,
+                                            long long row_stride, int V, int chunk, int vec_ok,
+                                            u64* partial, u32* ticket) {
+  constexpr int VEC = BF16 ? 8 : 4;  // values per 16-byte load
+  __shared__ u64 warp_best[ARGMAX_THREADS / 32];
+  __shared__ u32 is_last;
+  pdl_wait();
+  pdl_launch_dependents();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row = blockIdx.y, split = blockIdx.x, splits = gridDim.x, B = gridDim.y;
+  const int begin = split * chunk, end = min(V, begin + chunk);
+  const u16* row16 = static_cast<const u16*>(logits) + row * row_stride;
+  const float* row32 = static_cast<const float*>(logits) + row * row_stride;
+  u64 best = 0;
+  for (int i = begin + threadIdx.x * VEC; i < end; i += ARGMAX_THREADS * VEC) {
+    if (vec_ok && i + VEC <= end) {
+      const uint4 v = BF16 ? ld_act_v4(row16 + i) : ld_act_v4(row32 + i);
+      const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float f = BF16 ? ((j & 1) ? bf16x2_hi(w[j >> 1]) : bf16x2_lo(w[j >> 1]))
+                             : __uint_as_float(w[j]);
+        best = u64_max(best, argmax_candidate(f, i + j));
+      }
+    } else {
+      for (int j = 0; j < VEC && i + j < end; ++j) {
+        const float f = BF16 ? bf16_to_f32(row16[i + j]) : row32[i + j];
+        best = u64_max(best, argmax_candidate(f, i + j));
+      }
+    }
+  }
+  best = warp_max_u64(best);
+  if (lane == 0) warp_best[warp] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < ARGMAX_THREADS / 32; ++w) best = u64_max(best, warp_best[w]);
+    partial[(size_t)row * splits + split] = best;
+    __threadfence();
+    is_last = atomicAdd(ticket, 1u) == (u32)(splits * B - 1);
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int r = warp; r < B; r += ARGMAX_THREADS / 32) {
+    u64 m = 0;
+    for (int s = lane; s < splits; s += 32) m = u64_max(m, ld_cg_u64(partial + (size_t)r * splits + s));
+    m = warp_max_u64(m);
+    const u32 index = 0xFFFFFFFFu - (u32)(m & 0xFFFFFFFFu);
+    if (lane == 0) {
+      if (out_int64)
+        static_cast<long long*>(out)[r] = index;
+      else
+        static_cast<int*>(out)[r] = (int)index;
+    }
+  }
+  if (threadIdx.x == 0) *ticket = 0u;
+}
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+argmax_bf16(void* out, int out_int64, const u16* logits, long long row_stride, int V, int chunk,
+            int vec_ok, u64* partial, u32* ticket) {
+  argmax_rows<true>(out, out_int64, logits, row_stride, V, chunk, vec_ok, partial, ticket);
+}
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+argmax_f32(void* out, int out_int64, const float* logits, long long row_stride, int V, int chunk,
+           int vec_ok, u64* partial, u32* ticket) {
+  argmax_rows<false>(out, out_int64, logits, row_stride, V, chunk, vec_ok, partial, ticket);
+}

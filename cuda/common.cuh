@@ -1,0 +1,106 @@
+// Shared device helpers: bf16 <-> fp32, 16-byte loads, mma.sync, warp reductions, PDL.
+// Compiled by NVRTC with no system headers: bf16 values travel as raw 16-bit patterns
+// (unsigned short) or packed pairs (u32, low half = lower index).
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// ---- bf16 <-> fp32 ---------------------------------------------------------------------------
+
+__device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float(((u32)v) << 16); }
+__device__ __forceinline__ float bf16x2_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16x2_hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+// Round-to-nearest-even pack: low half <- lo, high half <- hi.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Exact when the products are representable (NVFP4 decode); subnormal inputs are kept (no .ftz).
+__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// Byte permute: result byte i = byte sel_i of the 8-byte value {b:a}.
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+// ---- global loads ----------------------------------------------------------------------------
+// Weights never change while a kernel runs, so their loads are plain (non-volatile) asm: the
+// compiler may schedule them freely, even above `pdl_wait`. Activations use ordinary C++ loads,
+// which stay below the "memory" clobber of `pdl_wait`.
+
+// Read-once weights: non-coherent path, no L1 allocation.
+__device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// Weight side data reused by neighbouring lanes and warps (block scales): cached in L1.
+__device__ __forceinline__ u32 ld_weight_u16(const void* p) {
+  u16 v;
+  asm("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+// Activations shared by every CTA of the kernel (x rows, h rows): read-only path, cached in L1.
+__device__ __forceinline__ uint4 ld_act_v4(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// Data written by other CTAs of this kernel (after a fence): read from L2, bypassing L1. The
+// intrinsics are ordinary memory reads to the compiler (kept below fences, free to overlap).
+__device__ __forceinline__ float ld_cg_f32(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ u64 ld_cg_u64(const u64* p) { return __ldcg(p); }
+
+// ---- tensor cores ----------------------------------------------------------------------------
+
+// D[16x8] += A[16x16] * B[16x8], bf16 inputs, fp32 accumulators. Lane l = 4*g + t holds
+//   a0 = A[g][2t..2t+1]  a1 = A[g+8][2t..2t+1]  a2 = A[g][2t+8..2t+9]  a3 = A[g+8][2t+8..2t+9]
+//   b0 = B[2t..2t+1][g]  b1 = B[2t+8..2t+9][g]
+//   d0,d1 = D[g][2t], D[g][2t+1]   d2,d3 = D[g+8][2t], D[g+8][2t+1]
+__device__ __forceinline__ void mma_bf16_16x8x16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                                 u32 b0, u32 b1) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// ---- reductions ------------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, m);
+  return v;
+}
+
+// ---- programmatic dependent launch (sm_90) ---------------------------------------------------
+// NOTE: both are no-ops when the kernel was not launched with programmatic stream
+// serialization. `pdl_wait` must precede every read of the previous kernel's outputs and every
+// write to memory the previous kernel may still read; the memory clobber keeps the compiler from
+// hoisting such accesses above it.
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}

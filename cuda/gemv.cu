@@ -1,0 +1,88 @@
+// Dense skinny GEMMs for B <= 8 tokens: y[B, N] = x[B, K] . W[N, K]^T (+ residual), and the
+// SwiGLU front half h[B, I] = silu(x . Wg^T) * (x . Wu^T). x, y, h, residual: bf16 row-major,
+// contiguous; W: bf16 or NVFP4 (gemv_tile.cuh). One CTA of GEMV_WARPS warps per 16 output rows
+// (8 for gate/up: tile rows 0-7 read Wg, rows 8-15 read Wu), whole K per CTA, no atomics.
+// y may alias residual (each element is read and written by the same thread).
+// GEMV_WARPS (4, 8 or 16) is a compile-time define: few tiles want more warps splitting K, so
+// that each SM keeps enough loads in flight.
+#include "gemv_tile.cuh"
+
+#ifndef GEMV_WARPS
+#define GEMV_WARPS 4
+#endif
+#define BF16_UNROLL 8   // k-steps in flight per warp: 8 x 1 KB
+#define NVFP4_UNROLL 4  // 4 x (1 KB codes + scales)
+
+template <class Wt, int U>
+__device__ __forceinline__ void gemv(u16* y, const u16* x, const Wt& wt, const u16* residual,
+                                     int B, int N, int K) {
+  __shared__ float red[GEMV_WARPS * 4 * 32];
+  __shared__ typename Wt::Shared sh;
+  Wt::init_shared(sh);
+  pdl_wait();
+  pdl_launch_dependents();
+  __syncthreads();
+  const int g = (threadIdx.x & 31) >> 2;
+  const int n0 = blockIdx.x * 16;
+  const typename Wt::Rows rows = Wt::rows(wt, min(n0 + g, N - 1), wt, min(n0 + g + 8, N - 1), K);
+  const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  tile_partial<Wt, GEMV_WARPS, U>(acc, rows, g < B ? x + (size_t)g * K : nullptr, K, 0, steps, sh);
+  tile_store_partials<GEMV_WARPS>(red, acc);
+  __syncthreads();
+  const int r = threadIdx.x >> 3, b = threadIdx.x & 7, n = n0 + r;  // threads 0..127: 16 x 8
+  if (r < 16 && n < N && b < B) {
+    float v = tile_sum<GEMV_WARPS>(red, r, b) * wt.sum_scale();
+    if (residual) v += bf16_to_f32(residual[(size_t)b * N + n]);
+    y[(size_t)b * N + n] = f32_to_bf16(v);
+  }
+}
+
+template <class Wt, int U>
+__device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, const Wt& wu, int B,
+                                        int I, int K) {
+  __shared__ float red[GEMV_WARPS * 4 * 32];
+  __shared__ typename Wt::Shared sh;
+  Wt::init_shared(sh);
+  pdl_wait();
+  pdl_launch_dependents();
+  __syncthreads();
+  const int g = (threadIdx.x & 31) >> 2;
+  const int j0 = blockIdx.x * 8;
+  const int row = min(j0 + g, I - 1);
+  const typename Wt::Rows rows = Wt::rows(wg, row, wu, row, K);
+  const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  tile_partial<Wt, GEMV_WARPS, U>(acc, rows, g < B ? x + (size_t)g * K : nullptr, K, 0, steps, sh);
+  tile_store_partials<GEMV_WARPS>(red, acc);
+  __syncthreads();
+  const int j = threadIdx.x >> 3, b = threadIdx.x & 7, n = j0 + j;
+  if (j < 8 && n < I && b < B) {
+    const float gate = tile_sum<GEMV_WARPS>(red, j, b) * wg.sum_scale();
+    const float up = tile_sum<GEMV_WARPS>(red, j + 8, b) * wu.sum_scale();
+    h[(size_t)b * I + n] = f32_to_bf16(silu(gate) * up);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_bf16(u16* y, const u16* x, const u16* w, const u16* residual, int B, int N, int K) {
+  gemv<Bf16Weights, BF16_UNROLL>(y, x, Bf16Weights{w}, residual, B, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_nvfp4(u16* y, const u16* x, const u8* codes, const u8* scales, const float* tensor_scale,
+           const u16* residual, int B, int N, int K) {
+  gemv<Nvfp4Weights, NVFP4_UNROLL>(y, x, Nvfp4Weights{codes, scales, tensor_scale}, residual, B, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gate_up_bf16(u16* h, const u16* x, const u16* wg, const u16* wu, int B, int I, int K) {
+  gate_up<Bf16Weights, BF16_UNROLL>(h, x, Bf16Weights{wg}, Bf16Weights{wu}, B, I, K);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gate_up_nvfp4(u16* h, const u16* x, const u8* g_codes, const u8* g_scales, const float* g_tensor_scale,
+              const u8* u_codes, const u8* u_scales, const float* u_tensor_scale, int B, int I, int K) {
+  gate_up<Nvfp4Weights, NVFP4_UNROLL>(h, x, Nvfp4Weights{g_codes, g_scales, g_tensor_scale},
+                                      Nvfp4Weights{u_codes, u_scales, u_tensor_scale}, B, I, K);
+}

@@ -1,0 +1,179 @@
+// Skinny GEMM tiles on tensor cores ("swap AB"): D[16 weight rows][8 tokens] += W . x^T.
+//
+// A CTA of W warps owns one tile of 16 weight rows (row0 = tile row g, row1 = tile row g + 8,
+// g = lane / 4) for all <= 8 tokens; the warps split K by k-steps, interleaved so that they
+// stream neighbouring bytes of the same rows:
+//
+//   row r: | step 0 | step 1 | ... | step W-1 | step W | ...      warp w: steps w, w+W, w+2W..
+//          |t0|t1|t2|t3|                                          lane t = lane % 4: chunk t
+//
+// One k-step: each lane loads 16 bytes of row0 and 16 of row1 at its chunk (BF16: 8 weights,
+// NVFP4: 32), plus the same k range of token g's activations (the mma B fragment, zero for
+// g >= B). The k order inside a lane's chunk is permuted identically on both sides, so any
+// pairing the decoder finds cheap is allowed. Partial sums are reduced across warps in shared
+// memory in warp order, so results are deterministic.
+#pragma once
+#include "common.cuh"
+#include "nvfp4.cuh"
+
+// ---- BF16 weights: [N, K] row-major ----------------------------------------------------------
+
+struct Bf16Rows {
+  const u16* r0;  // start of the weight row at tile row g
+  const u16* r1;  // ... at tile row g + 8
+};
+
+struct Bf16Frag {
+  uint4 w0, w1;  // rows 0 and 1: k..k+7
+};
+
+struct Bf16Weights {
+  static constexpr int KSTEP = 32;  // weights per row per warp k-step
+  static constexpr int LANE_K = 8;  // weights per lane per k-step
+  typedef Bf16Rows Rows;
+  typedef Bf16Frag Frag;
+  struct Shared {};
+
+  const u16* w;
+
+  static __device__ void init_shared(Shared&) {}
+
+  __device__ Bf16Weights expert(int e, int n, int k) const { return {w + (size_t)e * n * k}; }
+  __device__ float sum_scale() const { return 1.0f; }
+  __device__ float expert_sum_scale(int) const { return 1.0f; }
+  static __device__ Rows rows(const Bf16Weights& a, int row_a, const Bf16Weights& b, int row_b,
+                              int k_total) {
+    return {a.w + (size_t)row_a * k_total, b.w + (size_t)row_b * k_total};
+  }
+  static __device__ Frag load(const Rows& rows, int k) {
+    return {ld_stream_v4(rows.r0 + k), ld_stream_v4(rows.r1 + k)};
+  }
+  static __device__ Frag zero() {
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    return {z, z};
+  }
+  // xk: token g's activations at k (8 bf16), or nullptr for zeros.
+  static __device__ void mma(float (&acc)[4], const Frag& f, const u16* xk, const Shared&) {
+    const uint4 x = xk ? ld_act_v4(xk) : make_uint4(0, 0, 0, 0);
+    mma_bf16_16x8x16(acc, f.w0.x, f.w1.x, f.w0.y, f.w1.y, x.x, x.y);
+    mma_bf16_16x8x16(acc, f.w0.z, f.w1.z, f.w0.w, f.w1.w, x.z, x.w);
+  }
+};
+
+// ---- NVFP4 weights: codes [N, K/2], block scales [N, K/16], tensor scale [1] -----------------
+
+struct Nvfp4Rows {
+  const u8* c0;  // codes of the weight row at tile row g (K/2 bytes)
+  const u8* c1;  // ... at tile row g + 8
+  const u8* s0;  // block scales of those rows (K/16 bytes)
+  const u8* s1;
+};
+
+struct Nvfp4Frag {
+  uint4 c0, c1;  // rows 0 and 1: codes of weights k..k+31
+  u32 s0, s1;    // rows 0 and 1: scale bytes of blocks k/16 (low byte) and k/16 + 1 (high byte)
+};
+
+struct Nvfp4Weights {
+  static constexpr int KSTEP = 128;
+  static constexpr int LANE_K = 32;
+  typedef Nvfp4Rows Rows;
+  typedef Nvfp4Frag Frag;
+  struct Shared {
+    u32 scale[256];  // ue4m3_scale_bf16x2 of every scale byte: one LDS instead of ~8 ALU ops
+  };
+
+  const u8* codes;
+  const u8* scales;
+  const float* tensor_scale;
+
+  // Every thread of the CTA calls this, then __syncthreads() before the first mma.
+  static __device__ void init_shared(Shared& sh) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) sh.scale[i] = ue4m3_scale_bf16x2(i);
+  }
+
+  __device__ Nvfp4Weights expert(int e, int n, int k) const {
+    return {codes + (size_t)e * n * (k / 2), scales + (size_t)e * n * (k / 16), tensor_scale + e};
+  }
+  // What the fp32 sums are multiplied by (see nvfp4.cuh).
+  __device__ float sum_scale() const { return *tensor_scale * NVFP4_SUM_SCALE; }
+  __device__ float expert_sum_scale(int e) const { return tensor_scale[e] * NVFP4_SUM_SCALE; }
+  static __device__ Rows rows(const Nvfp4Weights& a, int row_a, const Nvfp4Weights& b, int row_b,
+                              int k_total) {
+    const size_t c = k_total / 2, s = k_total / 16;
+    return {a.codes + row_a * c, b.codes + row_b * c, a.scales + row_a * s, b.scales + row_b * s};
+  }
+  static __device__ Frag load(const Rows& rows, int k) {
+    return {ld_stream_v4(rows.c0 + k / 2), ld_stream_v4(rows.c1 + k / 2),
+            ld_weight_u16(rows.s0 + k / 16), ld_weight_u16(rows.s1 + k / 16)};
+  }
+  static __device__ Frag zero() {
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    return {z, z, 0u, 0u};
+  }
+  static __device__ void mma(float (&acc)[4], const Frag& f, const u16* xk, const Shared& sh) {
+    const u32 scale0[2] = {sh.scale[f.s0 & 0xFFu], sh.scale[f.s0 >> 8]};
+    const u32 scale1[2] = {sh.scale[f.s1 & 0xFFu], sh.scale[f.s1 >> 8]};
+    const u32 words0[4] = {f.c0.x, f.c0.y, f.c0.z, f.c0.w};
+    const u32 words1[4] = {f.c1.x, f.c1.y, f.c1.z, f.c1.w};
+    uint4 xv[4];  // all four loads first: they are L1 hits, but serialized they would add up
+#pragma unroll
+    for (int i = 0; i < 4; ++i) xv[i] = xk ? ld_act_v4(xk + 8 * i) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // word i: weights k + 8i .. k + 8i + 7, block i / 2
+      u32 xp[4];
+      x_pairs_for_e2m1(xv[i], xp);
+      u32 p0[4], p1[4];
+      e2m1x8_to_bf16(words0[i], scale0[i >> 1], p0);
+      e2m1x8_to_bf16(words1[i], scale1[i >> 1], p1);
+      mma_bf16_16x8x16(acc, p0[0], p1[0], p0[1], p1[1], xp[0], xp[1]);
+      mma_bf16_16x8x16(acc, p0[2], p1[2], p0[3], p1[3], xp[2], xp[3]);
+    }
+  }
+};
+
+// ---- the tile loop ---------------------------------------------------------------------------
+
+// acc += this warp's share of rows . x_g over k-steps [s_begin, s_end).
+// x_g: token g's activation row (K bf16), or nullptr. K % LANE_K == 0.
+template <class Wt, int W, int U>
+__device__ __forceinline__ void tile_partial(float (&acc)[4], const typename Wt::Rows& rows,
+                                             const u16* x_g, int k_total, int s_begin, int s_end,
+                                             const typename Wt::Shared& sh) {
+  const int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
+  for (int s0 = s_begin + warp; s0 < s_end; s0 += W * U) {
+    typename Wt::Frag f[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // all loads first: U k-steps of bytes in flight per lane
+      const int s = s0 + u * W;
+      const int k = s * Wt::KSTEP + t * Wt::LANE_K;
+      f[u] = (s < s_end && k < k_total) ? Wt::load(rows, k) : Wt::zero();
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int s = s0 + u * W;
+      const int k = s * Wt::KSTEP + t * Wt::LANE_K;
+      if (s < s_end) Wt::mma(acc, f[u], (x_g && k < k_total) ? x_g + k : nullptr, sh);
+    }
+  }
+}
+
+// Partials of all warps: red[(warp * 4 + i) * 32 + lane], i = accumulator index.
+template <int W>
+__device__ __forceinline__ void tile_store_partials(float* red, const float (&acc)[4]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) red[(warp * 4 + i) * 32 + lane] = acc[i];
+}
+
+// D[r][b] (tile row r < 16, token b < 8) summed over warps in order.
+template <int W>
+__device__ __forceinline__ float tile_sum(const float* red, int r, int b) {
+  const int lane = (r & 7) * 4 + (b >> 1), i = ((r >> 3) << 1) | (b & 1);
+  float s = 0.0f;
+#pragma unroll
+  for (int w = 0; w < W; ++w) s += red[(w * 4 + i) * 32 + lane];
+  return s;
+}
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }

@@ -1,0 +1,227 @@
+// Small-batch MoE (T <= 8 tokens, A experts per token, one optional shared expert) reading only
+// the chosen experts' weights; expert ids come from the router's output on the GPU.
+//
+//   pairs p = token * A + slot (p < T*A), p = T*A: the shared expert
+//   h[T, A + 1, I]:  h[b][slot]  = silu(x_b . Wg_e^T) * (x_b . Wu_e^T)   e = ids[b][slot]
+//                    h[b][A]     = the same with the shared expert
+//   y[T, H] = residual + sum_slot w[b][slot] * Wd_e . h[b][slot] + Wd_shared . h[b][A]
+//
+// gate/up: grid (I/8 tiles, T*A + 1 pairs); the CTA of the first pair naming an expert computes
+// it for every token (the mma's 8 columns) and writes each token that chose it; the others exit.
+// down: output stationary, one CTA per 16 of the H outputs, looping over the distinct experts in
+// first-occurrence order then the shared one: deterministic, no atomics.
+#include "gemv_tile.cuh"
+
+#ifndef MOE_GATE_UP_WARPS
+#define MOE_GATE_UP_WARPS 4  // a compile-time define: 8 for bf16 (one round of loads per warp)
+#endif
+#define MOE_DOWN_WARPS 16
+#define MOE_MAX_PAIRS 64  // T * A
+#define BF16_UNROLL 8
+#define NVFP4_UNROLL 4
+
+template <class Wt, int U>
+__device__ __forceinline__ void moe_gate_up(u16* h, const u16* x, const int* ids, const Wt& gate,
+                                            const Wt& up, const Wt& shared_gate, const Wt& shared_up,
+                                            int T, int A, int I, int K, int E) {
+  __shared__ float red[MOE_GATE_UP_WARPS * 4 * 32];
+  __shared__ typename Wt::Shared sh;
+  __shared__ int pair_expert[MOE_MAX_PAIRS];
+  Wt::init_shared(sh);
+  pdl_wait();
+  pdl_launch_dependents();
+  const int P = T * A, p = blockIdx.y;
+  if (threadIdx.x < P) pair_expert[threadIdx.x] = ids[threadIdx.x];
+  __syncthreads();
+  const bool shared = p == P;
+  int e = -1;
+  if (!shared) {
+    e = pair_expert[p];
+    if (e < 0 || e >= E) return;
+    for (int q = 0; q < p; ++q)
+      if (pair_expert[q] == e) return;  // an earlier pair owns this expert (uniform across the CTA)
+  }
+  const Wt wg = shared ? shared_gate : gate.expert(e, I, K);
+  const Wt wu = shared ? shared_up : up.expert(e, I, K);
+  const int g = (threadIdx.x & 31) >> 2;
+  const int j0 = blockIdx.x * 8;
+  const int row = min(j0 + g, I - 1);
+  const typename Wt::Rows rows = Wt::rows(wg, row, wu, row, K);
+  const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  tile_partial<Wt, MOE_GATE_UP_WARPS, U>(acc, rows, g < T ? x + (size_t)g * K : nullptr, K, 0, steps, sh);
+  tile_store_partials<MOE_GATE_UP_WARPS>(red, acc);
+  __syncthreads();
+  const int j = threadIdx.x >> 3, b = threadIdx.x & 7, n = j0 + j;
+  if (j >= 8 || n >= I || b >= T) return;
+  int slot = shared ? A : -1;
+  for (int s = 0; s < A && slot < 0; ++s)
+    if (pair_expert[b * A + s] == e) slot = s;
+  if (slot < 0) return;  // token b did not choose this expert
+  const float gv = tile_sum<MOE_GATE_UP_WARPS>(red, j, b) * wg.sum_scale();
+  const float uv = tile_sum<MOE_GATE_UP_WARPS>(red, j + 8, b) * wu.sum_scale();
+  h[((size_t)b * (A + 1) + slot) * I + n] = f32_to_bf16(silu(gv) * uv);
+}
+
+// The distinct experts of this step, in first-occurrence order, then the shared one (-1):
+// expert[u], and per token b the slot it used (or -1) and its coefficient (routing weight x
+// sum scale, 1 x sum scale for the shared expert, 0 if unused).
+template <class Wt>
+__device__ __forceinline__ int moe_expert_list(int* expert, int (*slot)[8], float (*coef)[8],
+                                               const int* ids, const float* routing_weights,
+                                               const Wt& stack, const Wt& shared, int has_shared,
+                                               int T, int A, int E) {
+  __shared__ int pair_expert[MOE_MAX_PAIRS];
+  __shared__ int first[MOE_MAX_PAIRS];
+  __shared__ int num_experts;
+  const int P = T * A, tid = threadIdx.x;
+  if (tid < P) pair_expert[tid] = ids[tid];
+  __syncthreads();
+  if (tid < P) {
+    const int e = pair_expert[tid];
+    bool is_first = e >= 0 && e < E;
+    for (int q = 0; q < tid && is_first; ++q) is_first = pair_expert[q] != e;
+    first[tid] = is_first;
+  }
+  __syncthreads();
+  if (tid < P && first[tid]) {
+    int u = 0;
+    for (int q = 0; q < tid; ++q) u += first[q];
+    expert[u] = pair_expert[tid];
+  }
+  if (tid == 0) {
+    int n = 0;
+    for (int q = 0; q < P; ++q) n += first[q];
+    if (has_shared) expert[n++] = -1;
+    num_experts = n;
+  }
+  __syncthreads();
+  const int U = num_experts;
+  for (int i = tid; i < U * 8; i += blockDim.x) {
+    const int u = i >> 3, b = i & 7, e = expert[u];
+    int s = -1;
+    float c = 0.0f;
+    if (b < T) {
+      if (e < 0) {
+        s = A;
+        c = shared.sum_scale();
+      } else {
+        for (int a = 0; a < A; ++a)
+          if (pair_expert[b * A + a] == e) {
+            s = a;
+            c = routing_weights[b * A + a] * stack.expert_sum_scale(e);
+          }
+      }
+    }
+    slot[u][b] = s;
+    coef[u][b] = c;
+  }
+  __syncthreads();
+  return U;
+}
+
+template <class Wt, int U>
+__device__ __forceinline__ void moe_down(u16* y, const u16* h, const int* ids,
+                                         const float* routing_weights, const Wt& stack,
+                                         const Wt& shared, int has_shared, const u16* residual,
+                                         int T, int A, int N, int K, int E) {
+  __shared__ float red[MOE_DOWN_WARPS * 4 * 32];
+  __shared__ int expert[MOE_MAX_PAIRS + 1];
+  __shared__ int slot[MOE_MAX_PAIRS + 1][8];
+  __shared__ float coef[MOE_MAX_PAIRS + 1][8];
+  __shared__ typename Wt::Shared sh;
+  Wt::init_shared(sh);
+  pdl_wait();
+  pdl_launch_dependents();
+  const int num_experts =
+      moe_expert_list(expert, slot, coef, ids, routing_weights, stack, shared, has_shared, T, A, E);
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * 16;
+  const int row0 = min(n0 + g, N - 1), row1 = min(n0 + g + 8, N - 1);
+  const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;  // per expert
+  const int items = num_experts * steps;              // item = (expert u, k-step s)
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int f0 = warp; f0 < items; f0 += MOE_DOWN_WARPS * U) {
+    typename Wt::Frag frag[U];
+    const u16* xk[U];
+    float c_even[U], c_odd[U];  // coefficients of tokens 2t and 2t + 1 (this lane's columns)
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+      const int f = f0 + i * MOE_DOWN_WARPS;
+      frag[i] = Wt::zero();
+      xk[i] = nullptr;
+      c_even[i] = c_odd[i] = 0.0f;
+      if (f < items) {
+        const int u = f / steps, k = (f - u * steps) * Wt::KSTEP + t * Wt::LANE_K;
+        const int e = expert[u];
+        const Wt w = e < 0 ? shared : stack.expert(e, N, K);
+        if (k < K) {
+          frag[i] = Wt::load(Wt::rows(w, row0, w, row1, K), k);
+          const int s = slot[u][g];
+          if (s >= 0) xk[i] = h + ((size_t)g * (A + 1) + s) * K + k;
+        }
+        c_even[i] = coef[u][2 * t];
+        c_odd[i] = coef[u][2 * t + 1];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+      if (f0 + i * MOE_DOWN_WARPS < items) {
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        Wt::mma(part, frag[i], xk[i], sh);
+        acc[0] = fmaf(c_even[i], part[0], acc[0]);
+        acc[1] = fmaf(c_odd[i], part[1], acc[1]);
+        acc[2] = fmaf(c_even[i], part[2], acc[2]);
+        acc[3] = fmaf(c_odd[i], part[3], acc[3]);
+      }
+    }
+  }
+  tile_store_partials<MOE_DOWN_WARPS>(red, acc);
+  __syncthreads();
+  const int r = threadIdx.x >> 3, b = threadIdx.x & 7, n = n0 + r;
+  if (r < 16 && n < N && b < T) {
+    float v = tile_sum<MOE_DOWN_WARPS>(red, r, b);
+    if (residual) v += bf16_to_f32(residual[(size_t)b * N + n]);
+    y[(size_t)b * N + n] = f32_to_bf16(v);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_GATE_UP_WARPS * 32)
+moe_gate_up_bf16(u16* h, const u16* x, const int* ids, const u16* gate, const u16* up,
+                 const u16* shared_gate, const u16* shared_up, int T, int A, int I, int K, int E) {
+  moe_gate_up<Bf16Weights, BF16_UNROLL>(h, x, ids, Bf16Weights{gate}, Bf16Weights{up},
+                                        Bf16Weights{shared_gate}, Bf16Weights{shared_up}, T, A, I, K, E);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_GATE_UP_WARPS * 32)
+moe_gate_up_nvfp4(u16* h, const u16* x, const int* ids,
+                  const u8* g_codes, const u8* g_scales, const float* g_tensor_scale,
+                  const u8* u_codes, const u8* u_scales, const float* u_tensor_scale,
+                  const u8* sg_codes, const u8* sg_scales, const float* sg_tensor_scale,
+                  const u8* su_codes, const u8* su_scales, const float* su_tensor_scale,
+                  int T, int A, int I, int K, int E) {
+  moe_gate_up<Nvfp4Weights, NVFP4_UNROLL>(
+      h, x, ids, Nvfp4Weights{g_codes, g_scales, g_tensor_scale},
+      Nvfp4Weights{u_codes, u_scales, u_tensor_scale}, Nvfp4Weights{sg_codes, sg_scales, sg_tensor_scale},
+      Nvfp4Weights{su_codes, su_scales, su_tensor_scale}, T, A, I, K, E);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
+moe_down_bf16(u16* y, const u16* h, const int* ids, const float* routing_weights, const u16* down,
+              const u16* shared_down, int has_shared, const u16* residual, int T, int A, int N, int K,
+              int E) {
+  moe_down<Bf16Weights, BF16_UNROLL>(y, h, ids, routing_weights, Bf16Weights{down},
+                                     Bf16Weights{shared_down}, has_shared, residual, T, A, N, K, E);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
+moe_down_nvfp4(u16* y, const u16* h, const int* ids, const float* routing_weights,
+               const u8* d_codes, const u8* d_scales, const float* d_tensor_scale,
+               const u8* sd_codes, const u8* sd_scales, const float* sd_tensor_scale, int has_shared,
+               const u16* residual, int T, int A, int N, int K, int E) {
+  moe_down<Nvfp4Weights, NVFP4_UNROLL>(y, h, ids, routing_weights,
+                                       Nvfp4Weights{d_codes, d_scales, d_tensor_scale},
+                                       Nvfp4Weights{sd_codes, sd_scales, sd_tensor_scale}, has_shared,
+                                       residual, T, A, N, K, E);
+}

@@ -1,0 +1,34 @@
+"""CUDA kernels for the low-latency decode path: NVRTC-compiled sources in cuda/, thin launchers here.
+
+Importing this package needs neither a GPU nor cuda.bindings; kernels compile on first use.
+"""
+
+from flint_sched.kernels._runtime import (KernelCompileError, KernelError, KernelLaunchError,
+                                          KernelRuntimeUnavailable, compile_kernel, compile_only)
+from flint_sched.kernels.linear import gate_up_silu, linear
+from flint_sched.kernels.moe import moe, moe_down, moe_gate_up, route, router_workspace
+from flint_sched.kernels.norm import fused_add_rms_norm, rms_norm
+from flint_sched.kernels.sampling import argmax_workspace, greedy
+
+# Compile-time variants the launchers pick from, and (source, entry point) of every kernel they
+# use; the CPU test compiles each variant and finds each entry point in its CUBIN.
+VARIANTS = {
+    "gemv.cu": ({"GEMV_WARPS": 4}, {"GEMV_WARPS": 8}, {"GEMV_WARPS": 16}),
+    "router.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),
+    "moe.cu": ({"MOE_GATE_UP_WARPS": 4}, {"MOE_GATE_UP_WARPS": 8}),
+}
+ENTRY_POINTS = (
+    ("rmsnorm.cu", "rmsnorm_bf16"),
+    ("gemv.cu", "gemv_bf16"), ("gemv.cu", "gemv_nvfp4"),
+    ("gemv.cu", "gate_up_bf16"), ("gemv.cu", "gate_up_nvfp4"),
+    ("router.cu", "router_topk"),
+    ("moe.cu", "moe_gate_up_bf16"), ("moe.cu", "moe_gate_up_nvfp4"),
+    ("moe.cu", "moe_down_bf16"), ("moe.cu", "moe_down_nvfp4"),
+    ("argmax.cu", "argmax_bf16"), ("argmax.cu", "argmax_f32"),
+)
+
+__all__ = [
+    "ENTRY_POINTS", "VARIANTS", "KernelCompileError", "KernelError", "KernelLaunchError", "KernelRuntimeUnavailable",
+    "argmax_workspace", "compile_kernel", "compile_only", "fused_add_rms_norm", "gate_up_silu", "greedy",
+    "linear", "moe", "moe_down", "moe_gate_up", "rms_norm", "route", "router_workspace",
+]

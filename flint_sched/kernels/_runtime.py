@@ -1,0 +1,430 @@
+"""NVRTC compilation, CUBIN caches and kernel launches: the only module that imports cuda.bindings.
+
+`cuda.bindings` is imported lazily, so importing this module needs neither the package nor a GPU.
+CUBINs are cached on disk under `envs.cache_dir() / "kernels"`, keyed by the source text (with
+every included header of ours), the options, the arch and the NVRTC version; compiled kernels are
+also cached in-process. Launches go to torch's current stream and never allocate or synchronize,
+so CUDA-graph capture records them (load each kernel once before capturing: `Kernel.load()`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from flint_sched import envs
+
+DEFAULT_ARCH = "sm_90a"
+MAX_STATIC_SHARED_BYTES = 48 * 1024
+_CACHE_FORMAT = "1"  # bump to invalidate every cached CUBIN
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+# Scalar kernel arguments must carry their C type: pass I32(n), F32(eps), ...
+I32 = ctypes.c_int32
+U32 = ctypes.c_uint32
+I64 = ctypes.c_int64
+U64 = ctypes.c_uint64
+F32 = ctypes.c_float
+_SCALAR_TYPES = (I32, U32, I64, U64, F32)
+_PTR = "ptr"
+
+
+class KernelError(RuntimeError):
+    """Base of the errors raised here."""
+
+
+class KernelRuntimeUnavailable(KernelError):
+    """cuda.bindings (NVRTC or the driver API) cannot be imported or used here."""
+
+
+class KernelCompileError(KernelError):
+    """NVRTC rejected a source; `log` holds the compiler's output."""
+
+    def __init__(self, source_name: str, log: str):
+        super().__init__(f"NVRTC failed to compile {source_name}:\n{log}")
+        self.source_name = source_name
+        self.log = log
+
+
+class KernelLaunchError(KernelError):
+    """A driver call for a named kernel failed (load, attribute or launch)."""
+
+
+# ---- lazy imports ---------------------------------------------------------------------------
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise KernelRuntimeUnavailable(f"cuda.bindings.nvrtc cannot be imported: {exc}") from exc
+    return nvrtc
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise KernelRuntimeUnavailable(f"cuda.bindings.driver cannot be imported: {exc}") from exc
+    return driver
+
+
+def nvrtc_available() -> tuple[bool, str]:
+    """(True, version) when NVRTC can be imported and answers, else (False, why)."""
+    try:
+        return True, ".".join(map(str, nvrtc_version()))
+    except Exception as exc:  # noqa: BLE001 - any failure means "not available", with its reason
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+def nvrtc_version() -> tuple[int, int]:
+    nvrtc = _nvrtc()
+    err, major, minor = nvrtc.nvrtcVersion()
+    _check_nvrtc(err, "nvrtcVersion")
+    return int(major), int(minor)
+
+
+def _check_nvrtc(err, what: str) -> None:
+    nvrtc = _nvrtc()
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise KernelError(f"{what} failed: {err!r}")
+
+
+# ---- sources, options, cache keys ------------------------------------------------------------
+
+
+def source_dir() -> Path:
+    """The folder of .cu/.cuh files (`cuda/` in the repo, `flint_sched/cuda/` when installed)."""
+    return Path(str(resources.files("flint_sched") / "cuda"))
+
+
+def cuda_include_dirs() -> list[str]:
+    """CUDA's own headers, for sources that include them (ours need none)."""
+    dirs: list[str] = []
+    try:
+        import cuda.pathfinder as pathfinder
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+        if found:
+            dirs.append(str(found))
+    except Exception:  # noqa: BLE001 - optional: fall back to the usual locations
+        pass
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and Path(root, "include", "cuda.h").exists() and str(Path(root, "include")) not in dirs:
+            dirs.append(str(Path(root, "include")))
+    return dirs[:1]
+
+
+def _local_headers(text: str, folder: Path, seen: dict[str, str]) -> dict[str, str]:
+    """Every `#include "x"` of ours reachable from text, name -> contents (for the cache key)."""
+    for name in _INCLUDE.findall(text):
+        path = folder / name
+        if name in seen or not path.exists():
+            continue
+        seen[name] = path.read_text()
+        _local_headers(seen[name], folder, seen)
+    return seen
+
+
+def current_arch() -> str:
+    """sm_XY of the current GPU (sm_90a on Hopper), or DEFAULT_ARCH without one."""
+    if not torch.cuda.is_available():
+        return DEFAULT_ARCH
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+
+
+def compile_options(arch: str, defines: Mapping[str, object] | None) -> list[str]:
+    # NOTE: no --use_fast_math: the router's top-k must reproduce torch's fp32 sigmoid ranking, and
+    # flushing subnormals would zero NVFP4 codes of magnitude 0.5 (bf16 subnormals, nvfp4.cuh).
+    # Kernels call fast intrinsics explicitly where their error is harmless.
+    opts = [f"--gpu-architecture={arch}", "-std=c++17", "-default-device", "-lineinfo",
+            f"-I{source_dir()}"]
+    opts += [f"-I{d}" for d in cuda_include_dirs()]
+    for name, value in sorted((defines or {}).items()):
+        opts.append(f"-D{name}" if value is None else f"-D{name}={value}")
+    return opts
+
+
+def _cache_key(source_name: str, text: str, options: Sequence[str], arch: str) -> str:
+    h = hashlib.sha256()
+    parts = [_CACHE_FORMAT, source_name, text, arch, ".".join(map(str, nvrtc_version()))]
+    for name, contents in sorted(_local_headers(text, source_dir(), {}).items()):
+        parts += [name, contents]
+    parts += [o for o in options if not o.startswith("-I")]  # paths vary by machine, not meaning
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _kernel_cache_dir() -> Path:
+    return envs.cache_dir() / "kernels"
+
+
+# ---- compilation -----------------------------------------------------------------------------
+
+_cubin_lock = threading.Lock()
+_cubins: dict[str, bytes] = {}
+
+
+def _nvrtc_compile(source_name: str, text: str, options: Sequence[str]) -> bytes:
+    nvrtc = _nvrtc()
+    err, prog = nvrtc.nvrtcCreateProgram(text.encode(), source_name.encode(), 0, [], [])
+    _check_nvrtc(err, "nvrtcCreateProgram")
+    try:
+        opts = [o.encode() for o in options]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise KernelCompileError(source_name, _program_log(prog))
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        _check_nvrtc(err, "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        _check_nvrtc(err, "nvrtcGetCUBIN")
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _program_log(prog) -> str:
+    nvrtc = _nvrtc()
+    err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS or size <= 1:
+        return "(no log)"
+    log = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    return log.rstrip(b"\0").decode(errors="replace")
+
+
+def compile_only(source_name: str, defines: Mapping[str, object] | None = None, arch: str = DEFAULT_ARCH,
+                 *, source_text: str | None = None) -> bytes:
+    """CUBIN bytes of cuda/<source_name> (or of `source_text` under that name); no GPU needed.
+
+    Cached on disk and in-process; raises KernelCompileError with NVRTC's log on failure.
+    """
+    text = source_text if source_text is not None else (source_dir() / source_name).read_text()
+    options = compile_options(arch, defines)
+    key = _cache_key(source_name, text, options, arch)
+    with _cubin_lock:
+        if key in _cubins:
+            return _cubins[key]
+    path = _kernel_cache_dir() / f"{Path(source_name).stem}-{arch}-{key[:24]}.cubin"
+    cubin = _read_cached(path)
+    if cubin is None:
+        cubin = _nvrtc_compile(source_name, text, options)
+        _write_cached(path, cubin)
+    with _cubin_lock:
+        _cubins[key] = cubin
+    return cubin
+
+
+def _read_cached(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _write_cached(path: Path, data: bytes) -> None:
+    """Atomic (temp file + rename); a cache that cannot be written is skipped, not an error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+_kernels_lock = threading.Lock()
+_kernels: dict[tuple, Kernel] = {}
+
+
+def compile_kernel(source_name: str, function_name: str, defines: Mapping[str, object] | None = None) -> Kernel:
+    """The kernel `function_name` (an extern "C" entry) of cuda/<source_name>, for the current GPU."""
+    arch = current_arch()
+    key = (source_name, function_name, tuple(sorted((defines or {}).items())), arch)
+    with _kernels_lock:
+        kernel = _kernels.get(key)
+    if kernel is None:
+        kernel = Kernel(function_name, compile_only(source_name, defines, arch))
+        with _kernels_lock:
+            kernel = _kernels.setdefault(key, kernel)
+    return kernel
+
+
+# ---- loading and launching -------------------------------------------------------------------
+
+_contexts: dict[int, object] = {}
+_modules: dict[tuple[int, int], object] = {}  # (device, id of cubin bytes) -> CUmodule
+_load_lock = threading.Lock()
+
+
+def _check(result, what: str, error=KernelError):
+    """Unpack a cuda.bindings result tuple, raising on any status but CUDA_SUCCESS."""
+    driver = _driver()
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise error(f"{what}: {name.decode() if isinstance(name, bytes) else err!r}")
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def _ensure_context(device: int) -> None:
+    """Make the device's primary context (the one torch uses) current on this thread."""
+    driver = _driver()
+    if device not in _contexts:
+        torch.cuda.init()
+        _check(driver.cuInit(0), "cuInit")
+        dev = _check(driver.cuDeviceGet(device), "cuDeviceGet")
+        _contexts[device] = _check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    ctx = _contexts[device]
+    current = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if int(current) != int(ctx):
+        _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+class _ArgPack:
+    """Prebuilt kernelParams for one argument signature: a void*[] of pointers to ctypes slots."""
+
+    __slots__ = ("slots", "array", "address")
+
+    def __init__(self, kinds: tuple):
+        self.slots = [ctypes.c_uint64() if kind is _PTR else kind() for kind in kinds]
+        self.array = (ctypes.c_void_p * max(1, len(kinds)))(*[ctypes.addressof(s) for s in self.slots])
+        self.address = ctypes.addressof(self.array)
+
+    def fill(self, args: Sequence) -> int:
+        for slot, arg in zip(self.slots, args):
+            if arg is None:
+                slot.value = 0
+            elif isinstance(arg, torch.Tensor):
+                slot.value = arg.data_ptr()
+            else:
+                slot.value = arg.value
+        return self.address
+
+
+def _kind(arg):
+    if arg is None or isinstance(arg, torch.Tensor):
+        return _PTR
+    if type(arg) in _SCALAR_TYPES:
+        return type(arg)
+    raise TypeError(f"kernel argument {arg!r}: pass tensors, None (null pointer) or a typed scalar "
+                    "(I32, U32, I64, U64, F32)")
+
+
+class Kernel:
+    """One extern "C" entry point of a compiled CUBIN; loaded per device on first use.
+
+    Not thread-safe per instance (argument slots are reused): launch from one thread.
+    """
+
+    def __init__(self, name: str, cubin: bytes):
+        self.name = name
+        self.cubin = cubin
+        self._functions: dict[int, object] = {}
+        self._dynamic_shared: dict[int, int] = {}
+        self._packs: dict[tuple, _ArgPack] = {}
+        self._streams: dict[int, object] = {}
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r})"
+
+    def load(self, device: int | None = None):
+        """Load the module into `device` (default: current) and return the CUfunction."""
+        device = torch.cuda.current_device() if device is None else device
+        function = self._functions.get(device)
+        if function is not None:
+            return function
+        driver = _driver()
+        with _load_lock:
+            _ensure_context(device)
+            key = (device, id(self.cubin))
+            module = _modules.get(key)
+            if module is None:
+                module = _check(driver.cuModuleLoadData(self.cubin), f"cuModuleLoadData for {self.name}",
+                                KernelLaunchError)
+                _modules[key] = module
+            function = _check(driver.cuModuleGetFunction(module, self.name.encode()),
+                              f"cuModuleGetFunction({self.name})", KernelLaunchError)
+            self._functions[device] = function
+        return function
+
+    def _allow_dynamic_shared(self, device: int, function, shared_bytes: int) -> None:
+        if shared_bytes <= max(MAX_STATIC_SHARED_BYTES, self._dynamic_shared.get(device, 0)):
+            return
+        driver = _driver()
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check(driver.cuFuncSetAttribute(function, attr, shared_bytes),
+               f"{self.name}: dynamic shared memory of {shared_bytes} bytes", KernelLaunchError)
+        self._dynamic_shared[device] = shared_bytes
+
+    def _stream(self, handle: int):
+        stream = self._streams.get(handle)
+        if stream is None:
+            stream = self._streams[handle] = _driver().CUstream(handle)
+        return stream
+
+    def launch(self, grid: Sequence[int], block: Sequence[int], args: Sequence, shared_bytes: int = 0,
+               stream: torch.cuda.Stream | int | None = None, pdl: bool = False,
+               device: int | None = None) -> None:
+        """Launch on `stream` (default: torch's current stream of `device`).
+
+        args: tensors (their data_ptr), None (a null pointer) or typed scalars (I32(...), F32(...)).
+        pdl: programmatic dependent launch (the kernel may start before its predecessor ends and
+        must call griddepcontrol.wait before touching that predecessor's outputs).
+        """
+        device = torch.cuda.current_device() if device is None else device
+        function = self._functions.get(device)
+        if function is None:
+            function = self.load(device)
+        if shared_bytes:
+            self._allow_dynamic_shared(device, function, shared_bytes)
+        kinds = tuple(map(_kind, args))
+        pack = self._packs.get(kinds)
+        if pack is None:
+            pack = self._packs[kinds] = _ArgPack(kinds)
+        params = pack.fill(args)
+        if stream is None:
+            handle = torch.cuda.current_stream(device).cuda_stream
+        elif isinstance(stream, int):
+            handle = stream
+        else:
+            handle = stream.cuda_stream
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        bx, by, bz = (tuple(block) + (1, 1))[:3]
+        driver = _driver()
+        if pdl:
+            result = driver.cuLaunchKernelEx(self._pdl_config(gx, gy, gz, bx, by, bz, shared_bytes, handle),
+                                             function, params, 0)
+        else:
+            result = driver.cuLaunchKernel(function, gx, gy, gz, bx, by, bz, shared_bytes,
+                                           self._stream(handle), params, 0)
+        _check(result, f"launch of {self.name} (grid {gx}x{gy}x{gz}, block {bx}x{by}x{bz}, "
+                       f"{shared_bytes} B dynamic shared)", KernelLaunchError)
+
+    def _pdl_config(self, gx, gy, gz, bx, by, bz, shared_bytes, handle):
+        driver = _driver()
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
+        config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
+        config.sharedMemBytes = shared_bytes
+        config.hStream = self._stream(handle)
+        config.attrs = [attr]
+        config.numAttrs = 1
+        return config

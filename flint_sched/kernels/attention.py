@@ -1,0 +1,215 @@
+"""Decode attention on the paged KV layout: Q/K norm + RoPE + KV write, then split-KV attention with sinks.
+
+One new token per request, B <= 64; head dim 128 and 8 query heads per KV head (H = 8 G) are
+fixed by cuda/qk_norm_rope_kv.cu and cuda/decode_attention.cu. Pools are one layer's K or V view
+of executor/kv_cache.py, bf16 contiguous: `full[i, 0]` [num_blocks, block_size, G, 128] or
+`ring[i, 0]` [num_slots, window, G, 128]. Splits depend only on (batch, a host-side bound on the
+context), so a CUDA graph captured for a bound stays valid while the device-side seq_lens grow.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
+from flint_sched.kernels.linear import check_tensor
+
+HEAD_DIM = 128
+GROUP = 8                    # query heads per KV head
+MAX_BATCH = 64
+MAX_KV_HEADS = 8
+NORM_WARPS = 8               # cuda/qk_norm_rope_kv.cu QKN_WARPS: heads per CTA
+ATTN_THREADS = 128           # cuda/decode_attention.cu: 4 warps ...
+ATTN_SMEM_BYTES = 4 * 3 * 2 * 16 * HEAD_DIM * 2   # ... x 3 stages x (K + V) x 16 keys x 256 B = 96 KiB
+MIN_SPLIT_KEYS = 64          # cuda/decode_attention.cu ATTN_MIN_SPLIT_KEYS
+MAX_SPLITS = 128
+# NOTE: 96 KiB of shared memory per CTA lets two CTAs share an SM (228 KiB); a grid of
+# 132 x 2 CTAs is one full wave with ~32 loads of 16 B in flight per warp.
+TARGET_CTAS = 132 * 2
+TICKET_SLOTS = MAX_BATCH * MAX_KV_HEADS          # u32 tickets at the start of the workspace
+PARTIAL_FLOATS = GROUP * HEAD_DIM + 2 * GROUP    # o[8][128], m[8], l[8] per (request, kv head, split)
+LOG2E = 1.4426950408889634
+
+
+@functools.cache
+def _kernel(source: str, name: str) -> Kernel:
+    return compile_kernel(source, name)
+
+
+def decode_splits(batch: int, max_keys: int, kv_heads: int = 4) -> int:
+    """Splits per (request, KV head): fill one wave of TARGET_CTAS, >= MIN_SPLIT_KEYS keys each.
+
+    max_keys is a host-side bound (the longest context the launch, or graph, must serve; the
+    window for sliding layers); shorter requests use fewer splits on the device.
+    """
+    by_grid = max(1, TARGET_CTAS // (batch * kv_heads))
+    by_keys = max(1, -(-max_keys // MIN_SPLIT_KEYS))
+    return min(by_grid, by_keys, MAX_SPLITS)
+
+
+def workspace_partials(max_batch: int = MAX_BATCH, kv_heads: int = 4) -> int:
+    """Partial slots any `decode_splits` choice needs: batch * kv_heads * splits <= this."""
+    return max(TARGET_CTAS, max_batch * kv_heads)
+
+
+def attention_workspace(device: torch.device | str, max_batch: int = MAX_BATCH, kv_heads: int = 4) -> torch.Tensor:
+    """fp32 scratch, zeroed: TICKET_SLOTS u32 tickets (kept zero between launches), then partials.
+
+    Size: 4 * (512 + workspace_partials * 1040) bytes (1.1 MB for Flint). One per stream.
+    """
+    return torch.zeros(TICKET_SLOTS + workspace_partials(max_batch, kv_heads) * PARTIAL_FLOATS,
+                       dtype=torch.float32, device=device)
+
+
+# ---- Q/K norm + RoPE + KV write ---------------------------------------------------------------
+
+
+def qk_norm_rope_kv_full(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                         positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, eps: float, q_out: torch.Tensor | None = None,
+                         pdl: bool = False) -> torch.Tensor:
+    """Full layer (no RoPE): q_out [B, H, 128] = rms_norm(q); K/V rows of positions[b] via block_tables.
+
+    positions int32 [B] (< 0: padding, nothing written); block_tables int32 [B, max_blocks].
+    """
+    b = _check_tables(block_tables, qkv)
+    return _norm_rope_kv(qkv, q_norm_weight, k_norm_weight, positions, k_cache, v_cache, block_tables,
+                         block_tables.shape[1], None, eps, 0.0, q_out, pdl, b)
+
+
+def qk_norm_rope_kv_sliding(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                            positions: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
+                            ring_slots: torch.Tensor, eps: float, rope_theta: float,
+                            q_out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """Sliding layer: q_out = rope(rms_norm(q)); K/V at row positions[b] % window of ring_slots[b]."""
+    if not rope_theta > 0:
+        raise ValueError(f"rope_theta must be positive, got {rope_theta}")
+    if float(F32(rope_theta).value) != float(rope_theta):
+        raise ValueError(f"rope_theta {rope_theta} is not exactly representable in fp32 (the kernel's argument)")
+    b = qkv.shape[0] if isinstance(qkv, torch.Tensor) and qkv.dim() == 2 else -1
+    check_tensor(ring_slots, "ring_slots", torch.int32, (b,), qkv.device, 4)
+    return _norm_rope_kv(qkv, q_norm_weight, k_norm_weight, positions, k_ring, v_ring, None, 0, ring_slots,
+                         eps, rope_theta, q_out, pdl, b)
+
+
+def _norm_rope_kv(qkv, q_norm_weight, k_norm_weight, positions, k_pool, v_pool, block_tables, table_stride,
+                  ring_slots, eps, rope_theta, q_out, pdl, b) -> torch.Tensor:
+    g = _check_pools(k_pool, v_pool)
+    h = GROUP * g
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 2 or not qkv.is_cuda:
+        raise ValueError("qkv must be a CUDA tensor [B, (H + 2G) * 128]")
+    if not 1 <= b <= MAX_BATCH:
+        raise ValueError(f"batch {b} outside 1..{MAX_BATCH}")
+    dev = qkv.device
+    check_tensor(qkv, "qkv", torch.bfloat16, (b, (h + 2 * g) * HEAD_DIM), dev)
+    check_tensor(q_norm_weight, "q_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
+    check_tensor(k_norm_weight, "k_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
+    check_tensor(positions, "positions", torch.int32, (b,), dev, 4)
+    if k_pool.device != dev:
+        raise ValueError(f"KV pools are on {k_pool.device}, expected {dev}")
+    if q_out is None:
+        q_out = torch.empty(b, h, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    check_tensor(q_out, "q_out", torch.bfloat16, (b, h, HEAD_DIM), dev)
+    grid = (b, -(-(h + 2 * g) // NORM_WARPS))
+    _kernel("qk_norm_rope_kv.cu", "qk_norm_rope_kv_bf16").launch(
+        grid, (NORM_WARPS * 32,),
+        [q_out, k_pool, v_pool, qkv, q_norm_weight, k_norm_weight, positions, block_tables, I32(table_stride),
+         ring_slots, I32(k_pool.shape[1]), I32(h), I32(g), F32(eps), F32(rope_theta)],
+        pdl=pdl, device=dev.index)
+    return q_out
+
+
+# ---- split-KV attention ------------------------------------------------------------------------
+
+
+def decode_attention_full(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                          seq_lens: torch.Tensor, sinks: torch.Tensor, workspace: torch.Tensor, max_seq_len: int,
+                          out: torch.Tensor | None = None, num_splits: int | None = None,
+                          softmax_scale: float | None = None, pdl: bool = False) -> torch.Tensor:
+    """out [B, H, 128] = attention of q over keys 0 .. seq_lens[b]-1 read through block_tables.
+
+    seq_lens int32 [B] on the device (0: padding, output zeros), each <= max_seq_len, the host
+    bound that picks the splits. sinks [H] bf16 or fp32. workspace: `attention_workspace`.
+    """
+    b = _check_tables(block_tables, q)
+    if not 1 <= max_seq_len <= block_tables.shape[1] * k_cache.shape[1]:
+        raise ValueError(f"max_seq_len {max_seq_len} must be in 1..max_blocks * block_size")
+    return _attention(q, k_cache, v_cache, block_tables, block_tables.shape[1], None, 0, seq_lens, sinks,
+                      workspace, max_seq_len, out, num_splits, softmax_scale, pdl, b)
+
+
+def decode_attention_sliding(q: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor, ring_slots: torch.Tensor,
+                             seq_lens: torch.Tensor, sinks: torch.Tensor, workspace: torch.Tensor,
+                             out: torch.Tensor | None = None, num_splits: int | None = None,
+                             softmax_scale: float | None = None, pdl: bool = False) -> torch.Tensor:
+    """out = attention over the last min(seq_lens[b], window) positions, window = ring rows."""
+    b = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else -1
+    check_tensor(ring_slots, "ring_slots", torch.int32, (b,), q.device, 4)
+    window = k_ring.shape[1]
+    return _attention(q, k_ring, v_ring, None, 0, ring_slots, window, seq_lens, sinks, workspace, window, out,
+                      num_splits, softmax_scale, pdl, b)
+
+
+def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window, seq_lens, sinks, workspace,
+               max_keys, out, num_splits, softmax_scale, pdl, b) -> torch.Tensor:
+    g = _check_pools(k_pool, v_pool)
+    h = GROUP * g
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or not q.is_cuda:
+        raise ValueError("q must be a CUDA tensor [B, H, 128]")
+    if not 1 <= b <= MAX_BATCH:
+        raise ValueError(f"batch {b} outside 1..{MAX_BATCH}")
+    dev = q.device
+    check_tensor(q, "q", torch.bfloat16, (b, h, HEAD_DIM), dev)
+    check_tensor(seq_lens, "seq_lens", torch.int32, (b,), dev, 4)
+    if sinks.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"sinks must be bf16 or fp32, got {sinks.dtype}")
+    check_tensor(sinks, "sinks", sinks.dtype, (h,), dev, 4)
+    if k_pool.device != dev:
+        raise ValueError(f"KV pools are on {k_pool.device}, expected {dev}")
+    splits = decode_splits(b, max_keys, g) if num_splits is None else num_splits
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits {splits} outside 1..{MAX_SPLITS}")
+    need = TICKET_SLOTS + b * g * splits * PARTIAL_FLOATS
+    if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32 or workspace.numel() < need:
+        raise ValueError(f"workspace must be fp32 with >= {need} elements (attention_workspace)")
+    check_tensor(workspace, "workspace", torch.float32, tuple(workspace.shape), dev)
+    if out is None:
+        out = torch.empty(b, h, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    check_tensor(out, "out", torch.bfloat16, (b, h, HEAD_DIM), dev)
+    scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else softmax_scale
+    _kernel("decode_attention.cu", "decode_attention_bf16").launch(
+        (splits, g, b), (ATTN_THREADS,),
+        [out, q, k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window),
+         seq_lens, sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E), workspace,
+         workspace[TICKET_SLOTS:]],
+        shared_bytes=ATTN_SMEM_BYTES, pdl=pdl, device=dev.index)
+    return out
+
+
+# ---- checks ------------------------------------------------------------------------------------
+
+
+def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> int:
+    """KV heads G of a K/V pool pair [pages, page_rows, G, 128] bf16."""
+    if not isinstance(k_pool, torch.Tensor) or k_pool.dim() != 4 or k_pool.shape[-1] != HEAD_DIM:
+        raise ValueError(f"k pool must be [pages, rows, kv_heads, {HEAD_DIM}]")
+    g = k_pool.shape[2]
+    if not 1 <= g <= MAX_KV_HEADS:
+        raise ValueError(f"kv_heads {g} outside 1..{MAX_KV_HEADS}")
+    check_tensor(k_pool, "k pool", torch.bfloat16, tuple(k_pool.shape), k_pool.device)
+    check_tensor(v_pool, "v pool", torch.bfloat16, tuple(k_pool.shape), k_pool.device)
+    return g
+
+
+def _check_tables(block_tables: torch.Tensor, x: torch.Tensor) -> int:
+    """Batch size of x, checked against block_tables int32 [B, max_blocks]."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise ValueError("activations must be a CUDA tensor with a leading batch dimension")
+    b = x.shape[0]
+    if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2 or block_tables.shape[1] < 1:
+        raise ValueError("block_tables must be int32 [B, max_blocks]")
+    check_tensor(block_tables, "block_tables", torch.int32, (b, block_tables.shape[1]), x.device, 4)
+    return b

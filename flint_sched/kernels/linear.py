@@ -1,0 +1,145 @@
+"""Skinny GEMMs for decode (cuda/gemv.cu): y = x @ W^T (+ residual) and silu(x @ Wg^T) * (x @ Wu^T).
+
+x [B, K] bf16 contiguous with B <= 8; W bf16 [N, K] (K % 8 == 0) or an NVFP4Tensor (K % 64 == 0);
+outputs bf16. One CTA per 16 output rows (8 for gate/up: Wg and Wu stay separate tensors, their
+rows share one tile), whole K per CTA, 4-16 warps splitting K (`gemv_warps`). `out` may be
+`residual` (in-place add).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
+from flint_sched.quant.nvfp4 import NVFP4Tensor
+
+MAX_TOKENS = 8
+TILE_ROWS = 16
+K_STEP = {"bf16": 32, "nvfp4": 128}  # weights per row per warp k-step (cuda/gemv_tile.cuh)
+UNROLL = {"bf16": 8, "nvfp4": 4}     # k-steps a warp loads at once (cuda/gemv.cu)
+# NOTE: ~32 KB of loads in flight per SM keep HBM busy; one warp has 4-8 KB in flight, so aim
+# for ~16 resident warps per SM over the grid.
+TARGET_WARPS = 132 * 16
+
+Weight = torch.Tensor | NVFP4Tensor
+
+
+@functools.cache
+def _kernel(name: str, warps: int) -> Kernel:
+    return compile_kernel("gemv.cu", name, {"GEMV_WARPS": warps})
+
+
+def gemv_warps(tiles: int, k: int, fmt: str) -> int:
+    """Warps per CTA (4, 8 or 16): more while the grid is small or a warp would need a second
+    round of loads, never more than the k-steps (measured on the H200: benchmarks/bench_kernels.py)."""
+    steps = cdiv(k, K_STEP[fmt])
+    warps = 4
+    while (warps < 16 and 2 * warps <= steps
+           and (tiles * warps < TARGET_WARPS or steps > warps * UNROLL[fmt])):
+        warps *= 2
+    return warps
+
+
+def check_tensor(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...],
+                 device: torch.device, align: int = 16) -> None:
+    """Shape, dtype, device, contiguity and base alignment (bytes), with a message naming `name`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.data_ptr() % align:
+        raise ValueError(f"{name} must start at a {align}-byte aligned address")
+
+
+def check_activations(x: torch.Tensor, name: str = "x", max_tokens: int = MAX_TOKENS) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor [tokens, features]")
+    if not x.is_cuda:
+        raise ValueError(f"{name} must be on a CUDA device, got {x.device}")
+    if not 1 <= x.shape[0] <= max_tokens:
+        raise ValueError(f"{name} has {x.shape[0]} tokens; these kernels take 1..{max_tokens}")
+    check_tensor(x, name, torch.bfloat16, tuple(x.shape), x.device)
+
+
+def weight_args(w: Weight, name: str, shape: tuple[int, ...], device: torch.device,
+                num_scales: int = 1) -> list:
+    """Kernel arguments of a bf16 or NVFP4 weight [..., N, K], checked: [w] or [codes, scales, scale]."""
+    *lead, n, k = shape
+    if isinstance(w, NVFP4Tensor):
+        if k % 64:
+            raise ValueError(f"{name}: NVFP4 needs K % 64 == 0, got K = {k}")
+        check_tensor(w.codes, f"{name}.codes", torch.uint8, (*lead, n, k // 2), device)
+        check_tensor(w.block_scales, f"{name}.block_scales", torch.uint8, (*lead, n, k // 16), device, 2)
+        check_tensor(w.tensor_scale, f"{name}.tensor_scale", torch.float32, (num_scales,), device, 4)
+        return [w.codes, w.block_scales, w.tensor_scale]
+    if k % 8:
+        raise ValueError(f"{name}: bf16 weights need K % 8 == 0, got K = {k}")
+    check_tensor(w, name, torch.bfloat16, shape, device)
+    return [w]
+
+
+def weight_format(*weights: Weight | None) -> str:
+    """'nvfp4' or 'bf16'; every given weight must use the same one."""
+    kinds = {isinstance(w, NVFP4Tensor) for w in weights if w is not None}
+    if len(kinds) > 1:
+        raise ValueError("mixing NVFP4 and bf16 weights in one kernel is not supported")
+    return "nvfp4" if kinds == {True} else "bf16"
+
+
+def output(out: torch.Tensor | None, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=like.device)
+    check_tensor(out, name, torch.bfloat16, shape, like.device, 2)
+    return out
+
+
+def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
+           out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """y[B, N] = x @ W^T (+ residual), fp32 sums, one bf16 rounding."""
+    check_activations(x)
+    b, k = x.shape
+    n = weight.shape[0]
+    if tuple(weight.shape) != (n, k):
+        raise ValueError(f"weight must be [N, {k}], got {tuple(weight.shape)}")
+    w_args = weight_args(weight, "weight", (n, k), x.device)
+    if residual is not None:
+        check_tensor(residual, "residual", torch.bfloat16, (b, n), x.device, 2)
+    y = output(out, "out", (b, n), x)
+    fmt = weight_format(weight)
+    tiles = cdiv(n, TILE_ROWS)
+    warps = gemv_warps(tiles, k, fmt)
+    _kernel(f"gemv_{fmt}", warps).launch((tiles,), (32 * warps,),
+                                         [y, x, *w_args, residual, I32(b), I32(n), I32(k)],
+                                         pdl=pdl, device=x.device.index)
+    return y
+
+
+def gate_up_silu(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor | None = None,
+                 pdl: bool = False) -> torch.Tensor:
+    """h[B, I] = silu(x @ gate^T) * (x @ up^T); gate and up [I, K] in the same format."""
+    check_activations(x)
+    b, k = x.shape
+    i = gate.shape[0]
+    for name, w in (("gate", gate), ("up", up)):
+        if tuple(w.shape) != (i, k):
+            raise ValueError(f"{name} must be [{i}, {k}], got {tuple(w.shape)}")
+    fmt = weight_format(gate, up)
+    args = weight_args(gate, "gate", (i, k), x.device) + weight_args(up, "up", (i, k), x.device)
+    h = output(out, "out", (b, i), x)
+    tiles = cdiv(i, TILE_ROWS // 2)
+    warps = gemv_warps(tiles, k, fmt)
+    _kernel(f"gate_up_{fmt}", warps).launch((tiles,), (32 * warps,), [h, x, *args, I32(b), I32(i), I32(k)],
+                                            pdl=pdl, device=x.device.index)
+    return h
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

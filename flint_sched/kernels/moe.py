@@ -1,0 +1,153 @@
+"""Small-batch MoE for T <= 8 tokens (cuda/router.cu, cuda/moe.cu): router, gate/up, down.
+
+Expert ids stay on the GPU from the router to the expert kernels (no host sync). Experts are
+stacked [E, out, in] (bf16, or NVFP4Tensor with one tensor scale per expert); the shared expert
+is separate. h [T, A + 1, I] bf16 holds slot a's activation in h[:, a] and the shared expert's in
+h[:, A]. The router's workspace carries a ticket the kernel resets, so it can be reused and
+captured in a CUDA graph; pass one from `router_workspace` when capturing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
+from flint_sched.kernels.linear import (MAX_TOKENS, Weight, cdiv, check_activations, check_tensor, output,
+                                        weight_args, weight_format)
+
+MAX_PAIRS = 64            # T * A (cuda/moe.cu MOE_MAX_PAIRS)
+MAX_EXPERTS = 1024        # router: 32 experts per lane
+MAX_ROUTER_SPLITS = 8
+ROUTER_THREADS = 256
+GATE_UP_WARPS = {"bf16": 8, "nvfp4": 4}  # K = 2048: 8 resp. 4 k-steps per warp, one round of loads
+DOWN_THREADS = 512
+
+
+@functools.cache
+def _kernel(source: str, name: str, defines: tuple = ()) -> Kernel:
+    return compile_kernel(source, name, dict(defines))
+
+
+def router_workspace(num_experts: int, device: torch.device | str, max_tokens: int = MAX_TOKENS) -> torch.Tensor:
+    """fp32 scratch for partial logits plus the ticket (last element, zero)."""
+    return torch.zeros(MAX_ROUTER_SPLITS * max_tokens * num_experts + 1, dtype=torch.float32, device=device)
+
+
+def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
+          ids: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+          workspace: torch.Tensor | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids int32 [T, A], weights fp32 [T, A]) as `route()` in model/reference.py."""
+    check_activations(x)
+    t, k = x.shape
+    e = gate.shape[0]
+    if not 1 <= top_k <= min(e, 32):
+        raise ValueError(f"top_k must be in 1..min(num_experts, 32), got {top_k}")
+    if e > MAX_EXPERTS:
+        raise ValueError(f"at most {MAX_EXPERTS} experts, got {e}")
+    if k % 8:
+        raise ValueError(f"hidden size must be a multiple of 8, got {k}")
+    check_tensor(gate, "gate", torch.bfloat16, (e, k), x.device)
+    check_tensor(bias, "bias", torch.float32, (e,), x.device, 4)
+    ids = _out(ids, "ids", torch.int32, (t, top_k), x)
+    weights = _out(weights, "weights", torch.float32, (t, top_k), x)
+    if workspace is None:
+        workspace = router_workspace(e, x.device, t)
+    tiles = cdiv(e, 16)
+    steps = cdiv(k, 32)
+    splits = max(1, min(MAX_ROUTER_SPLITS, 128 // tiles, steps // 8))  # >= 1 k-step per warp
+    need = splits * t * e + 1
+    if workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != x.device:
+        raise ValueError(f"router workspace must be fp32 with >= {need} elements on {x.device}")
+    partial, ticket = workspace[: need - 1], workspace[workspace.numel() - 1:]
+    max_experts = 256 if e <= 256 else MAX_EXPERTS
+    _kernel("router.cu", "router_topk", (("ROUTER_MAX_EXPERTS", max_experts),)).launch(
+        (tiles, splits), (ROUTER_THREADS,),
+        [ids, weights, x, gate, bias, partial, ticket, I32(t), I32(e), I32(k), I32(top_k), F32(scaling)],
+        shared_bytes=t * e * 4, pdl=pdl, device=x.device.index)
+    return ids, weights
+
+
+def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: Weight, up: Weight,
+                shared_gate: Weight | None = None, shared_up: Weight | None = None,
+                out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """h [T, A + 1, I]: silu(x @ Wg_e^T) * (x @ Wu_e^T) for each chosen expert and the shared one."""
+    check_activations(x)
+    t, k = x.shape
+    num_experts, i = gate.shape[0], gate.shape[1]
+    a = _check_ids(ids, t, x.device)
+    fmt = weight_format(gate, up, shared_gate, shared_up)
+    stack = (num_experts, i, k)
+    args = (weight_args(gate, "gate", stack, x.device, num_experts)
+            + weight_args(up, "up", stack, x.device, num_experts))
+    has_shared = shared_gate is not None
+    if has_shared != (shared_up is not None):
+        raise ValueError("give both shared_gate and shared_up, or neither")
+    if has_shared:
+        args += weight_args(shared_gate, "shared_gate", (i, k), x.device)
+        args += weight_args(shared_up, "shared_up", (i, k), x.device)
+    else:
+        args += [None] * (6 if fmt == "nvfp4" else 2)
+    h = output(out, "out", (t, a + 1, i), x)
+    warps = GATE_UP_WARPS[fmt]
+    _kernel("moe.cu", f"moe_gate_up_{fmt}", (("MOE_GATE_UP_WARPS", warps),)).launch(
+        (cdiv(i, 8), t * a + int(has_shared)), (32 * warps,),
+        [h, x, ids, *args, I32(t), I32(a), I32(i), I32(k), I32(num_experts)], pdl=pdl, device=x.device.index)
+    return h
+
+
+def moe_down(h: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor, down: Weight,
+             shared_down: Weight | None = None, residual: torch.Tensor | None = None,
+             out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """y [T, H] = residual + sum_a w[:, a] * (h[:, a] @ Wd_e^T) + h[:, A] @ Wd_shared^T."""
+    if h.dim() != 3:
+        raise ValueError("h must be [T, A + 1, I]")
+    t, slots, i = h.shape
+    a = _check_ids(ids, t, h.device)
+    if slots != a + 1:
+        raise ValueError(f"h has {slots} slots, expected top_k + 1 = {a + 1}")
+    check_tensor(h, "h", torch.bfloat16, (t, slots, i), h.device)
+    check_tensor(routing_weights, "routing_weights", torch.float32, (t, a), h.device, 4)
+    num_experts, n = down.shape[0], down.shape[1]
+    fmt = weight_format(down, shared_down)
+    args = weight_args(down, "down", (num_experts, n, i), h.device, num_experts)
+    has_shared = shared_down is not None
+    args += (weight_args(shared_down, "shared_down", (n, i), h.device) if has_shared
+             else [None] * (3 if fmt == "nvfp4" else 1))
+    if residual is not None:
+        check_tensor(residual, "residual", torch.bfloat16, (t, n), h.device, 2)
+    y = output(out, "out", (t, n), h)
+    # MOE_GATE_UP_WARPS shapes moe_gate_up only: name a variant gate/up compiles anyway.
+    _kernel("moe.cu", f"moe_down_{fmt}", (("MOE_GATE_UP_WARPS", GATE_UP_WARPS[fmt]),)).launch(
+        (cdiv(n, 16),), (DOWN_THREADS,),
+        [y, h, ids, routing_weights, *args, I32(int(has_shared)), residual, I32(t), I32(a), I32(n), I32(i),
+         I32(num_experts)], pdl=pdl, device=h.device.index)
+    return y
+
+
+def moe(x: torch.Tensor, router_gate: torch.Tensor, router_bias: torch.Tensor, top_k: int, scaling: float,
+        gate: Weight, up: Weight, down: Weight, shared_gate: Weight | None = None,
+        shared_up: Weight | None = None, shared_down: Weight | None = None,
+        residual: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """Router + gate/up + down: the MoE block of one layer (three launches), plus `residual`."""
+    ids, weights = route(x, router_gate, router_bias, top_k, scaling, workspace=workspace)
+    h = moe_gate_up(x, ids, gate, up, shared_gate, shared_up)
+    return moe_down(h, ids, weights, down, shared_down, residual)
+
+
+def _check_ids(ids: torch.Tensor, num_tokens: int, device: torch.device) -> int:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != num_tokens:
+        raise ValueError(f"ids must be int32 [{num_tokens}, top_k]")
+    check_tensor(ids, "ids", torch.int32, tuple(ids.shape), device, 4)
+    if ids.numel() > MAX_PAIRS:
+        raise ValueError(f"tokens x top_k must be <= {MAX_PAIRS}, got {ids.numel()}")
+    return ids.shape[1]
+
+
+def _out(t: torch.Tensor | None, name: str, dtype: torch.dtype, shape: tuple[int, ...],
+         like: torch.Tensor) -> torch.Tensor:
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    check_tensor(t, name, dtype, shape, like.device, 4)
+    return t

@@ -1,0 +1,70 @@
+"""Token choice from logits (cuda/argmax.cu): greedy argmax now; temperature / top-p sampling
+will sit beside it with the same shape of API (logits [B, V] in, ids [B] out, no host sync).
+
+Exact torch.argmax semantics: ties and NaN go to the lowest index, NaN counts as the maximum.
+The workspace holds per-CTA candidates and a ticket that the kernel resets (graph-replayable).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flint_sched.kernels._runtime import I32, I64, Kernel, compile_kernel
+from flint_sched.kernels.linear import check_tensor
+
+THREADS = 256
+TARGET_CTAS = 264          # two waves' worth of CTAs on 132 SMs, over all rows
+MIN_CHUNK = 2048           # logits per CTA at least (one pass of 256 threads x 8 bf16)
+
+
+@functools.cache
+def _kernel(name: str) -> Kernel:
+    return compile_kernel("argmax.cu", name)
+
+
+def argmax_splits(batch: int, vocab: int) -> tuple[int, int]:
+    """(CTAs per row, logits per CTA, a multiple of 8)."""
+    splits = max(1, min(-(-TARGET_CTAS // batch), -(-vocab // MIN_CHUNK)))
+    chunk = -(-vocab // splits)
+    chunk = -(-chunk // 8) * 8
+    return -(-vocab // chunk), chunk
+
+
+def argmax_workspace(max_batch: int, vocab: int, device: torch.device | str) -> torch.Tensor:
+    """int64 scratch: one candidate per CTA, then the ticket (last element, zero)."""
+    need = max(b * argmax_splits(b, vocab)[0] for b in range(1, max_batch + 1))
+    return torch.zeros(need + 1, dtype=torch.int64, device=device)
+
+
+def greedy(logits: torch.Tensor, out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.int32,
+           workspace: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """ids [B] = argmax over the last dim of logits [B, V] (bf16 or fp32, unit stride along V)."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_cuda:
+        raise ValueError("logits must be a CUDA tensor [B, V]")
+    if logits.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"logits must be bf16 or fp32, got {logits.dtype}")
+    b, v = logits.shape
+    if b == 0 or v == 0 or logits.stride(1) != 1:
+        raise ValueError("logits must be non-empty with unit stride along the vocabulary")
+    if out is None:
+        out = torch.empty(b, dtype=out_dtype, device=logits.device)
+    if out.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"out must be int32 or int64, got {out.dtype}")
+    check_tensor(out, "out", out.dtype, (b,), logits.device, out.element_size())
+    splits, chunk = argmax_splits(b, v)
+    need = b * splits + 1
+    if workspace is None:
+        workspace = torch.zeros(need, dtype=torch.int64, device=logits.device)
+    if workspace.dtype != torch.int64 or workspace.numel() < need or workspace.device != logits.device:
+        raise ValueError(f"argmax workspace must be int64 with >= {need} elements on {logits.device}")
+    esize = logits.element_size()
+    vec_ok = logits.data_ptr() % 16 == 0 and (logits.stride(0) * esize) % 16 == 0
+    name = "argmax_bf16" if logits.dtype == torch.bfloat16 else "argmax_f32"
+    _kernel(name).launch(
+        (splits, b), (THREADS,),
+        [out, I32(out.dtype == torch.int64), logits, I64(logits.stride(0)), I32(v), I32(chunk), I32(vec_ok),
+         workspace, workspace[workspace.numel() - 1:]],
+        pdl=pdl, device=logits.device.index)
+    return out

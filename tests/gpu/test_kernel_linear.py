@@ -1,0 +1,179 @@
+"""Skinny GEMM kernels (cuda/gemv.cu) against fp32 torch on the same bf16 inputs / dequantized weights.
+
+Outputs are NaN-poisoned before each launch, so unwritten elements fail. The one-hot tests pick
+single weights out (y[b, n] = W[n, k_b]) and must match bit for bit: they pin the fragment
+layout and the NVFP4 decode (every nibble position, every scale byte) exactly.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flint_sched.kernels import gate_up_silu, linear
+from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize
+
+pytestmark = pytest.mark.gpu
+
+BF16_SHAPES = [(5120, 2048), (2048, 4096), (37, 200), (1000, 136), (130, 4104), (16, 8)]
+NVFP4_SHAPES = [(5120, 2048), (2048, 4096), (37, 192), (1000, 2112), (130, 64)]
+
+
+def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, what: str, rtol: float = 2.0**-7,
+                      rel_l2: float = 1e-2) -> None:
+    """bf16 output vs fp32 reference: no NaN, rel. L2 < rel_l2, |err| <= rtol|ref| + 1e-3 max|ref|."""
+    out, ref = out.float(), ref.float()
+    nan = torch.isnan(out)
+    assert not nan.any(), (f"{what}: {int(nan.sum())} of {nan.numel()} outputs NaN (unwritten?), "
+                           f"first at {nan.nonzero()[0].tolist()}")
+    rel = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+    assert rel < rel_l2, f"{what}: relative L2 error {rel:.3e}"
+    bound = rtol * ref.abs() + 1e-3 * float(ref.abs().max())
+    excess = (out - ref).abs() - bound
+    worst = int(excess.argmax())
+    index = list(torch.unravel_index(torch.tensor(worst), out.shape))
+    assert float(excess.flatten()[worst]) <= 0, (
+        f"{what}: max-abs bound exceeded at {[int(i) for i in index]}: out {float(out.flatten()[worst])}, "
+        f"ref {float(ref.flatten()[worst])}; {int((excess > 0).sum())} elements over")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def bf16_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    return (torch.randn(n, k, device="cuda", generator=gen(seed)) / k**0.5).bfloat16()
+
+
+def nvfp4_weight(n: int, k: int, seed: int) -> NVFP4Tensor:
+    return quantize(torch.randn(n, k, device="cuda", generator=gen(seed)) / k**0.5)
+
+
+def raw_nvfp4_weight(n: int, k: int, seed: int, tensor_scale: float = 0.75) -> NVFP4Tensor:
+    """Arbitrary bytes: every code, every scale byte (bit 7 set, 0x7F, subnormals)."""
+    g = gen(seed)
+    codes = torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 256, (n, k // 16), device="cuda", dtype=torch.uint8, generator=g)
+    return NVFP4Tensor(codes, scales, torch.tensor([tensor_scale], device="cuda"))
+
+
+def dense(w) -> torch.Tensor:
+    return w.dequantize(torch.float32) if isinstance(w, NVFP4Tensor) else w.float()
+
+
+def activations(b: int, k: int, seed: int) -> torch.Tensor:
+    return torch.randn(b, k, device="cuda", generator=gen(seed)).bfloat16()
+
+
+def poisoned(*shape: int) -> torch.Tensor:
+    return torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("n,k", BF16_SHAPES)
+@pytest.mark.parametrize("b", [1, 3, 8])
+def test_linear_bf16(b, n, k):
+    w, x = bf16_weight(n, k, seed=n + k), activations(b, k, seed=b)
+    y = linear(x, w, out=poisoned(b, n))
+    assert_close_bf16(y, x.float() @ w.float().t(), f"bf16 linear B={b} N={n} K={k}")
+
+
+@pytest.mark.parametrize("n,k", NVFP4_SHAPES)
+@pytest.mark.parametrize("b", [1, 3, 8])
+def test_linear_nvfp4(b, n, k):
+    w, x = nvfp4_weight(n, k, seed=n + k), activations(b, k, seed=b)
+    y = linear(x, w, out=poisoned(b, n))
+    assert_close_bf16(y, x.float() @ dense(w).t(), f"nvfp4 linear B={b} N={n} K={k}")
+
+
+@pytest.mark.parametrize("b", [1, 8])
+def test_linear_nvfp4_arbitrary_bytes(b):
+    w, x = raw_nvfp4_weight(300, 1024, seed=7), activations(b, 1024, seed=3)
+    y = linear(x, w, out=poisoned(b, 300))
+    assert_close_bf16(y, x.float() @ dense(w).t(), f"nvfp4 linear, random bytes, B={b}")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_one_hot_inputs_read_single_weights_exactly(fmt):
+    """x rows are one-hot at k_b, so y[b, n] = W[n, k_b]: exact in bf16 for both formats."""
+    n, k = 40, 256
+    w = raw_nvfp4_weight(n, k, seed=11, tensor_scale=1.0) if fmt == "nvfp4" else bf16_weight(n, k, seed=11)
+    wf = dense(w)
+    bad = []
+    for start in range(0, k, 8):
+        cols = torch.arange(start, start + 8, device="cuda")
+        x = torch.zeros(8, k, device="cuda", dtype=torch.bfloat16)
+        x[torch.arange(8), cols] = 1
+        y = linear(x, w, out=poisoned(8, n))
+        expected = wf[:, cols].t().bfloat16()
+        if not torch.equal(y, expected):
+            diff = (y.float() != expected.float()).nonzero()
+            bad.append((start, diff[:4].tolist()))
+    assert not bad, (f"{fmt}: weights read wrongly at k-blocks (start, [[token, row], ...]): {bad[:6]}; "
+                     "k mod 8 / mod 32 of the failures points at the fragment or nibble mapping")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("n,k", [(2048, 4096), (37, 192)])
+def test_linear_with_residual_in_place(fmt, n, k):
+    b = 3
+    w = nvfp4_weight(n, k, seed=5) if fmt == "nvfp4" else bf16_weight(n, k, seed=5)
+    x, residual = activations(b, k, seed=1), activations(b, n, seed=2)
+    ref = x.float() @ dense(w).t() + residual.float()
+    y = linear(x, w, residual=residual, out=residual)
+    assert y.data_ptr() == residual.data_ptr()
+    assert_close_bf16(y, ref, f"{fmt} linear + residual in place")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("i,k", [(10240, 2048), (512, 2048), (37, 192)])
+@pytest.mark.parametrize("b", [1, 3, 8])
+def test_gate_up_silu(fmt, b, i, k):
+    make = nvfp4_weight if fmt == "nvfp4" else bf16_weight
+    gate, up = make(i, k, seed=21), make(i, k, seed=22)
+    x = activations(b, k, seed=b + 10)
+    h = gate_up_silu(x, gate, up, out=poisoned(b, i))
+    xf = x.float()
+    ref = F.silu(xf @ dense(gate).t()) * (xf @ dense(up).t())
+    assert_close_bf16(h, ref, f"{fmt} gate_up_silu B={b} I={i} K={k}")
+
+
+def test_lm_head_shape():
+    n, k = 151552, 2048
+    w, x = bf16_weight(n, k, seed=3), activations(2, k, seed=4)
+    y = linear(x, w, out=poisoned(2, n))
+    assert_close_bf16(y, x.float() @ w.float().t(), "LM head")
+
+
+def test_cuda_graph_replay_and_pdl_chain():
+    """Launches are captured by a CUDA graph; PDL-chained launches see their predecessor's output."""
+    k, n = 2048, 2048
+    w1, w2 = bf16_weight(n, k, seed=31), nvfp4_weight(n, n, seed=32)
+    x = activations(4, k, seed=5)
+    y1, y2 = poisoned(4, n), poisoned(4, n)
+    linear(x, w1, out=y1, pdl=True)          # load the kernels before capture
+    linear(y1, w2, out=y2, pdl=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        linear(x, w1, out=y1, pdl=True)
+        linear(y1, w2, out=y2, pdl=True)
+    for seed in (6, 7):
+        x.copy_(activations(4, k, seed=seed))
+        y1.fill_(float("nan"))
+        y2.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref1 = x.float() @ w1.float().t()
+        assert_close_bf16(y1, ref1, f"graph replay, first linear (seed {seed})")
+        assert_close_bf16(y2, y1.float() @ dense(w2).t(), f"graph replay, PDL-dependent linear (seed {seed})")
+
+
+def test_rejects_bad_inputs():
+    w = bf16_weight(64, 64, seed=0)
+    with pytest.raises(ValueError):
+        linear(activations(9, 64, seed=0), w)                      # more than 8 tokens
+    with pytest.raises(ValueError):
+        linear(activations(2, 64, seed=0).float(), w)
+    with pytest.raises(ValueError):
+        linear(activations(2, 64, seed=0), nvfp4_weight(64, 64, seed=0).codes)  # uint8 is no weight
+    with pytest.raises(ValueError):
+        linear(activations(2, 96, seed=0), nvfp4_weight(64, 96 + 32, seed=0))

@@ -1,0 +1,247 @@
+"""Router and small-batch MoE kernels (cuda/router.cu, cuda/moe.cu) against model/reference.py.
+
+Expert kernels are checked against an fp32 reference built from the same ids (so router near-ties
+cannot blur an expert-kernel failure), then end to end against `FlintReference.moe`.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flint_sched.checkpoint.random_init import random_tensor
+from flint_sched.config import preset
+from flint_sched.kernels import moe, moe_down, moe_gate_up, route, router_workspace
+from flint_sched.model.reference import FlintReference
+from flint_sched.model.reference import route as reference_route
+from flint_sched.model.weights import tensor_specs
+from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize
+
+pytestmark = pytest.mark.gpu
+
+REAL = dict(experts=256, top_k=6, hidden=2048, inter=512)
+TINY = dict(experts=16, top_k=4, hidden=64, inter=64)
+SCALING = 2.5
+
+
+def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, what: str, rtol: float = 2.0**-6,
+                      rel_l2: float = 1e-2) -> None:
+    """bf16 output vs fp32 reference: no NaN, rel. L2 < rel_l2, |err| <= rtol|ref| + 1e-2 max|ref|."""
+    out, ref = out.float(), ref.float()
+    nan = torch.isnan(out)
+    assert not nan.any(), (f"{what}: {int(nan.sum())} of {nan.numel()} outputs NaN (unwritten?), "
+                           f"first at {nan.nonzero()[0].tolist()}")
+    rel = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+    assert rel < rel_l2, f"{what}: relative L2 error {rel:.3e}"
+    bound = rtol * ref.abs() + 1e-2 * float(ref.abs().max())
+    excess = (out - ref).abs() - bound
+    worst = int(excess.argmax())
+    index = [int(i) for i in torch.unravel_index(torch.tensor(worst), out.shape)]
+    assert float(excess.flatten()[worst]) <= 0, (
+        f"{what}: max-abs bound exceeded at {index}: out {float(out.flatten()[worst])}, "
+        f"ref {float(ref.flatten()[worst])}; {int((excess > 0).sum())} elements over")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def make_experts(fmt: str, experts: int, hidden: int, inter: int, seed: int = 0) -> dict:
+    """Stacked expert weights and the shared expert, bf16 or NVFP4 (one tensor scale per expert)."""
+    g = gen(seed)
+
+    def w(*shape):
+        x = torch.randn(*shape, device="cuda", generator=g) / shape[-1] ** 0.5
+        if fmt == "bf16":
+            return x.bfloat16()
+        return quantize(x, per_leading_scale=len(shape) == 3)
+
+    return dict(gate=w(experts, inter, hidden), up=w(experts, inter, hidden), down=w(experts, hidden, inter),
+                shared_gate=w(inter, hidden), shared_up=w(inter, hidden), shared_down=w(hidden, inter))
+
+
+def dense(w, ids=None) -> torch.Tensor:
+    if isinstance(w, NVFP4Tensor):
+        if ids is not None:
+            w = NVFP4Tensor(w.codes[ids], w.block_scales[ids], w.tensor_scale[ids])
+        return w.dequantize(torch.float32)
+    return (w[ids] if ids is not None else w).float()
+
+
+def distinct_ids(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
+    """Per token top_k distinct experts; tokens share some experts (token b+1 reuses two of b's)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]
+    for b in range(1, tokens):
+        shared = rows[b - 1][:2]
+        rest = [e for e in rows[b].tolist() if e not in shared.tolist()][: top_k - 2]
+        rows[b] = torch.tensor(shared.tolist() + rest)
+    return torch.stack(rows).int().cuda()
+
+
+def expert_reference(x, ids, weights, p, residual=None):
+    """h [T, A+1, I] and y [T, H] in fp32 from the same ids/weights (the kernels' contract)."""
+    xf = x.float()
+    t, a = ids.shape
+    gate, up, down = dense(p["gate"], ids.flatten().long()), dense(p["up"], ids.flatten().long()), \
+        dense(p["down"], ids.flatten().long())
+    inter = gate.shape[1]
+    h = torch.empty(t, a + 1, inter, device="cuda")
+    y = torch.zeros(t, down.shape[1], device="cuda")
+    for b in range(t):
+        for s in range(a):
+            j = b * a + s
+            h[b, s] = F.silu(gate[j] @ xf[b]) * (up[j] @ xf[b])
+            y[b] += weights[b, s] * (down[j] @ h[b, s].bfloat16().float())
+        h[b, a] = F.silu(dense(p["shared_gate"]) @ xf[b]) * (dense(p["shared_up"]) @ xf[b])
+        y[b] += dense(p["shared_down"]) @ h[b, a].bfloat16().float()
+    if residual is not None:
+        y += residual.float()
+    return h, y
+
+
+@pytest.fixture(scope="module", params=["bf16", "nvfp4"])
+def real_experts(request):
+    return request.param, make_experts(request.param, REAL["experts"], REAL["hidden"], REAL["inter"], seed=1)
+
+
+# ---- router ----------------------------------------------------------------------------------
+
+
+def check_router(x, gate, bias, top_k, ids, weights, what):
+    """Same chosen set per token as route() (a differing pair must be a near-tie), same weights."""
+    ref_ids, ref_w = reference_route(x.float(), gate.float(), bias, top_k, SCALING)
+    selection = torch.sigmoid(x.float() @ gate.float().t()) + bias
+    for b in range(x.shape[0]):
+        got, want = set(ids[b].tolist()), set(ref_ids[b].tolist())
+        for e_got, e_want in zip(sorted(got - want), sorted(want - got)):
+            gap = abs(float(selection[b, e_got] - selection[b, e_want]))
+            assert gap < 1e-5, (f"{what}: token {b} chose expert {e_got} instead of {e_want} "
+                                f"(selection values differ by {gap:.3e}, not a tie)")
+        if got == want:
+            mine = weights[b][[ids[b].tolist().index(e) for e in ref_ids[b].tolist()]]
+            torch.testing.assert_close(mine, ref_w[b], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{what}: token {b} weights: {m}")
+        assert len(got) == top_k, f"{what}: token {b} chose duplicate experts {ids[b].tolist()}"
+
+
+@pytest.mark.parametrize("shape", [REAL, TINY], ids=["real", "tiny"])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_router_matches_reference(tokens, shape):
+    e, k = shape["experts"], shape["hidden"]
+    g = gen(tokens)
+    x = torch.randn(tokens, k, device="cuda", generator=g).bfloat16()
+    gate = (torch.randn(e, k, device="cuda", generator=g) / k**0.5).bfloat16()
+    bias = 0.1 * torch.randn(e, device="cuda", generator=g)
+    workspace = router_workspace(e, "cuda")
+    ids = torch.full((tokens, shape["top_k"]), -1, dtype=torch.int32, device="cuda")
+    weights = torch.full((tokens, shape["top_k"]), float("nan"), device="cuda")
+    route(x, gate, bias, shape["top_k"], SCALING, ids=ids, weights=weights, workspace=workspace)
+    check_router(x, gate, bias, shape["top_k"], ids, weights, f"router T={tokens} E={e}")
+    again = route(x, gate, bias, shape["top_k"], SCALING, workspace=workspace)   # the ticket was reset
+    assert torch.equal(again[0], ids) and torch.equal(again[1], weights), "router is not deterministic"
+    assert workspace[-1:].view(torch.int32).item() == 0, "ticket not reset"
+
+
+# ---- experts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_moe_experts_real_shapes(real_experts, tokens):
+    fmt, p = real_experts
+    a, hidden, inter = REAL["top_k"], REAL["hidden"], REAL["inter"]
+    g = gen(100 + tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    residual = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    ids = distinct_ids(tokens, a, REAL["experts"], seed=tokens)
+    weights = torch.rand(tokens, a, device="cuda", generator=g)
+    h_ref, y_ref = expert_reference(x, ids, weights, p, residual)
+    h = moe_gate_up(x, ids, p["gate"], p["up"], p["shared_gate"], p["shared_up"],
+                    out=torch.full((tokens, a + 1, inter), float("nan"), device="cuda", dtype=torch.bfloat16))
+    assert_close_bf16(h, h_ref, f"{fmt} moe_gate_up T={tokens}", rtol=2.0**-7, rel_l2=5e-3)
+    y = moe_down(h, ids, weights, p["down"], p["shared_down"], residual=residual,
+                 out=torch.full((tokens, hidden), float("nan"), device="cuda", dtype=torch.bfloat16))
+    assert_close_bf16(y, y_ref, f"{fmt} moe_down T={tokens}")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_moe_experts_tiny_all_tokens_same_experts(fmt, tokens):
+    """Every token picks the same experts (one owner CTA per expert), no residual."""
+    a, hidden, inter = TINY["top_k"], TINY["hidden"], TINY["inter"]
+    p = make_experts(fmt, TINY["experts"], hidden, inter, seed=3)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen(5)).bfloat16()
+    ids = torch.tensor([[3, 0, 15, 7]], dtype=torch.int32, device="cuda").repeat(tokens, 1)
+    weights = torch.rand(tokens, a, device="cuda", generator=gen(6))
+    h_ref, y_ref = expert_reference(x, ids, weights, p)
+    h = moe_gate_up(x, ids, p["gate"], p["up"], p["shared_gate"], p["shared_up"])
+    y = moe_down(h, ids, weights, p["down"], p["shared_down"])
+    assert_close_bf16(h, h_ref, f"{fmt} tiny moe_gate_up", rtol=2.0**-7, rel_l2=5e-3)
+    assert_close_bf16(y, y_ref, f"{fmt} tiny moe_down")
+
+
+# ---- end to end against FlintReference.moe ---------------------------------------------------
+
+
+def tiny_moe_layer(fmt: str, config, layer: int) -> dict:
+    prefix = f"model.layers.{layer}.mlp."
+    weights = {}
+    for spec in tensor_specs(config):
+        if not spec.name.startswith(prefix):
+            continue
+        w = random_tensor(spec, config, seed=0).cuda()
+        if spec.fp32:
+            weights[spec.name] = w
+        elif fmt == "nvfp4" and spec.quantized:
+            weights[spec.name] = quantize(w, per_leading_scale=spec.stacked_experts)
+        else:
+            weights[spec.name] = w.bfloat16()
+    return weights
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_moe_matches_flint_reference(fmt, tokens):
+    config = dataclasses.replace(preset("flint-tiny"), n_routed_experts=32, num_experts_per_tok=6)
+    layer = config.first_k_dense_replace
+    weights = tiny_moe_layer(fmt, config, layer)
+    reference = FlintReference(config, weights, dtype=torch.float32, device="cuda")
+    p = f"model.layers.{layer}.mlp."
+    x = torch.randn(tokens, config.hidden_size, device="cuda", generator=gen(tokens)).bfloat16()
+    gate, bias = weights[p + "gate.weight"], weights[p + "gate.e_score_correction_bias"]
+    ids, _ = route(x, gate, bias, config.num_experts_per_tok, config.routed_scaling_factor)
+    ref_ids, _ = reference_route(x.float(), gate.float(), bias, config.num_experts_per_tok,
+                                 config.routed_scaling_factor)
+    assert [sorted(r) for r in ids.tolist()] == [sorted(r) for r in ref_ids.tolist()], \
+        "router chose other experts than route(); see test_router_matches_reference"
+    y = moe(x, gate, bias, config.num_experts_per_tok, config.routed_scaling_factor,
+            weights[p + "experts.gate_proj.weight"], weights[p + "experts.up_proj.weight"],
+            weights[p + "experts.down_proj.weight"], weights[p + "shared_experts.gate_proj.weight"],
+            weights[p + "shared_experts.up_proj.weight"], weights[p + "shared_experts.down_proj.weight"])
+    assert_close_bf16(y, reference.moe(layer, x.float()), f"{fmt} moe vs FlintReference.moe T={tokens}")
+
+
+def test_moe_in_a_cuda_graph_is_deterministic():
+    fmt, t = "nvfp4", 8
+    p = make_experts(fmt, REAL["experts"] // 4, REAL["hidden"], REAL["inter"], seed=9)
+    e, k = REAL["experts"] // 4, REAL["hidden"]
+    x = torch.randn(t, k, device="cuda", generator=gen(1)).bfloat16()
+    gate = (torch.randn(e, k, device="cuda", generator=gen(2)) / k**0.5).bfloat16()
+    bias = 0.1 * torch.randn(e, device="cuda", generator=gen(3))
+    workspace = router_workspace(e, "cuda")
+
+    def step():
+        return moe(x, gate, bias, REAL["top_k"], SCALING, p["gate"], p["up"], p["down"], p["shared_gate"],
+                   p["shared_up"], p["shared_down"], residual=x, workspace=workspace)
+
+    eager = step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), "graph replay differs from the eager run"

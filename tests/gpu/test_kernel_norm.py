@@ -1,0 +1,83 @@
+"""RMSNorm kernels (cuda/rmsnorm.cu) against `rms_norm` of model/reference.py, in fp32."""
+
+import pytest
+import torch
+
+from flint_sched.kernels import fused_add_rms_norm, rms_norm
+from flint_sched.model.reference import rms_norm as reference_rms_norm
+
+pytestmark = pytest.mark.gpu
+
+EPS = 1e-5
+
+
+def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """bf16 output vs fp32 reference: no NaN (unwritten), rel. L2 < 1e-2, |err| <= 2^-7|ref| + 1e-3 max|ref|."""
+    out, ref = out.float(), ref.float()
+    nan = torch.isnan(out)
+    assert not nan.any(), f"{what}: {int(nan.sum())} NaN outputs (unwritten?), first at {nan.nonzero()[0].tolist()}"
+    rel = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+    assert rel < 1e-2, f"{what}: relative L2 error {rel:.3e}"
+    bound = 2.0**-7 * ref.abs() + 1e-3 * float(ref.abs().max())
+    excess = (out - ref).abs() - bound
+    worst = int(excess.argmax())
+    assert float(excess.flatten()[worst]) <= 0, (
+        f"{what}: max-abs bound exceeded at flat index {worst}: out {float(out.flatten()[worst])}, "
+        f"ref {float(ref.flatten()[worst])}; {int((excess > 0).sum())} elements over")
+
+
+def inputs(tokens: int, hidden: int, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).mul_(3).bfloat16()
+    residual = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).bfloat16()
+    return x, residual, weight
+
+
+@pytest.mark.parametrize("hidden", [8, 64, 520, 2048, 8192])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_fused_add_rms_norm(tokens, hidden):
+    x, residual, weight = inputs(tokens, hidden)
+    out = torch.full_like(x, float("nan"))
+    residual_out = torch.full_like(x, float("nan"))
+    fused_add_rms_norm(x, residual, weight, EPS, out=out, residual_out=residual_out)
+    s = (x.float() + residual.float()).bfloat16()
+    assert torch.equal(residual_out, s), "residual_out must be the bf16 sum, bit for bit"
+    assert_close_bf16(out, reference_rms_norm(s.float(), weight.float(), EPS), "fused_add_rms_norm")
+
+
+@pytest.mark.parametrize("hidden", [64, 2048])
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_rms_norm(tokens, hidden):
+    x, _, weight = inputs(tokens, hidden, seed=1)
+    out = torch.full_like(x, float("nan"))
+    rms_norm(x, weight, EPS, out=out)
+    assert_close_bf16(out, reference_rms_norm(x.float(), weight.float(), EPS), "rms_norm")
+
+
+def test_in_place():
+    x, residual, weight = inputs(3, 2048, seed=2)
+    s = (x.float() + residual.float()).bfloat16()
+    ref = reference_rms_norm(s.float(), weight.float(), EPS)
+    fused_add_rms_norm(x, residual, weight, EPS, out=x, residual_out=residual)
+    assert torch.equal(residual, s)
+    assert_close_bf16(x, ref, "in-place fused_add_rms_norm")
+
+
+def test_many_rows_and_leading_dims():
+    x, residual, weight = inputs(4 * 37, 256, seed=3)
+    x, residual = x.view(4, 37, 256), residual.view(4, 37, 256)
+    out, residual_out = fused_add_rms_norm(x, residual, weight, EPS)
+    s = (x.float() + residual.float()).bfloat16()
+    assert torch.equal(residual_out, s)
+    assert_close_bf16(out, reference_rms_norm(s.float(), weight.float(), EPS), "[4, 37, 256] rows")
+
+
+def test_rejects_bad_shapes():
+    x, residual, weight = inputs(2, 64)
+    with pytest.raises(ValueError):
+        rms_norm(x[:, :60].contiguous(), weight[:60], EPS)   # H % 8 != 0
+    with pytest.raises(ValueError):
+        rms_norm(x.float(), weight, EPS)
+    with pytest.raises(ValueError):
+        fused_add_rms_norm(x, residual[:1], weight, EPS)

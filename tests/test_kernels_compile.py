@@ -1,0 +1,85 @@
+"""Every CUDA source compiles for sm_90a with NVRTC (no GPU needed), and the runtime's CPU paths."""
+
+import pytest
+
+from flint_sched.kernels import _runtime
+from flint_sched.kernels import ENTRY_POINTS, VARIANTS
+
+available, why = _runtime.nvrtc_available()
+pytestmark = pytest.mark.skipif(not available, reason=f"NVRTC cannot be imported: {why}")
+
+SOURCES = sorted(p.name for p in _runtime.source_dir().glob("*.cu"))
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """A fresh kernel cache per test, so every test really compiles."""
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
+    monkeypatch.setattr(_runtime, "_cubins", {})
+
+
+def test_sources_exist():
+    assert {"rmsnorm.cu", "gemv.cu", "moe.cu", "router.cu", "argmax.cu"} <= set(SOURCES)
+
+
+CASES = [(source, defines) for source in SOURCES for defines in VARIANTS.get(source, ({},))]
+
+
+@pytest.mark.parametrize("source,defines", CASES, ids=[f"{s}{d or ''}" for s, d in CASES])
+def test_source_compiles_for_sm90a(source, defines):
+    cubin = _runtime.compile_only(source, defines, arch="sm_90a")
+    assert cubin[:4] == b"\x7fELF"
+    for src, name in ENTRY_POINTS:
+        if src == source:
+            assert name.encode() in cubin, f"{source} {defines} lacks the entry point {name}"
+
+
+def test_every_entry_point_has_a_source():
+    assert {src for src, _ in ENTRY_POINTS} <= set(SOURCES)
+
+
+def test_compile_error_carries_the_log():
+    with pytest.raises(_runtime.KernelCompileError) as info:
+        _runtime.compile_only("broken.cu", source_text='extern "C" __global__ void k() { undeclared(); }\n')
+    assert "undeclared" in info.value.log
+    assert "broken.cu" in str(info.value)
+
+
+def test_disk_cache_is_keyed_by_headers_and_defines(tmp_path):
+    text = '#include "common.cuh"\nextern "C" __global__ void k(float* y) { *y = VALUE; }\n'
+    first = _runtime.compile_only("probe.cu", {"VALUE": "1.0f"}, source_text=text)
+    files = sorted((tmp_path / "kernels").glob("probe-*.cubin"))
+    assert len(files) == 1 and files[0].read_bytes() == first
+    _runtime._cubins.clear()
+    assert _runtime.compile_only("probe.cu", {"VALUE": "1.0f"}, source_text=text) == first  # from disk
+    _runtime.compile_only("probe.cu", {"VALUE": "2.0f"}, source_text=text)
+    assert len(list((tmp_path / "kernels").glob("probe-*.cubin"))) == 2
+
+
+def test_scalar_arguments_need_a_c_type():
+    with pytest.raises(TypeError, match="typed scalar"):
+        _runtime._kind(3)
+    assert _runtime._kind(_runtime.I32(3)) is _runtime.I32
+    assert _runtime._kind(None) == _runtime._PTR
+
+
+def test_arg_pack_points_at_its_slots():
+    import ctypes
+
+    import torch
+
+    pack = _runtime._ArgPack((_runtime._PTR, _runtime.I32, _runtime.F32))
+    address = pack.fill([None, _runtime.I32(-7), _runtime.F32(0.5)])
+    pointers = (ctypes.c_void_p * 3).from_address(address)
+    assert ctypes.c_uint64.from_address(pointers[0]).value == 0
+    assert ctypes.c_int32.from_address(pointers[1]).value == -7
+    assert ctypes.c_float.from_address(pointers[2]).value == 0.5
+    t = torch.zeros(4)
+    pack.fill([t, _runtime.I32(1), _runtime.F32(1.0)])
+    assert ctypes.c_uint64.from_address(pointers[0]).value == t.data_ptr()
+
+
+def test_importing_the_package_needs_no_gpu():
+    import flint_sched.kernels as kernels
+
+    assert callable(kernels.linear) and callable(kernels.greedy)
