@@ -1,0 +1,159 @@
+"""Prometheus metrics under the prefix `flint:`, with the names and meaning of vLLM's `vllm:` ones.
+
+Gauges and the preemption counter are read from the engine at scrape time, on the event loop. Token
+counters and latency histograms are fed by `observe` as outputs stream by. Queue time ends at the
+first step that runs the request: MeteredExecutor sees it in the step thread (a dict pop, a histogram).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from flint_sched.core.plan import StepPlan, StepResult
+from flint_sched.engine.outputs import RequestOutput
+
+PREFIX = "flint:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                     80.0, 160.0, 640.0)
+TOKEN_GAP_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+                       5.0, 10.0, 20.0)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+class EngineCollector:
+    """Scrape-time gauges of the engine's state: requests, KV blocks, ring slots, preemptions."""
+
+    def __init__(self, get_engine: Callable, model_name: str):
+        self.get_engine = get_engine
+        self.model_name = model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        engine = self.get_engine()
+        if engine is None:
+            return
+        scheduler = engine.scheduler
+        allocator = scheduler.kv_allocator
+        gauges = (
+            ("num_requests_running", "Number of requests in model execution batches.",
+             scheduler.num_running_requests),
+            ("num_requests_waiting", "Number of requests waiting to be processed.", scheduler.num_waiting_requests),
+            ("kv_cache_usage_perc", "KV-cache block usage (full-attention layers); 1 means 100 percent.",
+             allocator.block_usage),
+            ("ring_slot_usage_perc", "Sliding-window ring slot usage; 1 means 100 percent.",
+             allocator.ring_slot_usage),
+            ("num_kv_blocks_used", "KV-cache blocks in use.", allocator.num_used_blocks),
+            ("num_kv_blocks_total", "KV-cache blocks in the pool.", allocator.num_total_blocks),
+        )
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(value))
+            yield family
+        preemptions = CounterMetricFamily(PREFIX + "num_preemptions", "Cumulative number of preemptions.",
+                                          labels=["model_name"])
+        preemptions.add_metric([self.model_name], float(engine.num_preemptions))
+        yield preemptions
+
+
+class ServerMetrics:
+    """The app's own registry (several apps may live in one process, as in tests)."""
+
+    def __init__(self, model_name: str, get_engine: Callable):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(get_engine, model_name))
+        labels = {"labelnames": ["model_name"], "registry": self.registry}
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, **labels).labels(model_name)
+
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.",
+                                     **labels).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Number of generation tokens processed.",
+                                         **labels).labels(model_name)
+        self.request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
+                                       labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self.model_name = model_name
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Histogram of time to first token "
+                                             "in seconds.", LATENCY_BUCKETS_S)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Histogram of inter-token latency "
+                                             "in seconds.", TOKEN_GAP_BUCKETS_S)
+        self.e2e_latency = histogram("e2e_request_latency_seconds", "Histogram of end to end request latency "
+                                     "in seconds.", LATENCY_BUCKETS_S)
+        self.queue_time = histogram("request_queue_time_seconds", "Histogram of time spent waiting in the "
+                                    "queue in seconds.", LATENCY_BUCKETS_S)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed, "
+                                               "per request.", TOKEN_COUNT_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Number of generation tokens "
+                                                   "processed, per choice.", TOKEN_COUNT_BUCKETS)
+        self._unscheduled: dict[str, float] = {}       # request id -> arrival, until first scheduled
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def arrived(self, request_id: str) -> float:
+        now = time.perf_counter()
+        self._unscheduled[request_id] = now
+        return now
+
+    def forget(self, request_id: str) -> None:
+        self._unscheduled.pop(request_id, None)
+
+    def on_plan(self, plan: StepPlan) -> None:
+        """A request's first step ends its queue time (choices of `n` are `id#i` in the scheduler)."""
+        now = time.perf_counter()
+        for entry in plan.scheduled_requests:
+            arrival = self._unscheduled.pop(entry.request_id.split("#", 1)[0], None)
+            if arrival is not None:
+                self.queue_time.observe(now - arrival)
+
+    async def observe(self, stream: AsyncIterator[RequestOutput], arrival: float,
+                      num_prompt_tokens: int) -> AsyncIterator[RequestOutput]:
+        """Passes the outputs through, feeding the token counters and latency histograms."""
+        first_token_seen = False
+        last_token_time: dict[int, float] = {}
+        try:
+            async for out in stream:
+                now = time.perf_counter()
+                for choice in out.outputs:
+                    if not choice.delta_token_ids:
+                        continue
+                    self.generation_tokens.inc(len(choice.delta_token_ids))
+                    if choice.index in last_token_time:
+                        self.inter_token_latency.observe(now - last_token_time[choice.index])
+                    last_token_time[choice.index] = now
+                    if not first_token_seen:
+                        first_token_seen = True
+                        self.time_to_first_token.observe(now - arrival)
+                        self.prompt_tokens.inc(num_prompt_tokens)
+                        self.request_prompt_tokens.observe(num_prompt_tokens)
+                if out.finished:
+                    self._on_finished(out, now - arrival)
+                yield out
+        finally:
+            await stream.aclose()
+
+    def _on_finished(self, out: RequestOutput, latency_s: float) -> None:
+        self.e2e_latency.observe(latency_s)
+        for choice in out.outputs:
+            if choice.finish_reason != "abort":
+                self.request_success.labels(self.model_name, choice.finish_reason).inc()
+            self.request_generation_tokens.observe(len(choice.token_ids))
+
+
+class MeteredExecutor:
+    """An executor that reports each plan to `on_plan` before running it."""
+
+    def __init__(self, executor, on_plan: Callable[[StepPlan], None]):
+        self.executor = executor
+        self.on_plan = on_plan
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.on_plan(plan)
+        return self.executor.execute(plan)

@@ -1,0 +1,73 @@
+"""`GET /openapi.json`: an OpenAPI 3.1 document generated from the msgspec structs.
+
+Component schemas come from msgspec.json.schema_components over every request and response struct,
+so the document cannot drift from what the server decodes and encodes. Built once, then cached.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import msgspec
+
+from flint_sched import __version__
+from flint_sched.api.protocol import COMMON_SCHEMAS
+from flint_sched.api.protocol_chat import CHAT_SCHEMAS
+from flint_sched.api.protocol_completions import COMPLETION_SCHEMAS
+
+REF = "#/components/schemas/{name}"
+_ROUTES = (
+    # method, path, summary, request schema, response schema, streaming chunk schema
+    ("post", "/v1/chat/completions", "Create a chat completion", "ChatCompletionRequest",
+     "ChatCompletionResponse", "ChatCompletionChunk"),
+    ("post", "/v1/completions", "Create a completion", "CompletionRequest", "CompletionResponse",
+     "CompletionChunk"),
+    ("get", "/v1/models", "List the served models", None, "ModelList", None),
+    ("post", "/tokenize", "Text or messages to token ids", "TokenizeRequest", "TokenizeResponse", None),
+    ("post", "/detokenize", "Token ids to text", "DetokenizeRequest", "DetokenizeResponse", None),
+    ("get", "/version", "The server's version", None, "VersionResponse", None),
+)
+_ERRORS = {"400": "Bad request", "401": "Missing or wrong API key", "404": "Unknown model",
+           "413": "Request body too large", "503": "The engine is not running"}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": REF.format(name=name)}
+
+
+def _operation(summary: str, request: str | None, response: str, chunk: str | None) -> dict:
+    content = {"application/json": {"schema": _ref(response)}}
+    if chunk is not None:
+        content["text/event-stream"] = {"schema": {"type": "string", "description":
+                                        f"`data: <{chunk}>` events, then `data: [DONE]`"}}
+    operation = {"summary": summary, "responses": {"200": {"description": "OK", "content": content}}}
+    for status, description in _ERRORS.items():
+        operation["responses"][status] = {"description": description,
+                                          "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+    if request is not None:
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
+    return operation
+
+
+@lru_cache(maxsize=1)
+def openapi_document() -> bytes:
+    _, components = msgspec.json.schema_components(COMMON_SCHEMAS + CHAT_SCHEMAS + COMPLETION_SCHEMAS,
+                                                   ref_template=REF)
+    paths: dict[str, dict] = {}
+    for method, path, summary, request, response, chunk in _ROUTES:
+        paths.setdefault(path, {})[method] = _operation(summary, request, response, chunk)
+    plain = {"200": {"description": "OK"}}
+    paths["/health"] = {"get": {"summary": "200 while the engine runs, 503 once it has died",
+                                "responses": {**plain, "503": {"description": "The engine loop has died"}}}}
+    paths["/metrics"] = {"get": {"summary": "Prometheus metrics", "responses": {"200": {
+        "description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}}
+    paths["/openapi.json"] = {"get": {"summary": "This document", "responses": plain}}
+    document = {
+        "openapi": "3.1.0",
+        "info": {"title": "flint-sched", "version": __version__,
+                 "description": "An OpenAI-compatible server for the Flint model."},
+        "paths": paths,
+        "components": {"schemas": components,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }
+    return msgspec.json.encode(document)

@@ -1,0 +1,198 @@
+"""Request and response schemas shared by every route: errors, usage, models, tokenize, version.
+
+Every schema is a msgspec Struct: requests ignore unknown fields (as vLLM does) and are decoded with
+their types checked; responses omit only fields whose default is "absent". Chat and completions live
+in protocol_chat.py and protocol_completions.py; ALL_SCHEMAS feeds /openapi.json.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from flint_sched.sampling_params import SamplingParams
+
+
+class Schema(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The base of requests (converted to builtins, unset fields are left out) and of sparse replies
+    (stream deltas): a field equal to its default is not written."""
+
+
+class Reply(msgspec.Struct, kw_only=True):
+    """The base of responses: every field is written, null included."""
+
+
+class ErrorInfo(Reply, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Reply, kw_only=True):
+    error: ErrorInfo
+
+
+class Usage(Reply, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                 total_tokens=num_prompt_tokens + num_completion_tokens)
+
+
+class StreamOptions(Schema, kw_only=True):
+    include_usage: bool = False
+
+
+class ContentPart(Schema, kw_only=True):
+    """One part of a list `content`; only text parts reach the prompt."""
+
+    type: str
+    text: str | None = None
+
+
+class FunctionCallIn(Schema, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(Schema, kw_only=True):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(Schema, kw_only=True):
+    """A message of the conversation; `reasoning_content` or `reasoning` carry past reasoning."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDefinition(Schema, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(Schema, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+def tool_dicts(tools: list[ChatTool] | None) -> list[dict] | None:
+    """Tools as the OpenAI JSON objects the chat template and the parsers read."""
+    if tools is None:
+        return None
+    return [{"type": "function", "function": msgspec.to_builtins(tool.function)} for tool in tools]
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    return [msgspec.to_builtins(message) for message in messages]
+
+
+class ModelCard(Reply, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "flint-sched"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(Reply, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(Schema, kw_only=True):
+    """Either `prompt` (text) or `messages` (rendered with the chat template first)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(Reply, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Schema, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(Reply, kw_only=True):
+    prompt: str
+
+
+class VersionResponse(Reply, kw_only=True):
+    version: str
+
+
+MAX_N = 128
+MIN_LOGPROB = -9999.0        # JSON has no -inf; vLLM clamps the same way
+
+
+def sampling_params(request, *, max_tokens: int, logprobs: int | None, skip_special_tokens: bool) -> SamplingParams:
+    """The engine's SamplingParams from a chat or completions request (ValueError names the field)."""
+    if request.n > MAX_N:
+        raise ValueError(f"n must be <= {MAX_N}, got {request.n}")
+    stop = [request.stop] if isinstance(request.stop, str) else (request.stop or ())
+    return SamplingParams(
+        n=request.n,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=0 if request.top_k is None else request.top_k,
+        min_p=0.0 if request.min_p is None else request.min_p,
+        seed=request.seed,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        logit_bias=dict(request.logit_bias or {}),
+        logprobs=logprobs,
+        stop=tuple(stop),
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        min_tokens=request.min_tokens,
+        max_tokens=max_tokens,
+        ignore_eos=request.ignore_eos,
+        skip_special_tokens=skip_special_tokens,
+    )
+
+
+def token_text(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A token as logprobs show it: its text (special tokens included) and that text's UTF-8 bytes."""
+    text = tokenizer.decode([token_id])
+    return text, list(text.encode("utf-8"))
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def decode_request(body: bytes, schema: type[msgspec.Struct]) -> Any:
+    """The typed request; raises msgspec.DecodeError (or ValidationError) on bad input."""
+    return msgspec.json.decode(body, type=schema)
+
+
+COMMON_SCHEMAS = (ErrorResponse, ModelList, TokenizeRequest, TokenizeResponse, DetokenizeRequest,
+                  DetokenizeResponse, VersionResponse)

@@ -1,0 +1,149 @@
+"""`POST /v1/chat/completions`: the request, the response and the stream chunk, as OpenAI and vLLM
+shape them. The message's `content` and `reasoning` are always written (null included) and
+`tool_calls` only when non-empty; a stream delta carries only the fields it sets.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from flint_sched.api.protocol import ChatMessage, ChatTool, Reply, Schema, StreamOptions, Usage
+
+
+class NamedFunction(Schema, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Schema, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatCompletionRequest(Schema, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    model: str | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    user: str | None = None
+    include_reasoning: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+
+
+class FunctionCallOut(Reply, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Reply, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCallOut
+
+
+class ChatResponseMessage(Schema, kw_only=True):
+    role: str
+    content: str | None
+    reasoning: str | None
+    tool_calls: list[ToolCallOut] = msgspec.field(default_factory=list)
+
+
+class TopLogprob(Reply, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(Reply, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Reply, kw_only=True):
+    content: list[TokenLogprob] | None
+
+
+class ChatChoice(Reply, kw_only=True):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(Reply, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaFunctionCall(Schema, kw_only=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Schema, kw_only=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(Schema, kw_only=True):
+    role: str | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] = msgspec.field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.role is None and self.content is None and self.reasoning is None and not self.tool_calls
+
+
+class ChatStreamChoice(Reply, kw_only=True):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(Schema, kw_only=True):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+CHAT_SCHEMAS = (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk)

@@ -1,0 +1,78 @@
+"""`POST /v1/completions`: the request, the response and the stream chunk (object "text_completion").
+
+`prompt` is text, a list of texts, a list of token ids, or a list of such lists; one choice per
+(prompt, n) pair, indexed prompt_index * n + i as vLLM does. Chunks reuse the choice struct.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from flint_sched.api.protocol import Reply, Schema, StreamOptions, Usage
+
+Prompt = str | list[str | int | list[int]]
+
+
+class CompletionRequest(Schema, kw_only=True):
+    prompt: Prompt
+    model: str | None = None
+    best_of: int | None = None
+    echo: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionLogprobs(Reply, kw_only=True):
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class CompletionChoice(Reply, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(Reply, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(Schema, kw_only=True):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+COMPLETION_SCHEMAS = (CompletionRequest, CompletionResponse, CompletionChunk)

@@ -1,0 +1,333 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine_state, server_config)` and the uvicorn runner.
+
+The engine is made and started inside the app's lifespan (so on the server's event loop) and shut
+down with it. Every error leaves as OpenAI's error body; `/v1/*` needs the API key when one is set,
+every other route stays open. Request bodies are read up to `max_request_body_bytes` (else 413).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import logging
+import time
+from collections.abc import Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from flint_sched import __version__
+from flint_sched.api import errors
+from flint_sched.api.errors import error_response
+from flint_sched.api.metrics import CONTENT_TYPE, MeteredExecutor, ServerMetrics
+from flint_sched.api.openapi import openapi_document
+from flint_sched.api.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
+from flint_sched.api.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+    decode_request,
+    tool_dicts,
+)
+from flint_sched.api.serving_chat import create_chat_completion, render_messages
+from flint_sched.api.serving_completions import create_completion
+from flint_sched.api.tool_choice import ToolFlags
+from flint_sched.engine.builder import EngineParts, build_engine, build_parts
+from flint_sched.engine.config import EngineConfig
+from flint_sched.tokenizer import default_chat_template
+
+logger = logging.getLogger("flint_sched.api")
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the server listens and treats requests; validated when built, files already read."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ("flint-tiny",)
+    api_key: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
+    chat_template: str | None = None                 # the template text; None: the checkpoint's or ours
+    default_chat_template_kwargs: Mapping = field(default_factory=dict)
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or not all(self.served_model_names):
+            raise ValueError("served model names must be non-empty")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSER_NAMES:
+            raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; known: {TOOL_CALL_PARSER_NAMES}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSER_NAMES:
+            raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; known: {REASONING_PARSER_NAMES}")
+        if not isinstance(self.default_chat_template_kwargs, Mapping):
+            raise ValueError("default chat template kwargs must be a JSON object")
+        object.__setattr__(self, "default_chat_template_kwargs",
+                           MappingProxyType(dict(self.default_chat_template_kwargs)))
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+
+    @property
+    def tool_flags(self) -> ToolFlags:
+        return ToolFlags(self.enable_auto_tool_choice, self.tool_call_parser, self.exclude_tools_when_tool_choice_none)
+
+
+def resolve_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's text, or the value itself when it is an inline Jinja template."""
+    if value is None:
+        return None
+    if Path(value).is_file():
+        return Path(value).read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not an inline Jinja template")
+
+
+class EngineState:
+    """The parts an engine is built from (loaded before serving) and the engine once started."""
+
+    def __init__(self, parts: EngineParts, model_root: str):
+        self.parts = parts
+        self.model_root = model_root
+        self.tokenizer = parts.checkpoint.tokenizer
+        self.max_model_len = parts.scheduler_config.max_model_len
+        self.engine = None
+
+    def start(self, metrics: ServerMetrics) -> None:
+        metered = MeteredExecutor(self.parts.executor, metrics.on_plan)
+        self.engine = build_engine(dataclasses.replace(self.parts, executor=metered))
+        self.engine.start()
+
+    async def stop(self) -> None:
+        if self.engine is None:
+            return
+        try:
+            await self.engine.shutdown()
+        except Exception:                       # the loop died earlier; that was logged then
+            logger.warning("the engine loop had died before shutdown")
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.engine is not None and self.engine.is_running
+
+
+@dataclass
+class ServingContext:
+    """What every handler reads: the engine, the flags, the metrics, the chat template."""
+
+    state: EngineState
+    config: ServerConfig
+    metrics: ServerMetrics
+    chat_template: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def engine(self):
+        if not self.state.is_healthy:
+            engine = self.state.engine
+            raise errors.unavailable(repr(engine.dead_error) if engine is not None and engine.dead_error
+                                     else "the engine is not running")
+        return self.state.engine
+
+    @property
+    def tokenizer(self):
+        return self.state.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.state.max_model_len
+
+    def model_name(self, requested: str | None) -> str:
+        """The model a request names (None: the first served name); 404 for any other."""
+        if requested is None:
+            return self.config.served_model_names[0]
+        if requested not in self.config.served_model_names:
+            raise errors.model_not_found(requested)
+        return requested
+
+    def max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int:
+        """The completion budget: as requested, or what the context leaves (vLLM's default)."""
+        if requested is not None:
+            return requested
+        left = self.max_model_len - num_prompt_tokens
+        if left < 1:
+            raise errors.bad_request(f"this model's maximum context length is {self.max_model_len} tokens, but "
+                                     f"the prompt has {num_prompt_tokens}")
+        return left
+
+    @staticmethod
+    def decode(body: bytes, schema):
+        try:
+            return decode_request(body, schema)
+        except msgspec.DecodeError as error:
+            raise errors.invalid_json(error) from error
+
+
+async def read_body(request: Request, limit_bytes: int) -> bytes:
+    """The whole body, or 413 past `limit_bytes` (after draining a bounded rest, so the client
+    reads the answer instead of a reset connection)."""
+    declared = request.headers.get("content-length", "")
+    too_large = declared.isdigit() and int(declared) > limit_bytes
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit_bytes:
+            too_large = True
+        if too_large:
+            if size > 8 * limit_bytes + (64 << 20):
+                break
+            continue
+        chunks.append(chunk)
+    if too_large:
+        raise errors.body_too_large(limit_bytes)
+    return b"".join(chunks)
+
+
+def _post(handler):
+    async def endpoint(request: Request) -> Response:
+        ctx: ServingContext = request.app.state.ctx
+        return await handler(ctx, request, await read_body(request, ctx.config.max_request_body_bytes))
+    return endpoint
+
+
+def _get(handler):
+    async def endpoint(request: Request) -> Response:
+        return handler(request.app.state.ctx)
+    return endpoint
+
+
+def _json(payload) -> Response:
+    return Response(msgspec.json.encode(payload), media_type="application/json")
+
+
+def list_models(ctx: ServingContext) -> Response:
+    cards = [ModelCard(id=name, created=ctx.created, root=ctx.state.model_root, max_model_len=ctx.max_model_len)
+             for name in ctx.config.served_model_names]
+    return _json(ModelList(data=cards))
+
+
+async def tokenize(ctx: ServingContext, request: Request, body: bytes) -> Response:
+    """Text, or messages through the chat template, to token ids."""
+    req: TokenizeRequest = ctx.decode(body, TokenizeRequest)
+    ctx.model_name(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise errors.bad_request("give exactly one of `prompt` and `messages`", "prompt")
+    text = req.prompt
+    if req.messages is not None:
+        text = render_messages(ctx, req.messages, tool_dicts(req.tools), req.chat_template_kwargs,
+                               req.add_generation_prompt)
+    ids = ctx.tokenizer.encode(text)
+    strs = [ctx.tokenizer.decode([i]) for i in ids] if req.return_token_strs else None
+    return _json(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs))
+
+
+async def detokenize(ctx: ServingContext, request: Request, body: bytes) -> Response:
+    req: DetokenizeRequest = ctx.decode(body, DetokenizeRequest)
+    ctx.model_name(req.model)
+    vocab_size = ctx.state.parts.checkpoint.config.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise errors.bad_request(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "tokens")
+    return _json(DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens)))
+
+
+def health(ctx: ServingContext) -> Response:
+    return Response(status_code=200 if ctx.state.is_healthy else 503)
+
+
+def metrics(ctx: ServingContext) -> Response:
+    return Response(ctx.metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+def version(ctx: ServingContext) -> Response:
+    return _json(VersionResponse(version=__version__))
+
+
+def openapi(ctx: ServingContext) -> Response:
+    return Response(openapi_document(), media_type="application/json")
+
+
+class APIKeyMiddleware:
+    """401 on `/v1/*` without `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if self.expected is not None and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await error_response(errors.unauthorized(), {"www-authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine_state: EngineState, server_config: ServerConfig) -> Starlette:
+    """The Starlette app; its lifespan starts the engine on the serving loop and stops it after."""
+    metrics_ = ServerMetrics(server_config.served_model_names[0], lambda: engine_state.engine)
+    template = server_config.chat_template or engine_state.tokenizer.chat_template or default_chat_template()
+    ctx = ServingContext(engine_state, server_config, metrics_, template)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        engine_state.start(metrics_)
+        try:
+            yield
+        finally:
+            await engine_state.stop()
+
+    routes = [
+        Route("/v1/chat/completions", _post(create_chat_completion), methods=["POST"]),
+        Route("/v1/completions", _post(create_completion), methods=["POST"]),
+        Route("/v1/models", _get(list_models), methods=["GET"]),
+        Route("/tokenize", _post(tokenize), methods=["POST"]),
+        Route("/detokenize", _post(detokenize), methods=["POST"]),
+        Route("/health", _get(health), methods=["GET"]),
+        Route("/metrics", _get(metrics), methods=["GET"]),
+        Route("/version", _get(version), methods=["GET"]),
+        Route("/openapi.json", _get(openapi), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers=errors.EXCEPTION_HANDLERS, lifespan=lifespan)
+    app.state.ctx = ctx
+    app.add_middleware(APIKeyMiddleware, api_key=server_config.api_key)
+    return app
+
+
+def load_engine_state(engine_config: EngineConfig, scripted_executor: str | None = None) -> EngineState:
+    """Load the model (making flint-tiny into the cache on first use, with a progress bar); with a
+    script file, a ScriptedExecutor replays it instead of running the model (tests only)."""
+    parts = build_parts(engine_config, progress=True)
+    if scripted_executor is not None:
+        from flint_sched.api.scripted_executor import ScriptedExecutor
+
+        executor = ScriptedExecutor.from_file(scripted_executor, parts.checkpoint.tokenizer)
+        parts = dataclasses.replace(parts, executor=executor)
+    return EngineState(parts, str(engine_config.model or "flint-tiny"))
+
+
+def serve(engine_state: EngineState, server_config: ServerConfig) -> int:
+    """Serve until interrupted (uvicorn handles SIGINT / SIGTERM)."""
+    import uvicorn
+
+    app = build_app(engine_state, server_config)
+    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
+                timeout_graceful_shutdown=5)
+    return 0

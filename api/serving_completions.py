@@ -1,0 +1,212 @@
+"""`POST /v1/completions`: one engine request per prompt, n choices each, merged into one response.
+
+Choice i of prompt p has index p * n + i. `echo` puts the prompt text before the output (in the
+stream: as each choice's first chunk); `suffix` and echo together with logprobs are refused (400).
+`text_offset` counts characters of the tokens' texts from the start of the choice's output.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from flint_sched.api.errors import bad_request, from_value_error
+from flint_sched.api.protocol import MIN_LOGPROB, clamp_logprob, sampling_params, token_text, usage
+from flint_sched.api.protocol_completions import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from flint_sched.api.streaming import (
+    SSE_DONE,
+    ExchangeGuard,
+    SSEResponse,
+    engine_failed,
+    merge_streams,
+    sse_error,
+    sse_event,
+    until_disconnect,
+)
+from flint_sched.core.plan import TokenLogprobs
+from flint_sched.engine.outputs import CompletionOutput, EngineError, RequestOutput
+from flint_sched.sampling_params import MAX_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:
+    from flint_sched.api.server import ServingContext
+
+_REQUEST_FIELDS = CompletionRequest.__struct_fields__
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    token_ids: list[int]
+    text: str                       # for echo
+    params: SamplingParams
+
+
+def split_prompts(prompt) -> list[str | list[int]]:
+    """The prompts of a request: a text, texts, token ids, or lists of token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if prompt and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        return list(prompt)
+    raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                      "token ids, and not empty", "prompt")
+
+
+def check_supported(request: CompletionRequest) -> None:
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options can only be set when stream is true", "stream_options")
+    if request.suffix is not None:
+        raise bad_request("suffix is not supported by this model (it has no fill-in-the-middle format)", "suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise bad_request("best_of is not supported: leave it out, or equal to n", "best_of")
+    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+    if request.echo and request.logprobs is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute",
+                          "logprobs")
+
+
+def prepare_prompts(ctx: ServingContext, request: CompletionRequest) -> list[PreparedPrompt]:
+    check_supported(request)
+    prepared = []
+    for prompt in split_prompts(request.prompt):
+        ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        text = prompt if isinstance(prompt, str) else (ctx.tokenizer.decode(ids) if request.echo else "")
+        try:
+            params = sampling_params(request, max_tokens=ctx.max_tokens(request.max_tokens, len(ids)),
+                                     logprobs=request.logprobs, skip_special_tokens=request.skip_special_tokens)
+        except ValueError as error:
+            raise from_value_error(error, _REQUEST_FIELDS) from error
+        prepared.append(PreparedPrompt(ids, text, params))
+    return prepared
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprobs], start_offset: int) -> tuple[CompletionLogprobs, int]:
+    """The legacy logprobs shape; top_logprobs also holds the sampled token. Returns the next offset."""
+    tokens, values, tops, offsets = [], [], [], []
+    offset = start_offset
+    for entry in entries:
+        text, _ = token_text(tokenizer, entry.token_id)
+        top = {token_text(tokenizer, i)[0]: clamp_logprob(lp) for i, lp in entry.top}
+        top.setdefault(text, clamp_logprob(entry.logprob))
+        tokens.append(text)
+        values.append(max(entry.logprob, MIN_LOGPROB))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return CompletionLogprobs(text_offset=offsets, token_logprobs=values, tokens=tokens, top_logprobs=tops), offset
+
+
+def full_choice(ctx: ServingContext, index: int, prompt: PreparedPrompt, echo: bool,
+                out: CompletionOutput) -> CompletionChoice:
+    logprobs = None
+    if out.logprobs is not None:
+        logprobs, _ = completion_logprobs(ctx.tokenizer, out.logprobs, 0)
+    return CompletionChoice(index=index, text=(prompt.text if echo else "") + out.text, logprobs=logprobs,
+                            finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+
+
+@dataclass
+class Stream:
+    """What streaming needs besides the engine streams: the ids and the running offsets."""
+
+    ctx: ServingContext
+    request: CompletionRequest
+    request_id: str
+    created: int
+    model: str
+    prompts: list[PreparedPrompt]
+
+    def chunk(self, choices: list[CompletionChoice], usage_=None) -> bytes:
+        return sse_event(CompletionChunk(id=self.request_id, object="text_completion", created=self.created,
+                                         model=self.model, choices=choices, usage=usage_))
+
+
+async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[bytes]:
+    n = s.request.n
+    offsets = [0] * (n * len(s.prompts))
+    num_tokens = [0] * len(offsets)
+    finished = [False] * len(offsets)
+    if s.request.echo:
+        for index in range(len(offsets)):
+            text = s.prompts[index // n].text
+            yield s.chunk([CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None)])
+    try:
+        async for prompt_index, out in merge_streams(streams):
+            for output in out.outputs:
+                index = prompt_index * n + output.index
+                num_tokens[index] = len(output.token_ids)
+                if finished[index]:
+                    continue
+                finished[index] = output.finished
+                logprobs = None
+                if output.delta_logprobs:
+                    logprobs, offsets[index] = completion_logprobs(s.ctx.tokenizer, output.delta_logprobs,
+                                                                   offsets[index])
+                if output.delta_text or output.finished or logprobs is not None:
+                    yield s.chunk([CompletionChoice(index=index, text=output.delta_text, logprobs=logprobs,
+                                                    finish_reason=output.finish_reason,
+                                                    stop_reason=output.stop_reason)])
+    except EngineError as error:
+        yield sse_error(engine_failed(error))
+        yield SSE_DONE
+        return
+    options = s.request.stream_options
+    if options is not None and options.include_usage:
+        yield s.chunk([], usage(sum(len(p.token_ids) for p in s.prompts), sum(num_tokens)))
+    yield SSE_DONE
+
+
+async def final_outputs(streams: list[AsyncIterator[RequestOutput]], guard: ExchangeGuard) -> list | None:
+    """The final output of every prompt, in order (None when the client left first)."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async for prompt_index, out in until_disconnect(merge_streams(streams), guard.watcher):
+            if out.finished:
+                finals[prompt_index] = out
+    except EngineError as error:
+        raise engine_failed(error) from error
+    return None if any(f is None for f in finals) else finals
+
+
+async def create_completion(ctx: ServingContext, request: Request, body: bytes) -> Response:
+    completion = ctx.decode(body, CompletionRequest)
+    model = ctx.model_name(completion.model)
+    prompts = prepare_prompts(ctx, completion)
+    request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    guard = ExchangeGuard(ctx.engine, ctx.metrics, request.receive)
+    try:
+        streams = [guard.add(p.token_ids, p.params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+    except BaseException:
+        guard.close()
+        raise
+    if completion.stream:
+        events = completion_events(Stream(ctx, completion, request_id, created, model, prompts), streams)
+        return SSEResponse(events, guard)
+    try:
+        finals = await final_outputs(streams, guard)
+    finally:
+        guard.close()
+    if finals is None:
+        return Response(status_code=499)
+    n = completion.n
+    choices = [full_choice(ctx, p * n + out.index, prompts[p], completion.echo, out)
+               for p, final in enumerate(finals) for out in final.outputs]
+    num_prompt = sum(len(p.token_ids) for p in prompts)
+    num_completion = sum(len(out.token_ids) for final in finals for out in final.outputs)
+    response = CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                  usage=usage(num_prompt, num_completion))
+    return Response(msgspec.json.encode(response), media_type="application/json")
