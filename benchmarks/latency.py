@@ -20,6 +20,7 @@ import torch
 from flint_sched.checkpoint.make import dummy_checkpoint, resolve_device
 from flint_sched.config import preset
 from flint_sched.core.plan import ScheduledRequest, StepPlan
+from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.torch_executor import TorchExecutor
 from flint_sched.sampling_params import SamplingParams
@@ -44,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="flint", help="preset (weights are made with --load-format dummy)")
     p.add_argument("--weight-format", default="bf16", choices=("nvfp4", "bf16"))
     p.add_argument("--device", default="auto")
+    p.add_argument("--executor", default="torch", choices=("torch", "cuda"),
+                   help="cuda: our kernels from CUDA graphs for decode of <= 8 requests (torch for the rest)")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,64,256")
     p.add_argument("--contexts", default="1024,32768,102400")
     p.add_argument("--prefill-lens", default="1024,8192,102400")
@@ -89,7 +92,7 @@ def decode_plan(batch: int, context: int, blocks_per_request: int) -> StepPlan:
     return StepPlan(entries, batch, "low_latency" if batch <= 8 else "grouped", [], [])
 
 
-def run_decode(executor: TorchExecutor, args, batch: int, context: int, bandwidth: float) -> DecodeResult:
+def run_decode(executor, args, batch: int, context: int, bandwidth: float) -> DecodeResult:
     plan = decode_plan(batch, context, math.ceil((context + 1) / args.block_size))
     executor.execute(plan)                                          # warm-up
     times, deadline = [], time.perf_counter() + args.max_case_seconds
@@ -107,7 +110,7 @@ def run_decode(executor: TorchExecutor, args, batch: int, context: int, bandwidt
                         nbytes / step / 1e9, nbytes / step / 1e9 / bandwidth)
 
 
-def run_prefill(executor: TorchExecutor, args, length: int) -> float | None:
+def run_prefill(executor, args, length: int) -> float | None:
     """Prompt tokens per second for one prompt of `length` tokens, or None past the time limit."""
     chunk = args.max_num_batched_tokens
     table = list(range(math.ceil(length / args.block_size)))
@@ -132,18 +135,27 @@ def run(args: argparse.Namespace) -> int:
     ckpt = dummy_checkpoint(config, args.weight_format, args.seed, device)
     batches, contexts, prefills = _ints(args.batch_sizes), _ints(args.contexts), _ints(args.prefill_lens)
     max_seqs = max(batches)
-    executor = TorchExecutor(config, ckpt.weights, KVCache(config, 1, args.block_size, 1, dtype, device),
-                             ckpt.tokenizer.eos_token_ids, dtype, device, args.seed)
-    del ckpt                                   # the executor holds its own (dense) copy
+    placeholder = KVCache(config, 1, args.block_size, 1, dtype, device)
+    if args.executor == "cuda":
+        max_len = max(contexts + prefills) + 1
+        executor = CudaExecutor(config, ckpt.weights, placeholder, ckpt.tokenizer.eos_token_ids, max_len, device,
+                                args.seed)
+    else:
+        executor = TorchExecutor(config, ckpt.weights, placeholder, ckpt.tokenizer.eos_token_ids, dtype, device,
+                                 args.seed)
+    del ckpt                                   # the executor holds what it needs
     largest = max([b * math.ceil((c + 1) / args.block_size) for b in batches for c in contexts]
                   + [math.ceil(n / args.block_size) for n in prefills])
     fit = int((_budget(args, device) - max_seqs * KVCache.bytes_per_slot(config, dtype))
               // KVCache.bytes_per_block(config, args.block_size, dtype))
     num_blocks = min(largest, fit)
-    executor.kv = KVCache(config, num_blocks, args.block_size, max_seqs, dtype, device)
-    executor.kv.full.normal_()
-    executor.kv.ring.normal_()
-    print(f"device {device}, {args.weight_format} weights, KV pool {num_blocks} blocks of {args.block_size}, "
+    kv = KVCache(config, num_blocks, args.block_size, max_seqs, dtype, device)
+    kv.full.normal_()
+    kv.ring.normal_()
+    executor.kv = kv                           # the sized cache replaces the placeholder
+    if isinstance(executor, CudaExecutor):
+        executor.fallback.kv = kv
+    print(f"device {device}, {args.executor} executor, {args.weight_format} weights, KV pool {num_blocks} blocks of {args.block_size}, "
           f"bandwidth {bandwidth:.0f} GB/s")
     results, skipped = [], []
     for context in contexts:
@@ -165,10 +177,23 @@ def run(args: argparse.Namespace) -> int:
     if skipped:
         print("skipped (KV does not fit): " + ", ".join(f"B={b} C={c}" for b, c in skipped))
     if args.output_json:
+        settings = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+        report = {"args": settings, "bandwidth_gbps": bandwidth, "decode": [asdict(r) for r in results],
+                  "prefill_tokens_per_s": prefill, "skipped": skipped}
         with open(args.output_json, "w") as f:
-            json.dump({"args": vars(args), "bandwidth_gbps": bandwidth, "decode": [asdict(r) for r in results],
-                       "prefill_tokens_per_s": prefill, "skipped": skipped}, f, indent=2)
+            json.dump(_finite(report), f, indent=2)
     return 0
+
+
+def _finite(value):
+    """NaN (no bandwidth on a CPU) becomes null, so the file is strict JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _budget(args, device: torch.device) -> float:

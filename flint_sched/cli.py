@@ -52,6 +52,105 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from flint_sched.api.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="a .gguf file, a Hugging Face directory, or a preset (default: flint-tiny)")
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s; 0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) requests use for the model (default: MODEL)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--hf-config-path", default=None, help="config.json overriding the checkpoint's own")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (or its directory) overriding the checkpoint's")
+    p.add_argument("--load-format", default="auto", choices=("auto", "gguf", "safetensors", "dummy"))
+    p.add_argument("--weight-format", default="nvfp4", choices=("nvfp4", "bf16"),
+                   help="weights made by --load-format dummy")
+    p.add_argument("--device", default="auto", help="cpu, cuda, or auto (%(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSER_NAMES)
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_NAMES)
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help='leave tools out of the prompt when tool_choice is "none"')
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file, or the template itself")
+    p.add_argument("--default-chat-template-kwargs", type=_json_object, default={},
+                   help='JSON object of chat template kwargs, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="larger request bodies get 413 (default: 32 MiB)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    p.add_argument("--scripted-executor", default=None, help=argparse.SUPPRESS)   # tests: replay a script
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from flint_sched.api.server import (
+        DEFAULT_MAX_REQUEST_BODY_BYTES,
+        ServerConfig,
+        load_engine_state,
+        resolve_chat_template,
+        serve,
+    )
+    from flint_sched.engine.config import EngineConfig
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    model = args.model_tag or args.model
+    server_config = ServerConfig(
+        host=args.host, port=args.port,
+        served_model_names=tuple(args.served_model_name or [model or "flint-tiny"]),
+        api_key=args.api_key, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        chat_template=resolve_chat_template(args.chat_template),
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+        max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+        log_level=args.uvicorn_log_level)
+    engine_config = EngineConfig(
+        model=model, load_format=args.load_format, weight_format=args.weight_format,
+        hf_config_path=args.hf_config_path, tokenizer=args.tokenizer, device=args.device, seed=args.seed,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization)
+    return serve(load_engine_state(engine_config, args.scripted_executor), server_config)
+
+
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    from flint_sched.benchmarks.latency import run
+    return run(args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from flint_sched.benchmarks.serve.main import run
+    return run(args)
+
+
+def _add_bench_parsers(sub) -> None:
+    from flint_sched.benchmarks import latency
+    from flint_sched.benchmarks.serve import main as serve
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("latency", help="decode step time and prefill throughput of the engine, no HTTP")
+    latency.add_arguments(p)
+    p.set_defaults(func=cmd_bench_latency)
+    p = bench.add_parser("serve", help="load-test an OpenAI-compatible endpoint (as vllm bench serve)")
+    serve.add_arguments(p)
+    p.set_defaults(func=cmd_bench_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flint-sched", description="Serve the Flint model.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+    _add_bench_parsers(sub)
     return parser
 
 

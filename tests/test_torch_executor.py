@@ -28,10 +28,10 @@ class RecordingExecutor(TorchExecutor):
         self.paths.append(plan.path)
         return super().execute(plan)
 
-    def _sample(self, logits, entries):
+    def sample(self, logits, entries):
         for row, entry in zip(logits, entries):
             self.logits[(entry.request_id, entry.end_position - 1)] = row.clone()
-        return super()._sample(logits, entries)
+        return super().sample(logits, entries)
 
 
 def run_mix(config, weights, requests, num_blocks, block_size, budget, max_num_seqs, seed=0):

@@ -23,7 +23,7 @@ ACTIVATION_RESERVE_BYTES = 4 << 30   # GPU memory kept back for activations and 
 class EngineParts:
     checkpoint: Checkpoint
     scheduler_config: SchedulerConfig
-    executor: TorchExecutor
+    executor: object          # TorchExecutor or CudaExecutor: execute(StepPlan) -> StepResult
     device: torch.device
 
 
@@ -67,9 +67,24 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
         sliding_window=ckpt.config.sliding_window,
     )
     kv = KVCache(ckpt.config, num_blocks, config.block_size, config.max_num_seqs, dtype, device)
-    executor = TorchExecutor(ckpt.config, ckpt.weights, kv, ckpt.tokenizer.eos_token_ids, dtype, device,
-                             config.seed)
+    if _use_cuda_executor(config, ckpt, device, dtype):
+        from flint_sched.executor.cuda_executor import CudaExecutor
+        executor = CudaExecutor(ckpt.config, ckpt.weights, kv, ckpt.tokenizer.eos_token_ids, max_model_len,
+                                device, config.seed)
+    else:
+        executor = TorchExecutor(ckpt.config, ckpt.weights, kv, ckpt.tokenizer.eos_token_ids, dtype, device,
+                                 config.seed)
     return EngineParts(ckpt, scheduler_config, executor, device)
+
+
+def _use_cuda_executor(config: EngineConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> bool:
+    if config.executor == "torch":
+        return False
+    from flint_sched.executor.cuda_executor import supports
+    possible = device.type == "cuda" and dtype == torch.bfloat16 and supports(ckpt.config)
+    if config.executor == "cuda" and not possible:
+        raise ValueError("the CUDA executor needs a GPU, bfloat16, head_dim 128 and 8 query heads per KV head")
+    return possible
 
 
 def build_engine(parts: EngineParts) -> AsyncEngine:

@@ -23,6 +23,7 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 256 << 20
     num_kv_blocks: int | None = None         # overrides the memory-based sizing (tests)
     seed: int = 0
+    executor: str = "auto"                   # auto: cuda kernels on a GPU when the shapes allow, else torch
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "cpu_kv_cache_bytes"):
@@ -34,5 +35,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.executor not in ("auto", "torch", "cuda"):
+            raise ValueError(f"executor must be auto, torch or cuda, got {self.executor!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

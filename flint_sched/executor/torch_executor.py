@@ -45,10 +45,15 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: 
 
 class TorchExecutor:
     def __init__(self, config: FlintConfig, weights: Weights, kv_cache: KVCache, eos_token_ids: Collection[int],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0,
+                 dequantize_once: bool = True):
+        """`dequantize_once=False` keeps NVFP4 weights packed and dequantizes each one when used
+        (slower, but no second copy of the weights: the CUDA executor's fallback)."""
         self.config = config
         self.device = torch.device(device)
-        self.model = FlintReference(config, dense_weights(weights, dtype, self.device), dtype, self.device)
+        if dequantize_once:
+            weights = dense_weights(weights, dtype, self.device)
+        self.model = FlintReference(config, weights, dtype, self.device)
         self.kv = kv_cache
         self.eos_token_ids = frozenset(eos_token_ids)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -73,9 +78,10 @@ class TorchExecutor:
         last = x[ends[sampling]]
         logits = (rms_norm(last, m.w("model.norm.weight"), self.config.rms_norm_eps)
                   @ m.w("lm_head.weight").t()).float()
-        return self._sample(logits, [entries[n] for n in sampling])
+        return self.sample(logits, [entries[n] for n in sampling])
 
-    def _sample(self, logits: torch.Tensor, entries: list[ScheduledRequest]) -> StepResult:
+    def sample(self, logits: torch.Tensor, entries: list[ScheduledRequest]) -> StepResult:
+        """One token per entry from its fp32 logits row."""
         tokens, logprobs = {}, {}
         for row, entry in zip(logits, entries, strict=True):
             token, lp = sample_one(row, entry, self.eos_token_ids, self.generator)

@@ -23,13 +23,17 @@ MAX_BATCH = 64
 MAX_KV_HEADS = 8
 NORM_WARPS = 8               # cuda/qk_norm_rope_kv.cu QKN_WARPS: heads per CTA
 ATTN_THREADS = 128           # cuda/decode_attention.cu: 4 warps ...
-ATTN_SMEM_BYTES = 4 * 3 * 2 * 16 * HEAD_DIM * 2   # ... x 3 stages x (K + V) x 16 keys x 256 B = 96 KiB
+ATTN_SMEM_BYTES = 4 * 2 * 2 * 16 * (HEAD_DIM * 2 + 16)   # ... x 2 stages x (K + V) x 16 keys x 272 B = 68 KiB
 MIN_SPLIT_KEYS = 64          # cuda/decode_attention.cu ATTN_MIN_SPLIT_KEYS
 MAX_SPLITS = 128
-# NOTE: 96 KiB of shared memory per CTA lets two CTAs share an SM (228 KiB); a grid of
-# 132 x 2 CTAs is one full wave with ~32 loads of 16 B in flight per warp.
-TARGET_CTAS = 132 * 2
-TICKET_SLOTS = MAX_BATCH * MAX_KV_HEADS          # u32 tickets at the start of the workspace
+# NOTE: 68 KiB of shared memory and 142 registers per thread let three CTAs share an SM
+# (228 KiB, 64 K registers): a grid of 132 x 3 CTAs is one full wave. Measured on the H200,
+# three CTAs of 2 stages beat two of 3 stages: the per-warp tile loop is latency-bound.
+TARGET_CTAS = 132 * 3
+MERGE_GROUP = 16             # cuda/decode_attention.cu: splits per first-level merge
+# u32 tickets at the start of the workspace: one final ticket per (request, kv head), then one
+# per merge group of each (MAX_SPLITS / MERGE_GROUP = 8)
+TICKET_SLOTS = MAX_BATCH * MAX_KV_HEADS * (1 + MAX_SPLITS // MERGE_GROUP)
 PARTIAL_FLOATS = GROUP * HEAD_DIM + 2 * GROUP    # o[8][128], m[8], l[8] per (request, kv head, split)
 LOG2E = 1.4426950408889634
 
@@ -55,13 +59,17 @@ def workspace_partials(max_batch: int = MAX_BATCH, kv_heads: int = 4) -> int:
     return max(TARGET_CTAS, max_batch * kv_heads)
 
 
-def attention_workspace(device: torch.device | str, max_batch: int = MAX_BATCH, kv_heads: int = 4) -> torch.Tensor:
+def attention_workspace(device: torch.device | str, max_batch: int = MAX_BATCH, kv_heads: int = 4,
+                        max_splits: int | None = None) -> torch.Tensor:
     """fp32 scratch, zeroed: TICKET_SLOTS u32 tickets (kept zero between launches), then partials.
 
-    Size: 4 * (512 + workspace_partials * 1040) bytes (1.1 MB for Flint). One per stream.
+    Size: 4 * (4608 + workspace_partials * 1040) bytes (1.7 MB for Flint); `max_splits` makes room
+    for forced `num_splits` up to it. One workspace per stream.
     """
-    return torch.zeros(TICKET_SLOTS + workspace_partials(max_batch, kv_heads) * PARTIAL_FLOATS,
-                       dtype=torch.float32, device=device)
+    slots = workspace_partials(max_batch, kv_heads)
+    if max_splits is not None:
+        slots = max(slots, max_batch * kv_heads * max_splits)
+    return torch.zeros(TICKET_SLOTS + slots * PARTIAL_FLOATS, dtype=torch.float32, device=device)
 
 
 # ---- Q/K norm + RoPE + KV write ---------------------------------------------------------------
@@ -77,7 +85,7 @@ def qk_norm_rope_kv_full(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_
     """
     b = _check_tables(block_tables, qkv)
     return _norm_rope_kv(qkv, q_norm_weight, k_norm_weight, positions, k_cache, v_cache, block_tables,
-                         block_tables.shape[1], None, eps, 0.0, q_out, pdl, b)
+                         block_tables.shape[1], None, eps, None, q_out, pdl, b)
 
 
 def qk_norm_rope_kv_sliding(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
@@ -87,16 +95,24 @@ def qk_norm_rope_kv_sliding(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_no
     """Sliding layer: q_out = rope(rms_norm(q)); K/V at row positions[b] % window of ring_slots[b]."""
     if not rope_theta > 0:
         raise ValueError(f"rope_theta must be positive, got {rope_theta}")
-    if float(F32(rope_theta).value) != float(rope_theta):
-        raise ValueError(f"rope_theta {rope_theta} is not exactly representable in fp32 (the kernel's argument)")
     b = qkv.shape[0] if isinstance(qkv, torch.Tensor) and qkv.dim() == 2 else -1
     check_tensor(ring_slots, "ring_slots", torch.int32, (b,), qkv.device, 4)
     return _norm_rope_kv(qkv, q_norm_weight, k_norm_weight, positions, k_ring, v_ring, None, 0, ring_slots,
-                         eps, rope_theta, q_out, pdl, b)
+                         eps, rope_inv_freq(float(rope_theta), qkv.device), q_out, pdl, b)
+
+
+@functools.cache
+def rope_inv_freq(theta: float, device: torch.device) -> torch.Tensor:
+    """fp64 [64] theta^(-2i/128), computed as model/reference.py's rope_cos_sin does.
+
+    Built (and cached) on the first call for a (theta, device): make that call before capturing
+    a CUDA graph.
+    """
+    return theta ** (-torch.arange(0, HEAD_DIM, 2, dtype=torch.float64, device=device) / HEAD_DIM)
 
 
 def _norm_rope_kv(qkv, q_norm_weight, k_norm_weight, positions, k_pool, v_pool, block_tables, table_stride,
-                  ring_slots, eps, rope_theta, q_out, pdl, b) -> torch.Tensor:
+                  ring_slots, eps, inv_freq, q_out, pdl, b) -> torch.Tensor:
     g = _check_pools(k_pool, v_pool)
     h = GROUP * g
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 2 or not qkv.is_cuda:
@@ -117,7 +133,7 @@ def _norm_rope_kv(qkv, q_norm_weight, k_norm_weight, positions, k_pool, v_pool, 
     _kernel("qk_norm_rope_kv.cu", "qk_norm_rope_kv_bf16").launch(
         grid, (NORM_WARPS * 32,),
         [q_out, k_pool, v_pool, qkv, q_norm_weight, k_norm_weight, positions, block_tables, I32(table_stride),
-         ring_slots, I32(k_pool.shape[1]), I32(h), I32(g), F32(eps), F32(rope_theta)],
+         ring_slots, I32(k_pool.shape[1]), I32(h), I32(g), F32(eps), inv_freq],
         pdl=pdl, device=dev.index)
     return q_out
 

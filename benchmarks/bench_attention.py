@@ -1,0 +1,156 @@
+"""Decode-attention microbenchmarks at Flint's shapes (32 q heads, 4 KV heads, dim 128), batch 1 and 8.
+
+Each case is captured in a CUDA graph that replays the kernel over rotating KV pools totalling
+> 4x the 60 MB L2 where the working set allows (the 513-row rings of all sets at batch 1 are
+~256 MB; the 100K pools are 200 MB each), so KV comes from HBM as in a real step. µs per launch
+include the graph's inter-kernel gap (shorter with --pdl). GB/s counts the K and V bytes read.
+Run on the GPU machine: python benchmarks/bench_attention.py [--pdl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from flint_sched.kernels.attention import (
+    attention_workspace,
+    decode_attention_full,
+    decode_attention_sliding,
+    decode_splits,
+    qk_norm_rope_kv_full,
+    qk_norm_rope_kv_sliding,
+)
+
+H, G, D, WINDOW, BLOCK = 32, 4, 128, 513, 16
+KV_BYTES_PER_TOKEN = 2 * G * D * 2            # K and V of one layer
+ROTATE_BYTES = 256 << 20
+MAX_SETS = 256
+PDL = {"pdl": False}
+
+
+@dataclass
+class Result:
+    kernel: str
+    batch: int
+    context: int
+    splits: int
+    us: float
+    bytes: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / (self.us * 1e-6) / 1e9
+
+
+def time_graph(launches: list, reps: int, replays: int = 15) -> float:
+    """Median µs per launch of a graph that runs `launches` round-robin `reps` times."""
+    for launch in launches:
+        launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            launches[i % len(launches)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def num_sets(bytes_per_set: int) -> int:
+    return max(2, min(MAX_SETS, -(-ROTATE_BYTES // bytes_per_set)))
+
+
+def reps_for(sets: int, minimum: int = 200) -> int:
+    return -(-minimum // sets) * sets
+
+
+def bench_full(batch: int, context: int) -> Result:
+    blocks_per = -(-context // BLOCK)
+    sets = num_sets(batch * context * KV_BYTES_PER_TOKEN)
+    pools = []
+    for _ in range(sets):
+        k = torch.randn(batch * blocks_per, BLOCK, G, D, device="cuda").bfloat16()
+        tables = torch.randperm(batch * blocks_per, device="cuda").int().view(batch, blocks_per)
+        pools.append((k, torch.randn_like(k), tables))
+    q = torch.randn(batch, H, D, device="cuda").bfloat16()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    sinks = torch.zeros(H, device="cuda").bfloat16()
+    out, ws = torch.empty_like(q), attention_workspace("cuda")
+    launches = [lambda k=k, v=v, t=t: decode_attention_full(q, k, v, t, seq_lens, sinks, ws, context, out=out, **PDL)
+                for k, v, t in pools]
+    us = time_graph(launches, reps_for(sets))
+    return Result("attention full (paged, bs 16)", batch, context, decode_splits(batch, context), us,
+                  batch * context * KV_BYTES_PER_TOKEN)
+
+
+def bench_sliding(batch: int, position: int = 5000) -> Result:
+    sets = num_sets(batch * WINDOW * KV_BYTES_PER_TOKEN)
+    rings = [torch.randn(batch, WINDOW, G, D, device="cuda").bfloat16() for _ in range(2 * sets)]
+    slots = torch.arange(batch, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, H, D, device="cuda").bfloat16()
+    seq_lens = torch.full((batch,), position + 1, dtype=torch.int32, device="cuda")
+    sinks = torch.zeros(H, device="cuda").bfloat16()
+    out, ws = torch.empty_like(q), attention_workspace("cuda")
+    launches = [lambda k=k, v=v: decode_attention_sliding(q, k, v, slots, seq_lens, sinks, ws, out=out, **PDL)
+                for k, v in zip(rings[::2], rings[1::2])]
+    us = time_graph(launches, reps_for(sets))
+    return Result("attention sliding (ring 513)", batch, WINDOW, decode_splits(batch, WINDOW), us,
+                  batch * WINDOW * KV_BYTES_PER_TOKEN)
+
+
+def bench_norm_rope_kv(batch: int, sliding: bool) -> Result:
+    qkv = torch.randn(batch, (H + 2 * G) * D, device="cuda").bfloat16()
+    w = torch.ones(D, device="cuda").bfloat16()
+    positions = torch.full((batch,), 4097, dtype=torch.int32, device="cuda")
+    q_out = torch.empty(batch, H, D, device="cuda").bfloat16()
+    if sliding:
+        k = torch.zeros(batch, WINDOW, G, D, device="cuda").bfloat16()
+        v, slots = torch.zeros_like(k), torch.arange(batch, dtype=torch.int32, device="cuda")
+        launch = lambda: qk_norm_rope_kv_sliding(qkv, w, w, positions, k, v, slots, 1e-5, 10000.0,
+                                                 q_out=q_out, **PDL)
+    else:
+        k = torch.zeros(batch * 300, BLOCK, G, D, device="cuda").bfloat16()
+        v = torch.zeros_like(k)
+        tables = torch.arange(batch * 300, dtype=torch.int32, device="cuda").view(batch, 300)
+        launch = lambda: qk_norm_rope_kv_full(qkv, w, w, positions, k, v, tables, 1e-5, q_out=q_out, **PDL)
+    us = time_graph([launch], 200)
+    moved = qkv.numel() * 2 + q_out.numel() * 2 + 2 * batch * G * D * 2
+    return Result(f"qk norm+rope+kv write ({'sliding' if sliding else 'full'})", batch, 1, 1, us, moved)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch for every kernel")
+    args = parser.parse_args()
+    PDL["pdl"] = args.pdl
+    results = []
+    for batch in (1, 8):
+        results.append(bench_norm_rope_kv(batch, sliding=True))
+        results.append(bench_norm_rope_kv(batch, sliding=False))
+        results.append(bench_sliding(batch))
+        for context in (1024, 32768, 100_000):
+            results.append(bench_full(batch, context))
+            torch.cuda.empty_cache()
+    print(f"{'kernel':36} {'batch':>5} {'context':>8} {'splits':>6} {'CTAs':>5} {'µs':>8} {'GB/s':>7}")
+    for r in results:
+        ctas = r.batch * G * r.splits if r.kernel.startswith("attention") else r.batch * 5
+        print(f"{r.kernel:36} {r.batch:5d} {r.context:8d} {r.splits:6d} {ctas:5d} {r.us:8.2f} {r.gbps:7.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+// Decode step, per attention layer: Q/K RMSNorm + RoPE + KV-cache write, one launch.
+//   qkv [B, (H + 2G) * 128] bf16: q heads, then k heads, then v heads (the fused projection).
+//   q_out[b, h] = rope(bf16(rms_norm(q)))           written for every request
+//   K row       = rope(bf16(rms_norm(k))), V row = v  written at positions[b] (skipped when < 0)
+// Rounding follows model/reference.py step by step: the norm result is rounded to bf16, RoPE reads
+// that bf16 value, and cos/sin come from fp64 angles rounded to fp32, so at any position (up to
+// 2^31) the output matches `apply_rope(rms_norm(x))` up to the fp32 sum order in the norm.
+// rope_inv_freq [64] fp64 (theta^(-2i/128), attention.py builds it); null disables RoPE (full layers).
+// Grid (B, ceil((H + 2G) / 8)), 256 threads: one warp per head, lane l holds dims 4l..4l+3.
+#include "attention_common.cuh"
+
+#define QKN_WARPS 8
+
+__device__ __forceinline__ void load_bf16x4(const u16* p, float (&x)[4]) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  x[0] = bf16x2_lo(v.x), x[1] = bf16x2_hi(v.x), x[2] = bf16x2_lo(v.y), x[3] = bf16x2_hi(v.y);
+}
+
+__device__ __forceinline__ void store_bf16x4(u16* p, const float (&x)[4]) {
+  *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
+}
+
+__device__ __forceinline__ float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32)
+qk_norm_rope_kv_bf16(u16* q_out, u16* k_cache, u16* v_cache, const u16* qkv, const u16* q_norm_weight,
+                     const u16* k_norm_weight, const int* positions, const int* block_tables,
+                     int table_stride, const int* ring_slots, int page_rows, int num_q_heads,
+                     int num_kv_heads, float eps, const double* rope_inv_freq) {
+  __shared__ float cos_s[HEAD_DIM / 2], sin_s[HEAD_DIM / 2];
+  const int b = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int H = num_q_heads, G = num_kv_heads, head = blockIdx.y * QKN_WARPS + warp;
+  const bool rope = rope_inv_freq != nullptr;
+  pdl_wait();
+  const int p = positions[b];
+  if (rope && threadIdx.x < HEAD_DIM / 2) {
+    // As rope_cos_sin: the fp64 angle p * inv_freq (inv_freq computed by torch, bit for bit),
+    // cos/sin rounded to fp32.
+    double sin_a, cos_a;
+    sincos((double)p * rope_inv_freq[threadIdx.x], &sin_a, &cos_a);
+    cos_s[threadIdx.x] = (float)cos_a;
+    sin_s[threadIdx.x] = (float)sin_a;
+  }
+  __syncthreads();
+  pdl_launch_dependents();
+  if (head >= H + 2 * G) return;
+
+  const u16* src = qkv + (long long)b * (H + 2 * G) * HEAD_DIM + head * HEAD_DIM + 4 * lane;
+  const long long kv_offset =
+      p >= 0 ? KvPages(block_tables, table_stride, ring_slots, page_rows, b).row(p) * G * HEAD_DIM : 0;
+  if (head >= H + G) {  // v: copied as is
+    if (p >= 0)
+      *reinterpret_cast<uint2*>(v_cache + kv_offset + (head - H - G) * HEAD_DIM + 4 * lane) =
+          *reinterpret_cast<const uint2*>(src);
+    return;
+  }
+  const bool is_q = head < H;
+  float x[4], w[4];
+  load_bf16x4(src, x);
+  load_bf16x4((is_q ? q_norm_weight : k_norm_weight) + 4 * lane, w);
+  // NOTE: __fmul_rn/__fadd_rn keep the compiler from fusing into FMAs, which torch's separate
+  // elementwise ops never do; fused results would differ in the last fp32 bit.
+  float sum_sq = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) sum_sq = __fadd_rn(sum_sq, __fmul_rn(x[e], x[e]));
+  const float inv_rms = rsqrtf(__fadd_rn(warp_sum(sum_sq) * (1.0f / HEAD_DIM), eps));
+  float y[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) y[e] = round_bf16(__fmul_rn(__fmul_rn(x[e], inv_rms), w[e]));
+  if (rope) {
+    // Lanes 0-15 hold x1 = dims 0..63, lanes 16-31 hold x2 = dims 64..127: partner is lane ^ 16.
+    //   out1 = x1 cos - x2 sin        out2 = x2 cos + x1 sin
+    const bool first_half = lane < 16;
+    float r[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float other = __shfl_xor_sync(0xFFFFFFFFu, y[e], 16);
+      const int i = 4 * (lane & 15) + e;
+      const float a = __fmul_rn(y[e], cos_s[i]);
+      r[e] = first_half ? __fsub_rn(a, __fmul_rn(other, sin_s[i])) : __fadd_rn(a, __fmul_rn(other, sin_s[i]));
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) y[e] = r[e];
+  }
+  if (is_q)
+    store_bf16x4(q_out + ((long long)b * H + head) * HEAD_DIM + 4 * lane, y);
+  else if (p >= 0)
+    store_bf16x4(k_cache + kv_offset + (head - H) * HEAD_DIM + 4 * lane, y);
+}

@@ -1,0 +1,206 @@
+"""CudaExecutor: low-latency decode (<= 8 requests) on our kernels, replayed from one CUDA graph per
+batch size; every other step (prefill chunks, larger batches) runs on the torch path.
+
+Both paths share one KVCache. A decode step copies its inputs (token ids, positions, block tables,
+ring slots) into static buffers, replays the graph for its batch size, and reads back the greedy
+token ids (or the logits, for requests that sample otherwise). The graph for batch b is captured on
+first use; attention splits come from the host bound `max_model_len`, and per-request lengths are
+read on the device, so one graph serves every context length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from flint_sched.checkpoint.common import Weights
+from flint_sched.config import FlintConfig
+from flint_sched.core.plan import StepPlan, StepResult
+from flint_sched.executor.kv_cache import KVCache
+from flint_sched.executor.torch_executor import TorchExecutor
+from flint_sched.kernels import attention as attn
+from flint_sched.kernels.linear import gate_up_silu, linear
+from flint_sched.kernels.moe import moe_down, moe_gate_up, route, router_workspace
+from flint_sched.kernels.norm import rms_norm
+from flint_sched.kernels.sampling import argmax_workspace, greedy
+from flint_sched.quant.nvfp4 import NVFP4Tensor
+
+MAX_DECODE_BATCH = 8
+
+
+def supports(config: FlintConfig) -> bool:
+    """The kernels' fixed shapes: head_dim 128, 8 query heads per KV head, at most 8 KV heads."""
+    return (config.head_dim == attn.HEAD_DIM and config.num_queries_per_kv == attn.GROUP
+            and config.num_key_value_heads <= attn.MAX_KV_HEADS and config.hidden_size % 64 == 0)
+
+
+def _kernel_weight(w: torch.Tensor | NVFP4Tensor, device: torch.device):
+    if isinstance(w, NVFP4Tensor):
+        return w.to(device)
+    return w.to(device, torch.float32 if w.dtype == torch.float32 else torch.bfloat16)
+
+
+class _Buffers:
+    """Static inputs, activations and workspaces, sized for MAX_DECODE_BATCH."""
+
+    def __init__(self, c: FlintConfig, max_blocks: int, device: torch.device):
+        b, bf16, i32 = MAX_DECODE_BATCH, torch.bfloat16, torch.int32
+        self.tokens = torch.zeros(b, dtype=torch.long, device=device)
+        self.positions = torch.zeros(b, dtype=i32, device=device)
+        self.seq_lens = torch.ones(b, dtype=i32, device=device)
+        self.block_tables = torch.zeros(b, max_blocks, dtype=i32, device=device)
+        self.ring_slots = torch.zeros(b, dtype=i32, device=device)
+        self.hidden = [torch.zeros(b, c.hidden_size, dtype=bf16, device=device) for _ in range(2)]
+        self.normed = torch.zeros(b, c.hidden_size, dtype=bf16, device=device)
+        self.q_lin = torch.zeros(b, c.q_size, dtype=bf16, device=device)
+        self.k_lin = torch.zeros(b, c.kv_size, dtype=bf16, device=device)
+        self.v_lin = torch.zeros(b, c.kv_size, dtype=bf16, device=device)
+        self.qkv = torch.zeros(b, c.q_size + 2 * c.kv_size, dtype=bf16, device=device)
+        self.q = torch.zeros(b, c.num_attention_heads, c.head_dim, dtype=bf16, device=device)
+        self.attn_out = torch.zeros(b, c.num_attention_heads, c.head_dim, dtype=bf16, device=device)
+        self.mlp_hidden = torch.zeros(b, c.intermediate_size, dtype=bf16, device=device)
+        self.expert_ids = torch.zeros(b, c.num_experts_per_tok, dtype=i32, device=device)
+        self.expert_weights = torch.zeros(b, c.num_experts_per_tok, dtype=torch.float32, device=device)
+        self.expert_hidden = torch.zeros(b, c.num_experts_per_tok + 1, c.moe_intermediate_size, dtype=bf16,
+                                         device=device)
+        self.logits = torch.zeros(b, c.vocab_size, dtype=bf16, device=device)
+        self.next_tokens = torch.zeros(b, dtype=torch.int64, device=device)
+        self.attention_workspace = attn.attention_workspace(device, MAX_DECODE_BATCH, c.num_key_value_heads)
+        self.router_workspace = router_workspace(c.n_routed_experts, device)
+        self.argmax_workspace = argmax_workspace(MAX_DECODE_BATCH, c.vocab_size, device)
+
+
+class CudaExecutor:
+    def __init__(self, config: FlintConfig, weights: Weights, kv_cache: KVCache, eos_token_ids: Collection[int],
+                 max_model_len: int, device: torch.device | str = "cuda", seed: int = 0, use_graphs: bool = True):
+        if not supports(config):
+            raise ValueError("the CUDA kernels need head_dim 128 and 8 query heads per KV head")
+        self.config = config
+        self.device = torch.device(device)
+        self.kv = kv_cache
+        self.max_model_len = max_model_len
+        self.use_graphs = use_graphs
+        self.w = {name: _kernel_weight(t, self.device) for name, t in weights.items()}
+        self.fallback = TorchExecutor(config, self.w, kv_cache, eos_token_ids, torch.bfloat16, self.device, seed,
+                                      dequantize_once=False)
+        max_blocks = -(-max_model_len // kv_cache.block_size)
+        self.buf = _Buffers(config, max_blocks, self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.last_logits: torch.Tensor | None = None
+
+    # -- dispatch ------------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        entries = plan.scheduled_requests
+        if not (plan.path == "low_latency" and 0 < len(entries) <= MAX_DECODE_BATCH):
+            return self.fallback.execute(plan)
+        b = len(entries)
+        self._fill_inputs(plan)
+        if self.use_graphs:
+            self._graph(b).replay()
+        else:
+            self._decode(b)
+        self.last_logits = self.buf.logits[:b]
+        if all(e.sampling_params.is_greedy and e.sampling_params.logprobs is None and not _needs_torch(e)
+               for e in entries):
+            tokens = self.buf.next_tokens[:b].tolist()
+            return StepResult({e.request_id: [t] for e, t in zip(entries, tokens, strict=True)})
+        return self.fallback.sample(self.buf.logits[:b].float(), entries)
+
+    def _fill_inputs(self, plan: StepPlan) -> None:
+        entries, buf = plan.scheduled_requests, self.buf
+        b = len(entries)
+        width = buf.block_tables.shape[1]
+        tables = torch.zeros(b, width, dtype=torch.int32)
+        for row, e in enumerate(entries):
+            tables[row, : len(e.block_table)] = torch.tensor(e.block_table, dtype=torch.int32)
+        host = torch.tensor([[e.token_ids[0], e.start_position, e.start_position + 1, e.ring_slot] for e in entries],
+                            dtype=torch.int64)
+        buf.tokens[:b].copy_(host[:, 0])
+        buf.positions[:b].copy_(host[:, 1])
+        buf.seq_lens[:b].copy_(host[:, 2])
+        buf.ring_slots[:b].copy_(host[:, 3])
+        buf.block_tables[:b].copy_(tables)
+
+    def _graph(self, b: int) -> torch.cuda.CUDAGraph:
+        graph = self.graphs.get(b)
+        if graph is None:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._decode(b)                      # loads every kernel before capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._decode(b)
+            self.graphs[b] = graph
+        return graph
+
+    # -- the decode step -----------------------------------------------------------------------
+
+    def _decode(self, b: int) -> None:
+        c, buf, w, eps = self.config, self.buf, self.w, self.config.rms_norm_eps
+        h, h_next = buf.hidden[0][:b], buf.hidden[1][:b]
+        torch.index_select(w["model.embed_tokens.weight"], 0, buf.tokens[:b], out=h)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            normed = rms_norm(h, w[p + "input_layernorm.weight"], eps, out=buf.normed[:b])
+            self._attention(i, b, normed)
+            linear(buf.attn_out[:b].view(b, c.q_size), w[p + "self_attn.o_proj.weight"], residual=h,
+                          out=h_next)
+            h, h_next = h_next, h
+            normed = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps, out=buf.normed[:b])
+            if c.is_moe(i):
+                self._moe(i, b, normed, residual=h, out=h_next)
+            else:
+                up = gate_up_silu(normed, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                                         out=buf.mlp_hidden[:b])
+                linear(up, w[p + "mlp.down_proj.weight"], residual=h, out=h_next)
+            h, h_next = h_next, h
+        normed = rms_norm(h, w["model.norm.weight"], eps, out=buf.normed[:b])
+        linear(normed, w["lm_head.weight"], out=buf.logits[:b])
+        greedy(buf.logits[:b], out=buf.next_tokens[:b], workspace=buf.argmax_workspace)
+
+    def _attention(self, i: int, b: int, normed: torch.Tensor) -> None:
+        c, buf, w = self.config, self.buf, self.w
+        p = f"model.layers.{i}.self_attn."
+        linear(normed, w[p + "q_proj.weight"], out=buf.q_lin[:b])
+        linear(normed, w[p + "k_proj.weight"], out=buf.k_lin[:b])
+        linear(normed, w[p + "v_proj.weight"], out=buf.v_lin[:b])
+        qkv = torch.cat((buf.q_lin[:b], buf.k_lin[:b], buf.v_lin[:b]), dim=1, out=buf.qkv[:b])
+        q, out, sinks = buf.q[:b], buf.attn_out[:b], w[p + "sinks"]
+        if c.is_sliding(i):
+            ring = self.kv.ring[self.kv.ring_index[i]]
+            attn.qk_norm_rope_kv_sliding(qkv, w[p + "q_norm.weight"], w[p + "k_norm.weight"], buf.positions[:b],
+                                         ring[0], ring[1], buf.ring_slots[:b], c.rms_norm_eps, c.rope_theta, q_out=q)
+            attn.decode_attention_sliding(q, ring[0], ring[1], buf.ring_slots[:b], buf.seq_lens[:b], sinks,
+                                          buf.attention_workspace, out=out)
+        else:
+            full = self.kv.full[self.kv.full_index[i]]
+            tables = buf.block_tables[:b]
+            attn.qk_norm_rope_kv_full(qkv, w[p + "q_norm.weight"], w[p + "k_norm.weight"], buf.positions[:b],
+                                      full[0], full[1], tables, c.rms_norm_eps, q_out=q)
+            attn.decode_attention_full(q, full[0], full[1], tables, buf.seq_lens[:b], sinks,
+                                       buf.attention_workspace, self.max_model_len, out=out)
+
+    def _moe(self, i: int, b: int, normed: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> None:
+        c, buf, w = self.config, self.buf, self.w
+        p = f"model.layers.{i}.mlp."
+        ids, weights = route(normed, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"],
+                                 c.num_experts_per_tok, c.routed_scaling_factor, ids=buf.expert_ids[:b],
+                                 weights=buf.expert_weights[:b], workspace=buf.router_workspace)
+        shared = c.n_shared_experts > 0
+        hidden = moe_gate_up(normed, ids, w[p + "experts.gate_proj.weight"], w[p + "experts.up_proj.weight"],
+                                 w[p + "shared_experts.gate_proj.weight"] if shared else None,
+                                 w[p + "shared_experts.up_proj.weight"] if shared else None,
+                                 out=buf.expert_hidden[:b])
+        moe_down(hidden, ids, weights, w[p + "experts.down_proj.weight"],
+                     w[p + "shared_experts.down_proj.weight"] if shared else None, residual=residual, out=out)
+
+
+def _needs_torch(entry) -> bool:
+    """Greedy choice is exact on the GPU unless something edits the logits first."""
+    p = entry.sampling_params
+    return bool(p.logit_bias or p.min_tokens > len(entry.output_token_ids) or p.repetition_penalty != 1.0
+                or p.presence_penalty or p.frequency_penalty)

@@ -1,0 +1,84 @@
+"""CudaExecutor against the reference: decode logits after torch-path prefills, BF16 and NVFP4,
+graphs on and off, contexts past the 513 window, several requests at once."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from flint_sched.checkpoint.make import dummy_checkpoint
+from flint_sched.config import flint_layer_types, preset
+from flint_sched.core.scheduler import Scheduler
+from flint_sched.core.scheduler_config import SchedulerConfig
+from flint_sched.executor.cuda_executor import CudaExecutor
+from flint_sched.executor.kv_cache import KVCache
+from flint_sched.model.reference import FlintReference
+from flint_sched.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+MAX_MODEL_LEN = 2048
+
+
+def small_real_config():
+    """Real per-head shapes (head_dim 128, 8 query heads per KV head), few layers, small vocab."""
+    return dataclasses.replace(
+        preset("flint"), hidden_size=512, num_hidden_layers=7, layer_types=tuple(flint_layer_types(7)),
+        num_attention_heads=16, num_key_value_heads=2, intermediate_size=1024, n_routed_experts=32,
+        moe_intermediate_size=256, vocab_size=4096, max_position_embeddings=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module", params=["bf16", "nvfp4"])
+def ckpt(request):
+    return dummy_checkpoint(small_real_config(), request.param, seed=5, device="cuda")
+
+
+def run(ckpt, prompts, max_tokens, use_graphs=True):
+    config = ckpt.config
+    block_size, num_blocks, seqs = 16, 512, 4
+    kv = KVCache(config, num_blocks, block_size, seqs, torch.bfloat16, "cuda")
+    ex = CudaExecutor(config, ckpt.weights, kv, (), MAX_MODEL_LEN, "cuda", use_graphs=use_graphs)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=256, num_blocks=num_blocks,
+                                      max_model_len=MAX_MODEL_LEN, block_size=block_size,
+                                      sliding_window=config.sliding_window))
+    for n, p in enumerate(prompts):
+        sched.add_request(f"r{n}", p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    decode_logits, outputs = [], {f"r{n}": [] for n in range(len(prompts))}
+    while sched.has_unfinished_requests():
+        plan = sched.schedule()
+        result = ex.execute(plan)
+        if plan.path == "low_latency":
+            for e, row in zip(plan.scheduled_requests, ex.last_logits):
+                decode_logits.append((e.request_id, e.start_position, row.float().clone()))
+        for out in sched.update(plan, result):
+            outputs[out.request_id].extend(out.new_token_ids)
+    return decode_logits, outputs
+
+
+def test_decode_logits_match_the_reference(ckpt):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (5, 600, 37)]
+    decode_logits, outputs = run(ckpt, prompts, max_tokens=6)
+    assert len(decode_logits) >= 3 * 3            # decodes alongside a prefill chunk run on torch
+    ref = FlintReference(ckpt.config, ckpt.weights, dtype=torch.float32, device="cuda")
+    full = {f"r{n}": ref.forward(p + outputs[f"r{n}"]) for n, p in enumerate(prompts)}
+    errors = []
+    for rid, pos, row in decode_logits:
+        expected = full[rid][pos]
+        errors.append((float((row - expected).norm() / expected.norm()), rid, pos))
+    # bf16 through 7 layers lands near 1e-2; now and then bf16 noise flips one routed expert of one
+    # token (a bf16 reference does the same, measured on the H200: up to 0.13), so bound the typical
+    # error tightly and every error loosely.
+    errors.sort()
+    assert errors[len(errors) // 2][0] < 1.5e-2, errors
+    assert sum(e < 2e-2 for e, *_ in errors) >= 0.75 * len(errors), errors
+    assert errors[-1][0] < 0.2, errors
+
+
+def test_graphs_replay_the_eager_step_exactly(ckpt):
+    prompts = [[1, 2, 3, 4, 5], list(range(100, 140))]
+    eager, out_eager = run(ckpt, prompts, 4, use_graphs=False)
+    graphed, out_graphed = run(ckpt, prompts, 4, use_graphs=True)
+    assert out_eager == out_graphed
+    for (r1, p1, a), (r2, p2, b) in zip(eager, graphed):
+        assert (r1, p1) == (r2, p2) and torch.equal(a, b)

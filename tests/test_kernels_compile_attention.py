@@ -1,0 +1,65 @@
+"""The decode-attention sources compile for sm_90a with NVRTC (no GPU needed); split heuristics on the CPU."""
+
+import pytest
+
+from flint_sched.kernels import _runtime, attention
+
+available, why = _runtime.nvrtc_available()
+needs_nvrtc = pytest.mark.skipif(not available, reason=f"NVRTC cannot be imported: {why}")
+
+ENTRY_POINTS = [("qk_norm_rope_kv.cu", "qk_norm_rope_kv_bf16"), ("decode_attention.cu", "decode_attention_bf16")]
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """A fresh kernel cache, so the test really compiles."""
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
+    monkeypatch.setattr(_runtime, "_cubins", {})
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("source,entry", ENTRY_POINTS)
+def test_compiles_for_sm90a(source, entry, private_cache):
+    cubin = _runtime.compile_only(source, arch="sm_90a")
+    assert cubin[:4] == b"\x7fELF"
+    assert entry.encode() in cubin
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("defines", [{"ATTN_STAGES": 3}, {"ATTN_STAGES": 4}])
+def test_attention_pipeline_variants_compile(defines, private_cache):
+    assert _runtime.compile_only("decode_attention.cu", defines, arch="sm_90a")[:4] == b"\x7fELF"
+
+
+def test_launcher_constants_match_the_kernel_source():
+    text = (_runtime.source_dir() / "decode_attention.cu").read_text()
+    assert f"#define ATTN_MIN_SPLIT_KEYS {attention.MIN_SPLIT_KEYS}" in text
+    assert f"#define MERGE_GROUP {attention.MERGE_GROUP}" in text
+    assert f"#define MAX_GROUPS {attention.MAX_SPLITS // attention.MERGE_GROUP}" in text
+    assert f"#define TICKETS_PER_LAUNCH {attention.MAX_BATCH * attention.MAX_KV_HEADS}" in text
+    assert "#define ATTN_WARPS 4" in text and "#define ATTN_STAGES 2" in text
+    assert attention.ATTN_THREADS == 4 * 32
+    assert attention.ATTN_SMEM_BYTES == 4 * 2 * 2 * 16 * 272 and 3 * (attention.ATTN_SMEM_BYTES + 1024) <= 228 * 1024
+    assert attention.PARTIAL_FLOATS * 4 % 16 == 0 and attention.TICKET_SLOTS * 4 % 16 == 0  # float4 partials
+    assert "#define QKN_WARPS 8" in (_runtime.source_dir() / "qk_norm_rope_kv.cu").read_text()
+
+
+@pytest.mark.parametrize("batch,max_keys,splits", [
+    (1, 100_000, 99), (1, 32_768, 99), (1, 1_024, 16), (1, 513, 9), (1, 1, 1),
+    (8, 100_000, 12), (8, 513, 9), (19, 32_768, 5), (64, 100_000, 1), (64, 1, 1),
+])
+def test_decode_splits(batch, max_keys, splits):
+    assert attention.decode_splits(batch, max_keys) == splits
+
+
+@pytest.mark.parametrize("max_batch", [1, 8, 64])
+def test_workspace_fits_every_split_choice(max_batch):
+    slots = attention.workspace_partials(max_batch)
+    for b in range(1, max_batch + 1):
+        for max_keys in (1, 63, 64, 65, 513, 4097, 100_000, 262_144):
+            assert b * 4 * attention.decode_splits(b, max_keys) <= slots
+    assert attention.MAX_BATCH * attention.MAX_KV_HEADS <= attention.TICKET_SLOTS
+
+
+def test_importing_needs_no_gpu():
+    assert callable(attention.decode_attention_full) and callable(attention.qk_norm_rope_kv_sliding)
