@@ -10,7 +10,6 @@ Run on the GPU machine: python benchmarks/bench_attention.py [--pdl]
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from flint_sched.benchmarks.graph_timing import num_sets, reps_for, time_graph  # noqa: E402
 from flint_sched.kernels.attention import (
     attention_workspace,
     decode_attention_full,
@@ -30,7 +30,6 @@ from flint_sched.kernels.attention import (
 
 H, G, D, WINDOW, BLOCK = 32, 4, 128, 513, 16
 KV_BYTES_PER_TOKEN = 2 * G * D * 2            # K and V of one layer
-ROTATE_BYTES = 256 << 20
 MAX_SETS = 256
 PDL = {"pdl": False}
 
@@ -49,39 +48,12 @@ class Result:
         return self.bytes / (self.us * 1e-6) / 1e9
 
 
-def time_graph(launches: list, reps: int, replays: int = 15) -> float:
-    """Median µs per launch of a graph that runs `launches` round-robin `reps` times."""
-    for launch in launches:
-        launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            launches[i % len(launches)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
 
-
-def num_sets(bytes_per_set: int) -> int:
-    return max(2, min(MAX_SETS, -(-ROTATE_BYTES // bytes_per_set)))
-
-
-def reps_for(sets: int, minimum: int = 200) -> int:
-    return -(-minimum // sets) * sets
 
 
 def bench_full(batch: int, context: int) -> Result:
     blocks_per = -(-context // BLOCK)
-    sets = num_sets(batch * context * KV_BYTES_PER_TOKEN)
+    sets = _num_sets(batch * context * KV_BYTES_PER_TOKEN)
     pools = []
     for _ in range(sets):
         k = torch.randn(batch * blocks_per, BLOCK, G, D, device="cuda").bfloat16()
@@ -99,7 +71,7 @@ def bench_full(batch: int, context: int) -> Result:
 
 
 def bench_sliding(batch: int, position: int = 5000) -> Result:
-    sets = num_sets(batch * WINDOW * KV_BYTES_PER_TOKEN)
+    sets = _num_sets(batch * WINDOW * KV_BYTES_PER_TOKEN)
     rings = [torch.randn(batch, WINDOW, G, D, device="cuda").bfloat16() for _ in range(2 * sets)]
     slots = torch.arange(batch, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, H, D, device="cuda").bfloat16()
@@ -154,3 +126,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _num_sets(bytes_per_set: int) -> int:
+    return num_sets(bytes_per_set, MAX_SETS)

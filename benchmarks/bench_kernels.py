@@ -19,13 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from flint_sched.benchmarks.graph_timing import num_sets, reps_for, time_graph  # noqa: E402
 from flint_sched.kernels import (argmax_workspace, fused_add_rms_norm, gate_up_silu, greedy, linear,  # noqa: E402
                                  moe_down, moe_gate_up, route, router_workspace)
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize  # noqa: E402
 
 HIDDEN, Q_SIZE, QKV, DENSE_INTER, VOCAB = 2048, 4096, 5120, 10240, 151552
 EXPERTS, TOP_K, MOE_INTER = 256, 6, 512
-ROTATE_BYTES = 256 << 20      # > 4x L2
 MAX_SETS = 48
 PDL = {"pdl": False}          # launch option for every kernel, set from the command line
 
@@ -54,39 +54,12 @@ def make_weight(fmt: str, *shape: int, per_expert: bool = False):
     return quantize(w, per_leading_scale=per_expert) if fmt == "nvfp4" else w.bfloat16()
 
 
-def num_sets(bytes_per_set: int) -> int:
-    return max(2, min(MAX_SETS, -(-ROTATE_BYTES // max(1, bytes_per_set))))
 
-
-def time_graph(launches: list, reps: int, replays: int = 15) -> float:
-    """Median µs per launch of a graph that runs `launches` round-robin `reps` times."""
-    for launch in launches:        # compile, load, warm up outside the capture
-        launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            launches[i % len(launches)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
-
-
-def reps_for(sets: int, minimum: int = 200) -> int:
-    return -(-minimum // sets) * sets
 
 
 def bench_linear(name: str, fmt: str, b: int, n: int, k: int, residual: bool = False) -> Result:
     probe = make_weight(fmt, n, k)
-    sets = [probe] + [make_weight(fmt, n, k) for _ in range(num_sets(nbytes(probe)) - 1)]
+    sets = [probe] + [make_weight(fmt, n, k) for _ in range(_num_sets(nbytes(probe)) - 1)]
     x = torch.randn(b, k, device="cuda").bfloat16()
     res = torch.randn(b, n, device="cuda").bfloat16() if residual else None
     y = torch.empty(b, n, device="cuda", dtype=torch.bfloat16)
@@ -101,7 +74,7 @@ def bench_gate_up(fmt: str, b: int) -> Result:
         return make_weight(fmt, DENSE_INTER, HIDDEN), make_weight(fmt, DENSE_INTER, HIDDEN)
 
     probe = pair()
-    sets = [probe] + [pair() for _ in range(num_sets(2 * nbytes(probe[0])) - 1)]
+    sets = [probe] + [pair() for _ in range(_num_sets(2 * nbytes(probe[0])) - 1)]
     x = torch.randn(b, HIDDEN, device="cuda").bfloat16()
     h = torch.empty(b, DENSE_INTER, device="cuda", dtype=torch.bfloat16)
     launches = [lambda g=g, u=u: gate_up_silu(x, g, u, out=h, **PDL) for g, u in sets]
@@ -119,7 +92,7 @@ def bench_norm(b: int) -> Result:
 
 
 def bench_router(b: int) -> Result:
-    gates = [make_weight("bf16", EXPERTS, HIDDEN) for _ in range(num_sets(EXPERTS * HIDDEN * 2))]
+    gates = [make_weight("bf16", EXPERTS, HIDDEN) for _ in range(_num_sets(EXPERTS * HIDDEN * 2))]
     bias = 0.1 * torch.randn(EXPERTS, device="cuda")
     x = torch.randn(b, HIDDEN, device="cuda").bfloat16()
     ids = torch.empty(b, TOP_K, dtype=torch.int32, device="cuda")
@@ -217,3 +190,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _num_sets(bytes_per_set: int) -> int:
+    return num_sets(bytes_per_set, MAX_SETS)
