@@ -34,6 +34,11 @@ MAX_SETS = 256
 PDL = {"pdl": False}
 
 
+def _num_sets(bytes_per_set: int) -> int:
+    return num_sets(bytes_per_set, MAX_SETS)
+
+
+
 @dataclass
 class Result:
     kernel: str
@@ -127,6 +132,3 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 
-
-def _num_sets(bytes_per_set: int) -> int:
-    return num_sets(bytes_per_set, MAX_SETS)

@@ -30,6 +30,11 @@ MAX_SETS = 48
 PDL = {"pdl": False}          # launch option for every kernel, set from the command line
 
 
+def _num_sets(bytes_per_set: int) -> int:
+    return num_sets(bytes_per_set, MAX_SETS)
+
+
+
 @dataclass
 class Result:
     kernel: str
@@ -191,6 +196,3 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 
-
-def _num_sets(bytes_per_set: int) -> int:
-    return num_sets(bytes_per_set, MAX_SETS)

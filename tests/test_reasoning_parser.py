@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from flint_sched.api.parsers import ReasoningParser
 
-CASES = json.loads((Path(__file__).parents[2] / "shared/testdata/glm47_cases.json").read_text())
+CASES = json.loads((Path(__file__).parent / "data/glm47_cases.json").read_text())
 
 # (thinking, output, reasoning, content)
 HAND_CASES = [

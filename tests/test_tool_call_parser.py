@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from flint_sched.api.parsers import OutputParser, ToolCallParser, make_output_parser, normalize_content
 from flint_sched.api.parsers.schema_types import convert_value, schema_types
 
-CASES = json.loads((Path(__file__).parents[2] / "shared/testdata/glm47_cases.json").read_text())
+CASES = json.loads((Path(__file__).parent / "data/glm47_cases.json").read_text())
 ID = re.compile(r"chatcmpl-tool-[0-9a-f]{32}")
 
 
