@@ -43,6 +43,8 @@ class DecodeResult:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="flint", help="preset (weights are made with --load-format dummy)")
+    p.add_argument("--load-format", default="dummy", choices=("dummy",),
+                   help="weights are seeded random ones made on the device (no checkpoint file)")
     p.add_argument("--weight-format", default="bf16", choices=("nvfp4", "bf16"))
     p.add_argument("--device", default="auto")
     p.add_argument("--executor", default="torch", choices=("torch", "cuda"),
