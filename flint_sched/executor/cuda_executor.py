@@ -73,7 +73,10 @@ class _Buffers:
 
 class CudaExecutor:
     def __init__(self, config: FlintConfig, weights: Weights, kv_cache: KVCache, eos_token_ids: Collection[int],
-                 max_model_len: int, device: torch.device | str = "cuda", seed: int = 0, use_graphs: bool = True):
+                 max_model_len: int, device: torch.device | str = "cuda", seed: int = 0, use_graphs: bool = True,
+                 pdl: bool = True):
+        """`pdl`: launch every kernel with programmatic dependent launch, so each one starts while its
+        predecessor drains (every kernel waits with griddepcontrol.wait before reading inputs)."""
         if not supports(config):
             raise ValueError("the CUDA kernels need head_dim 128 and 8 query heads per KV head")
         self.config = config
@@ -81,7 +84,9 @@ class CudaExecutor:
         self.kv = kv_cache
         self.max_model_len = max_model_len
         self.use_graphs = use_graphs
+        self.pdl = pdl
         self.w = {name: _kernel_weight(t, self.device) for name, t in weights.items()}
+        self.qkv = {i: _fused_qkv(self.w, f"model.layers.{i}.self_attn.") for i in range(config.num_hidden_layers)}
         self.fallback = TorchExecutor(config, self.w, kv_cache, eos_token_ids, torch.bfloat16, self.device, seed,
                                       dequantize_once=False)
         max_blocks = -(-max_model_len // kv_cache.block_size)
@@ -145,58 +150,71 @@ class CudaExecutor:
         torch.index_select(w["model.embed_tokens.weight"], 0, buf.tokens[:b], out=h)
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            normed = rms_norm(h, w[p + "input_layernorm.weight"], eps, out=buf.normed[:b])
+            normed = rms_norm(h, w[p + "input_layernorm.weight"], eps, out=buf.normed[:b], pdl=self.pdl)
             self._attention(i, b, normed)
-            linear(buf.attn_out[:b].view(b, c.q_size), w[p + "self_attn.o_proj.weight"], residual=h,
-                          out=h_next)
+            linear(buf.attn_out[:b].view(b, c.q_size), w[p + "self_attn.o_proj.weight"], residual=h, out=h_next,
+                   pdl=self.pdl)
             h, h_next = h_next, h
-            normed = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps, out=buf.normed[:b])
+            normed = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps, out=buf.normed[:b], pdl=self.pdl)
             if c.is_moe(i):
                 self._moe(i, b, normed, residual=h, out=h_next)
             else:
                 up = gate_up_silu(normed, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
-                                         out=buf.mlp_hidden[:b])
-                linear(up, w[p + "mlp.down_proj.weight"], residual=h, out=h_next)
+                                  out=buf.mlp_hidden[:b], pdl=self.pdl)
+                linear(up, w[p + "mlp.down_proj.weight"], residual=h, out=h_next, pdl=self.pdl)
             h, h_next = h_next, h
-        normed = rms_norm(h, w["model.norm.weight"], eps, out=buf.normed[:b])
-        linear(normed, w["lm_head.weight"], out=buf.logits[:b])
-        greedy(buf.logits[:b], out=buf.next_tokens[:b], workspace=buf.argmax_workspace)
+        normed = rms_norm(h, w["model.norm.weight"], eps, out=buf.normed[:b], pdl=self.pdl)
+        linear(normed, w["lm_head.weight"], out=buf.logits[:b], pdl=self.pdl)
+        greedy(buf.logits[:b], out=buf.next_tokens[:b], workspace=buf.argmax_workspace, pdl=self.pdl)
 
     def _attention(self, i: int, b: int, normed: torch.Tensor) -> None:
         c, buf, w = self.config, self.buf, self.w
         p = f"model.layers.{i}.self_attn."
-        linear(normed, w[p + "q_proj.weight"], out=buf.q_lin[:b])
-        linear(normed, w[p + "k_proj.weight"], out=buf.k_lin[:b])
-        linear(normed, w[p + "v_proj.weight"], out=buf.v_lin[:b])
-        qkv = torch.cat((buf.q_lin[:b], buf.k_lin[:b], buf.v_lin[:b]), dim=1, out=buf.qkv[:b])
+        qkv = buf.qkv[:b]
+        if self.qkv[i] is not None:                     # BF16: one GEMV over the fused weight
+            linear(normed, self.qkv[i], out=qkv, pdl=self.pdl)
+        else:                                           # NVFP4: q, k, v keep their own tensor scales
+            linear(normed, w[p + "q_proj.weight"], out=buf.q_lin[:b], pdl=self.pdl)
+            linear(normed, w[p + "k_proj.weight"], out=buf.k_lin[:b], pdl=self.pdl)
+            linear(normed, w[p + "v_proj.weight"], out=buf.v_lin[:b], pdl=self.pdl)
+            torch.cat((buf.q_lin[:b], buf.k_lin[:b], buf.v_lin[:b]), dim=1, out=qkv)
         q, out, sinks = buf.q[:b], buf.attn_out[:b], w[p + "sinks"]
         if c.is_sliding(i):
             ring = self.kv.ring[self.kv.ring_index[i]]
             attn.qk_norm_rope_kv_sliding(qkv, w[p + "q_norm.weight"], w[p + "k_norm.weight"], buf.positions[:b],
-                                         ring[0], ring[1], buf.ring_slots[:b], c.rms_norm_eps, c.rope_theta, q_out=q)
+                                         ring[0], ring[1], buf.ring_slots[:b], c.rms_norm_eps, c.rope_theta,
+                                         q_out=q, pdl=self.pdl)
             attn.decode_attention_sliding(q, ring[0], ring[1], buf.ring_slots[:b], buf.seq_lens[:b], sinks,
-                                          buf.attention_workspace, out=out)
+                                          buf.attention_workspace, out=out, pdl=self.pdl)
         else:
             full = self.kv.full[self.kv.full_index[i]]
             tables = buf.block_tables[:b]
             attn.qk_norm_rope_kv_full(qkv, w[p + "q_norm.weight"], w[p + "k_norm.weight"], buf.positions[:b],
-                                      full[0], full[1], tables, c.rms_norm_eps, q_out=q)
+                                      full[0], full[1], tables, c.rms_norm_eps, q_out=q, pdl=self.pdl)
             attn.decode_attention_full(q, full[0], full[1], tables, buf.seq_lens[:b], sinks,
-                                       buf.attention_workspace, self.max_model_len, out=out)
+                                       buf.attention_workspace, self.max_model_len, out=out, pdl=self.pdl)
 
     def _moe(self, i: int, b: int, normed: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> None:
         c, buf, w = self.config, self.buf, self.w
         p = f"model.layers.{i}.mlp."
         ids, weights = route(normed, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"],
-                                 c.num_experts_per_tok, c.routed_scaling_factor, ids=buf.expert_ids[:b],
-                                 weights=buf.expert_weights[:b], workspace=buf.router_workspace)
+                             c.num_experts_per_tok, c.routed_scaling_factor, ids=buf.expert_ids[:b],
+                             weights=buf.expert_weights[:b], workspace=buf.router_workspace, pdl=self.pdl)
         shared = c.n_shared_experts > 0
         hidden = moe_gate_up(normed, ids, w[p + "experts.gate_proj.weight"], w[p + "experts.up_proj.weight"],
-                                 w[p + "shared_experts.gate_proj.weight"] if shared else None,
-                                 w[p + "shared_experts.up_proj.weight"] if shared else None,
-                                 out=buf.expert_hidden[:b])
+                             w[p + "shared_experts.gate_proj.weight"] if shared else None,
+                             w[p + "shared_experts.up_proj.weight"] if shared else None,
+                             out=buf.expert_hidden[:b], pdl=self.pdl)
         moe_down(hidden, ids, weights, w[p + "experts.down_proj.weight"],
-                     w[p + "shared_experts.down_proj.weight"] if shared else None, residual=residual, out=out)
+                 w[p + "shared_experts.down_proj.weight"] if shared else None, residual=residual, out=out,
+                 pdl=self.pdl)
+
+def _fused_qkv(w: dict, prefix: str) -> torch.Tensor | None:
+    """[q; k; v] as one [q_size + 2 kv_size, hidden] weight when all three are BF16, else None."""
+    parts = [w[prefix + f"{name}_proj.weight"] for name in "qkv"]
+    if any(isinstance(t, NVFP4Tensor) for t in parts):
+        return None
+    return torch.cat(parts).contiguous()
 
 
 def _needs_torch(entry) -> bool:

@@ -33,11 +33,11 @@ def ckpt(request):
     return dummy_checkpoint(small_real_config(), request.param, seed=5, device="cuda")
 
 
-def run(ckpt, prompts, max_tokens, use_graphs=True):
+def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True):
     config = ckpt.config
     block_size, num_blocks, seqs = 16, 512, 4
     kv = KVCache(config, num_blocks, block_size, seqs, torch.bfloat16, "cuda")
-    ex = CudaExecutor(config, ckpt.weights, kv, (), MAX_MODEL_LEN, "cuda", use_graphs=use_graphs)
+    ex = CudaExecutor(config, ckpt.weights, kv, (), MAX_MODEL_LEN, "cuda", use_graphs=use_graphs, pdl=pdl)
     sched = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=256, num_blocks=num_blocks,
                                       max_model_len=MAX_MODEL_LEN, block_size=block_size,
                                       sliding_window=config.sliding_window))
@@ -75,9 +75,9 @@ def test_decode_logits_match_the_reference(ckpt):
     assert errors[-1][0] < 0.2, errors
 
 
-def test_graphs_replay_the_eager_step_exactly(ckpt):
+def test_graphs_with_pdl_replay_the_eager_step_exactly(ckpt):
     prompts = [[1, 2, 3, 4, 5], list(range(100, 140))]
-    eager, out_eager = run(ckpt, prompts, 4, use_graphs=False)
+    eager, out_eager = run(ckpt, prompts, 4, use_graphs=False, pdl=False)
     graphed, out_graphed = run(ckpt, prompts, 4, use_graphs=True)
     assert out_eager == out_graphed
     for (r1, p1, a), (r2, p2, b) in zip(eager, graphed):
