@@ -2,7 +2,6 @@
 
 import json
 
-import pytest
 
 from api_server import shared_server
 from flint_sched.cli import main

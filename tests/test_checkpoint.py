@@ -15,7 +15,7 @@ from flint_sched.checkpoint.hf_io import read_hf
 from flint_sched.checkpoint.loader import load_checkpoint
 from flint_sched.checkpoint.make import dummy_checkpoint, make_checkpoint
 from flint_sched.model.reference import FlintReference
-from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize
+from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 SEED = 7
 

@@ -18,6 +18,7 @@ from flint_sched.kernels.attention import (
     qk_norm_rope_kv_sliding,
 )
 from flint_sched.model.reference import apply_rope, attention_with_sinks, rms_norm
+from gpu_checks import gen
 
 pytestmark = pytest.mark.gpu
 
@@ -28,9 +29,6 @@ THETA = 10000.0
 CONTEXTS = [1, 2, 7, 512, 513, 514, 1000, 4097, 32768]
 LONG = 100_000
 
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator(device="cuda").manual_seed(seed)
 
 
 def mixed_sinks(seed: int, dtype=torch.bfloat16) -> torch.Tensor:

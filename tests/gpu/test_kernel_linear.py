@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from flint_sched.kernels import gate_up_silu, linear
+from gpu_checks import assert_close_bf16, gen, poisoned
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize
 
 pytestmark = pytest.mark.gpu
@@ -18,26 +19,6 @@ BF16_SHAPES = [(5120, 2048), (2048, 4096), (37, 200), (1000, 136), (130, 4104), 
 NVFP4_SHAPES = [(5120, 2048), (2048, 4096), (37, 192), (1000, 2112), (130, 64)]
 
 
-def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, what: str, rtol: float = 2.0**-7,
-                      rel_l2: float = 1e-2) -> None:
-    """bf16 output vs fp32 reference: no NaN, rel. L2 < rel_l2, |err| <= rtol|ref| + 1e-3 max|ref|."""
-    out, ref = out.float(), ref.float()
-    nan = torch.isnan(out)
-    assert not nan.any(), (f"{what}: {int(nan.sum())} of {nan.numel()} outputs NaN (unwritten?), "
-                           f"first at {nan.nonzero()[0].tolist()}")
-    rel = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-    assert rel < rel_l2, f"{what}: relative L2 error {rel:.3e}"
-    bound = rtol * ref.abs() + 1e-3 * float(ref.abs().max())
-    excess = (out - ref).abs() - bound
-    worst = int(excess.argmax())
-    index = list(torch.unravel_index(torch.tensor(worst), out.shape))
-    assert float(excess.flatten()[worst]) <= 0, (
-        f"{what}: max-abs bound exceeded at {[int(i) for i in index]}: out {float(out.flatten()[worst])}, "
-        f"ref {float(ref.flatten()[worst])}; {int((excess > 0).sum())} elements over")
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator(device="cuda").manual_seed(seed)
 
 
 def bf16_weight(n: int, k: int, seed: int) -> torch.Tensor:
@@ -63,9 +44,6 @@ def dense(w) -> torch.Tensor:
 def activations(b: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(b, k, device="cuda", generator=gen(seed)).bfloat16()
 
-
-def poisoned(*shape: int) -> torch.Tensor:
-    return torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("n,k", BF16_SHAPES)

@@ -17,6 +17,8 @@ from flint_sched.model.reference import FlintReference
 from flint_sched.model.reference import route as reference_route
 from flint_sched.model.weights import tensor_specs
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize
+from gpu_checks import assert_close_bf16 as close_bf16
+from gpu_checks import gen
 
 pytestmark = pytest.mark.gpu
 
@@ -25,26 +27,11 @@ TINY = dict(experts=16, top_k=4, hidden=64, inter=64)
 SCALING = 2.5
 
 
-def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, what: str, rtol: float = 2.0**-6,
-                      rel_l2: float = 1e-2) -> None:
-    """bf16 output vs fp32 reference: no NaN, rel. L2 < rel_l2, |err| <= rtol|ref| + 1e-2 max|ref|."""
-    out, ref = out.float(), ref.float()
-    nan = torch.isnan(out)
-    assert not nan.any(), (f"{what}: {int(nan.sum())} of {nan.numel()} outputs NaN (unwritten?), "
-                           f"first at {nan.nonzero()[0].tolist()}")
-    rel = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-    assert rel < rel_l2, f"{what}: relative L2 error {rel:.3e}"
-    bound = rtol * ref.abs() + 1e-2 * float(ref.abs().max())
-    excess = (out - ref).abs() - bound
-    worst = int(excess.argmax())
-    index = [int(i) for i in torch.unravel_index(torch.tensor(worst), out.shape)]
-    assert float(excess.flatten()[worst]) <= 0, (
-        f"{what}: max-abs bound exceeded at {index}: out {float(out.flatten()[worst])}, "
-        f"ref {float(ref.flatten()[worst])}; {int((excess > 0).sum())} elements over")
+def assert_close_bf16(out, ref, what, rtol=2.0**-6, rel_l2=1e-2):
+    """MoE sums several bf16 products: a looser bound than a single GEMV."""
+    close_bf16(out, ref, what, rtol=rtol, abs_frac=1e-2, rel_l2=rel_l2)
 
 
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator(device="cuda").manual_seed(seed)
 
 
 def make_experts(fmt: str, experts: int, hidden: int, inter: int, seed: int = 0) -> dict:

@@ -5,25 +5,12 @@ import torch
 
 from flint_sched.kernels import fused_add_rms_norm, rms_norm
 from flint_sched.model.reference import rms_norm as reference_rms_norm
+from gpu_checks import assert_close_bf16
 
 pytestmark = pytest.mark.gpu
 
 EPS = 1e-5
 
-
-def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    """bf16 output vs fp32 reference: no NaN (unwritten), rel. L2 < 1e-2, |err| <= 2^-7|ref| + 1e-3 max|ref|."""
-    out, ref = out.float(), ref.float()
-    nan = torch.isnan(out)
-    assert not nan.any(), f"{what}: {int(nan.sum())} NaN outputs (unwritten?), first at {nan.nonzero()[0].tolist()}"
-    rel = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-    assert rel < 1e-2, f"{what}: relative L2 error {rel:.3e}"
-    bound = 2.0**-7 * ref.abs() + 1e-3 * float(ref.abs().max())
-    excess = (out - ref).abs() - bound
-    worst = int(excess.argmax())
-    assert float(excess.flatten()[worst]) <= 0, (
-        f"{what}: max-abs bound exceeded at flat index {worst}: out {float(out.flatten()[worst])}, "
-        f"ref {float(ref.flatten()[worst])}; {int((excess > 0).sum())} elements over")
 
 
 def inputs(tokens: int, hidden: int, seed: int = 0):
