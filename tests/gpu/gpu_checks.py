@@ -1,6 +1,12 @@
-"""Shared checks of the GPU kernel tests: bf16 outputs against fp32 references, seeded generators."""
+"""Shared pieces of the GPU tests: bf16 closeness checks, seeded generators, a small real-shaped config."""
+
+import dataclasses
 
 import torch
+
+from flint_sched.config import flint_layer_types, preset
+
+MAX_MODEL_LEN = 2048
 
 
 def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, what: str, rtol: float = 2.0**-7,
@@ -28,3 +34,11 @@ def gen(seed: int) -> torch.Generator:
 def poisoned(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """NaN-filled output buffer: an element the kernel does not write fails the check."""
     return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+
+
+def small_real_config():
+    """Real per-head shapes (head_dim 128, 8 query heads per KV head), few layers, small vocab."""
+    return dataclasses.replace(
+        preset("flint"), hidden_size=512, num_hidden_layers=7, layer_types=tuple(flint_layer_types(7)),
+        num_attention_heads=16, num_key_value_heads=2, intermediate_size=1024, n_routed_experts=32,
+        moe_intermediate_size=256, vocab_size=4096, max_position_embeddings=MAX_MODEL_LEN)

@@ -1,31 +1,19 @@
 """CudaExecutor against the reference: decode logits after torch-path prefills, BF16 and NVFP4,
 graphs on and off, contexts past the 513 window, several requests at once."""
 
-import dataclasses
-
 import pytest
 import torch
 
 from flint_sched.checkpoint.make import dummy_checkpoint
-from flint_sched.config import flint_layer_types, preset
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.core.scheduler_config import SchedulerConfig
 from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.model.reference import FlintReference
 from flint_sched.sampling_params import SamplingParams
+from gpu_checks import MAX_MODEL_LEN, small_real_config
 
 pytestmark = pytest.mark.gpu
-
-MAX_MODEL_LEN = 2048
-
-
-def small_real_config():
-    """Real per-head shapes (head_dim 128, 8 query heads per KV head), few layers, small vocab."""
-    return dataclasses.replace(
-        preset("flint"), hidden_size=512, num_hidden_layers=7, layer_types=tuple(flint_layer_types(7)),
-        num_attention_heads=16, num_key_value_heads=2, intermediate_size=1024, n_routed_experts=32,
-        moe_intermediate_size=256, vocab_size=4096, max_position_embeddings=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module", params=["bf16", "nvfp4"])

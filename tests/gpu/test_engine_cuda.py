@@ -1,0 +1,50 @@
+"""The engine on a GPU picks the CUDA executor and serves concurrent requests through it."""
+
+import asyncio
+import random
+
+import pytest
+
+from flint_sched.checkpoint.make import dummy_checkpoint
+from flint_sched.engine import EngineConfig
+from flint_sched.engine.builder import build_engine, build_parts
+from flint_sched.executor.cuda_executor import CudaExecutor
+from flint_sched.sampling_params import SamplingParams
+from gpu_checks import small_real_config
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def parts():
+    ckpt = dummy_checkpoint(small_real_config(), "nvfp4", seed=3, device="cuda")
+    return build_parts(EngineConfig(device="cuda", max_num_seqs=16, max_num_batched_tokens=512, num_kv_blocks=2048,
+                                    max_model_len=2048), progress=False, checkpoint=ckpt)
+
+
+async def test_concurrent_requests_through_the_cuda_executor(parts):
+    assert isinstance(parts.executor, CudaExecutor)
+    rng = random.Random(0)
+    engine = build_engine(parts)
+    engine.start()
+    try:
+        requests = []
+        for n in range(20):
+            params = SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, 24), ignore_eos=True,
+                                    presence_penalty=rng.choice([0.0, 0.5]), seed=n)
+            requests.append(([rng.randrange(4096) for _ in range(rng.randint(1, 700))], params))
+
+        async def last(stream):
+            out = None
+            async for out in stream:
+                pass
+            return out
+
+        results = await asyncio.gather(*(last(engine.add_request(p, sp)) for p, sp in requests))
+        for (_, params), result in zip(requests, results):
+            assert len(result.outputs[0].token_ids) == params.max_tokens
+        allocator = engine.scheduler.kv_allocator
+        assert allocator.num_used_blocks == 0 and allocator.num_used_ring_slots == 0
+        assert parts.executor.graphs, "no decode step ran on the CUDA graphs"
+    finally:
+        await engine.shutdown()
