@@ -74,7 +74,7 @@ def from_value_error(error: ValueError, fields: tuple[str, ...] = ()) -> APIErro
 
 
 def model_not_found(name: str) -> APIError:
-    return APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+    return APIError(400, f"The model `{name}` does not exist.", "model", "model_not_found")
 
 
 def unauthorized() -> APIError:

@@ -27,7 +27,7 @@ _ROUTES = (
     ("post", "/detokenize", "Token ids to text", "DetokenizeRequest", "DetokenizeResponse", None),
     ("get", "/version", "The server's version", None, "VersionResponse", None),
 )
-_ERRORS = {"400": "Bad request", "401": "Missing or wrong API key", "404": "Unknown model",
+_ERRORS = {"400": "Bad request (also an unknown model)", "401": "Missing or wrong API key",
            "413": "Request body too large", "503": "The engine is not running"}
 
 

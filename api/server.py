@@ -155,7 +155,7 @@ class ServingContext:
         return self.state.max_model_len
 
     def model_name(self, requested: str | None) -> str:
-        """The model a request names (None: the first served name); 404 for any other."""
+        """The model a request names (None: the first served name); 400 for any other."""
         if requested is None:
             return self.config.served_model_names[0]
         if requested not in self.config.served_model_names:

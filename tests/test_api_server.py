@@ -222,7 +222,7 @@ BAD_CHAT = [
     ("required without tools", {"messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice"),
     ("stream options without stream", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
-    ("unknown model", {"model": "gpt-9", "messages": MESSAGES}, 404, "model"),
+    ("unknown model", {"model": "gpt-9", "messages": MESSAGES}, 400, "model"),
 ]
 
 
@@ -261,6 +261,6 @@ def test_openai_client_raises_on_bad_input(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="flint-tiny", messages=[], max_tokens=2)
     assert "messages" in str(info.value)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError, match="model `other` does not exist"):
         client.chat.completions.create(model="other", messages=MESSAGES, max_tokens=2)
     assert json.loads(info.value.response.text)["error"]["type"] == "invalid_request_error"
