@@ -24,6 +24,7 @@ from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.torch_executor import TorchExecutor
 from flint_sched.sampling_params import SamplingParams
+from flint_sched.benchmarks.kernel_breakdown import format_breakdown, kernel_breakdown
 from flint_sched.benchmarks.step_bytes import decode_step_bytes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -61,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth-gbps", type=float, default=None, help="default: measured with a device copy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--kernel-breakdown", action="store_true",
+                   help="after each decode case, trace a few steps and print GPU time per kernel")
 
 
 def _ints(text: str) -> list[int]:
@@ -110,6 +113,19 @@ def run_decode(executor, args, batch: int, context: int, bandwidth: float) -> De
     nbytes = decode_step_bytes(executor.config, batch, context, args.weight_format).total
     return DecodeResult(batch, context, step * 1e3, batch / step, nbytes, nbytes / bandwidth / 1e6,
                         nbytes / step / 1e9, nbytes / step / 1e9 / bandwidth)
+
+
+def _breakdown(executor, args, batch: int, context: int) -> list[tuple[str, float, float]]:
+    """Kernel times of a few eager steps (graphs off: each kernel shows under its own name)."""
+    plan = decode_plan(batch, context, math.ceil((context + 1) / args.block_size))
+    graphs = getattr(executor, "use_graphs", None)
+    if graphs is not None:
+        executor.use_graphs = False
+    try:
+        return kernel_breakdown(lambda: executor.execute(plan))
+    finally:
+        if graphs is not None:
+            executor.use_graphs = graphs
 
 
 def run_prefill(executor, args, length: int) -> float | None:
@@ -170,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"decode B={batch:<4} C={context:<7} {r.step_ms:9.2f} ms/step {r.tokens_per_s:10.1f} tok/s "
                   f"floor {r.floor_ms:7.3f} ms  {r.achieved_gbps:8.1f} GB/s ({100 * r.bandwidth_share:5.1f} %)",
                   flush=True)
+            if args.kernel_breakdown and device.type == "cuda":
+                print(format_breakdown(_breakdown(executor, args, batch, context), r.step_ms), flush=True)
     prefill = {}
     for length in prefills:
         fits = math.ceil(length / args.block_size) <= num_blocks

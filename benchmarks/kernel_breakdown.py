@@ -1,0 +1,36 @@
+"""Where a decode step's GPU time goes: the kernels of a few steps, traced by torch's profiler
+(CUPTI sees kernels launched through cuda-python and inside CUDA graphs alike), summed by name."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+
+def kernel_breakdown(step: Callable[[], object], num_steps: int = 5) -> list[tuple[str, float, float]]:
+    """(kernel name, µs per step, launches per step), longest first."""
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals[event.name]
+            entry[0] += event.device_time
+            entry[1] += 1
+    rows = [(name, us / num_steps, count / num_steps) for name, (us, count) in totals.items()]
+    return sorted(rows, key=lambda row: -row[1])
+
+
+def format_breakdown(rows: list[tuple[str, float, float]], step_ms: float, top: int = 15) -> str:
+    busy_us = sum(us for _, us, _ in rows)
+    lines = [f"  GPU busy {busy_us / 1e3:.3f} ms of a {step_ms:.3f} ms step "
+             f"({100 * busy_us / 1e3 / step_ms:.0f} %), {sum(n for *_, n in rows):.0f} kernels per step"]
+    for name, us, count in rows[:top]:
+        lines.append(f"  {us:9.1f} µs  {count:5.0f}x  {name[:90]}")
+    return "\n".join(lines)
