@@ -198,3 +198,10 @@ def test_offline_llm_api(ckpt, tmp_path, monkeypatch):
     again = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     assert dataclasses.is_dataclass(outs[0])
+
+
+def test_a_model_too_big_for_the_host_is_refused_before_anything_is_made(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="weights need about 159 GB.*GPU"):
+        build_parts(EngineConfig(model="flint", device="cpu"), progress=False)
+    assert list(tmp_path.iterdir()) == []

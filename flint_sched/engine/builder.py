@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from flint_sched.checkpoint.common import Checkpoint
-from flint_sched.checkpoint.loader import load_checkpoint
+from flint_sched.checkpoint.loader import load_checkpoint, peek_config
 from flint_sched.checkpoint.make import resolve_device
+from flint_sched.config import FlintConfig
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.core.scheduler_config import SchedulerConfig
 from flint_sched.engine.async_engine import AsyncEngine
@@ -33,6 +35,23 @@ def _dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, config.dtype)
 
 
+def check_weights_fit(model: FlintConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, before loading anything, a model whose weights cannot fit the device's memory.
+
+    The CPU path holds every weight dense in the compute dtype; a GPU holds at least the packed
+    NVFP4 weights (about 0.56 bytes each).
+    """
+    total, _ = model.parameter_counts()
+    if device.type == "cuda":
+        need, have, where = total * 0.5625, torch.cuda.get_device_properties(device).total_memory, "GPU"
+    else:
+        need = total * torch.empty((), dtype=dtype).element_size()
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host"
+    if need > 0.9 * have:
+        raise ValueError(f"this model's weights need about {need / 1e9:.0f} GB, the {where} has "
+                         f"{have / 1e9:.0f} GB: run it on a GPU (--device cuda), or serve flint-tiny")
+
+
 def _num_blocks(config: EngineConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> int:
     per_block = KVCache.bytes_per_block(ckpt.config, config.block_size, dtype)
     rings = config.max_num_seqs * KVCache.bytes_per_slot(ckpt.config, dtype)
@@ -52,6 +71,9 @@ def _num_blocks(config: EngineConfig, ckpt: Checkpoint, device: torch.device, dt
 def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpoint | None = None) -> EngineParts:
     """Load the checkpoint (unless one is given), size the KV cache, make the executor."""
     device = resolve_device(config.device)
+    if checkpoint is None:
+        check_weights_fit(peek_config(config.model, config.load_format, config.hf_config_path), device,
+                          _dtype(config, device))
     ckpt = checkpoint or load_checkpoint(config.model, config.load_format, device, config.hf_config_path,
                                          config.tokenizer, config.weight_format, config.seed, progress)
     dtype = _dtype(config, device)
