@@ -17,7 +17,7 @@ from flint_sched.config import FlintConfig
 from flint_sched.core.plan import ScheduledRequest, StepPlan, StepResult
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.sampler import sample_one
-from flint_sched.model.reference import FlintReference, apply_rope, attention_with_sinks, rms_norm
+from flint_sched.model.reference import FlintReference, attention_with_sinks, rms_norm
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 QUERY_BLOCK = 256   # query rows per attention call on full layers: scores are [heads, rows, context]
@@ -94,22 +94,14 @@ class TorchExecutor:
                tables: list[torch.Tensor]) -> torch.Tensor:
         m, eps, p = self.model, self.config.rms_norm_eps, f"model.layers.{i}."
         h = x + self._attention(i, rms_norm(x, m.w(p + "input_layernorm.weight"), eps), positions, entries, tables)
-        y = rms_norm(h, m.w(p + "post_attention_layernorm.weight"), eps)
-        return h + (m.moe(i, y) if self.config.is_moe(i) else m.dense_mlp(i, y))
+        return h + m.mlp(i, rms_norm(h, m.w(p + "post_attention_layernorm.weight"), eps))
 
     def _attention(self, i: int, x: torch.Tensor, positions: torch.Tensor, entries: list[ScheduledRequest],
                    tables: list[torch.Tensor]) -> torch.Tensor:
         c, m, p = self.config, self.model, f"model.layers.{i}.self_attn."
         n = x.shape[0]
-        q = (x @ m.w(p + "q_proj.weight").t()).view(n, c.num_attention_heads, c.head_dim)
-        k = (x @ m.w(p + "k_proj.weight").t()).view(n, c.num_key_value_heads, c.head_dim)
-        v = (x @ m.w(p + "v_proj.weight").t()).view(n, c.num_key_value_heads, c.head_dim)
-        q = rms_norm(q, m.w(p + "q_norm.weight"), c.rms_norm_eps)
-        k = rms_norm(k, m.w(p + "k_norm.weight"), c.rms_norm_eps)
+        q, k, v = m.qkv(i, x, positions)
         sliding = c.is_sliding(i)
-        if sliding:
-            q = apply_rope(q, positions, c.rope_theta)
-            k = apply_rope(k, positions, c.rope_theta)
         sinks = m.w(p + "sinks")
         out = torch.empty_like(q)
         start = 0

@@ -145,10 +145,14 @@ class FlintReference:
     def layer(self, i: int, x: torch.Tensor, positions: torch.Tensor, state: KVState) -> torch.Tensor:
         p, eps = f"model.layers.{i}.", self.config.rms_norm_eps
         h = x + self.attention(i, rms_norm(x, self.w(p + "input_layernorm.weight"), eps), positions, state)
-        y = rms_norm(h, self.w(p + "post_attention_layernorm.weight"), eps)
-        return h + (self.moe(i, y) if self.config.is_moe(i) else self.dense_mlp(i, y))
+        return h + self.mlp(i, rms_norm(h, self.w(p + "post_attention_layernorm.weight"), eps))
 
-    def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor, state: KVState) -> torch.Tensor:
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """The layer's MoE block, or its dense SwiGLU on the first layers."""
+        return self.moe(i, x) if self.config.is_moe(i) else self.dense_mlp(i, x)
+
+    def qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k, v [T, G, D]: projections, Q/K RMSNorm, and RoPE on sliding layers only."""
         c, p = self.config, f"model.layers.{i}.self_attn."
         t = x.shape[0]
         q = (x @ self.w(p + "q_proj.weight").t()).view(t, c.num_attention_heads, c.head_dim)
@@ -156,10 +160,16 @@ class FlintReference:
         v = (x @ self.w(p + "v_proj.weight").t()).view(t, c.num_key_value_heads, c.head_dim)
         q = rms_norm(q, self.w(p + "q_norm.weight"), c.rms_norm_eps)
         k = rms_norm(k, self.w(p + "k_norm.weight"), c.rms_norm_eps)
-        sliding = c.is_sliding(i)
-        if sliding:                                                  # full layers: no positions
+        if c.is_sliding(i):                                          # full layers: no positions
             q = apply_rope(q, positions, c.rope_theta)
             k = apply_rope(k, positions, c.rope_theta)
+        return q, k, v
+
+    def attention(self, i: int, x: torch.Tensor, positions: torch.Tensor, state: KVState) -> torch.Tensor:
+        c, p = self.config, f"model.layers.{i}.self_attn."
+        t = x.shape[0]
+        q, k, v = self.qkv(i, x, positions)
+        sliding = c.is_sliding(i)
         past = state.layers.get(i)
         if past is not None:
             k_all, v_all = torch.cat((past.k, k)), torch.cat((past.v, v))
