@@ -2,7 +2,10 @@
 // SwiGLU front half h[B, I] = silu(x . Wg^T) * (x . Wu^T). x, y, h, residual: bf16 row-major,
 // contiguous; W: bf16 or NVFP4 (gemv_tile.cuh). One CTA of GEMV_WARPS warps per 16 output rows
 // (8 for gate/up: tile rows 0-7 read Wg, rows 8-15 read Wu), whole K per CTA, no atomics.
-// y may alias residual (each element is read and written by the same thread).
+// y may alias residual (each element is read and written by the same thread). NVFP4 W may be up
+// to three weights stacked by rows, each with its tensor scale: rows [split1, split2) use
+// tensor_scale[1], rows from split2 on tensor_scale[2] (q/k/v as one GEMV).
+// Each CTA loads its first round of weights before waiting on the previous kernel (PDL).
 // GEMV_WARPS (4, 8 or 16) is a compile-time define: few tiles want more warps splitting K, so
 // that each SM keeps enough loads in flight.
 #include "gemv_tile.cuh"
@@ -15,11 +18,10 @@
 
 template <class Wt, int U>
 __device__ __forceinline__ void gemv(u16* y, const u16* x, const Wt& wt, const u16* residual,
-                                     int B, int N, int K) {
+                                     int B, int N, int K, int split1, int split2) {
   __shared__ float red[GEMV_WARPS * 4 * 32];
   __shared__ typename Wt::Shared sh;
   Wt::init_shared(sh);
-  pdl_wait();
   pdl_launch_dependents();
   __syncthreads();
   const int g = (threadIdx.x & 31) >> 2;
@@ -27,12 +29,13 @@ __device__ __forceinline__ void gemv(u16* y, const u16* x, const Wt& wt, const u
   const typename Wt::Rows rows = Wt::rows(wt, min(n0 + g, N - 1), wt, min(n0 + g + 8, N - 1), K);
   const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  tile_partial<Wt, GEMV_WARPS, U>(acc, rows, g < B ? x + (size_t)g * K : nullptr, K, 0, steps, sh);
+  tile_partial<Wt, GEMV_WARPS, U, true>(acc, rows, g < B ? x + (size_t)g * K : nullptr, K, 0, steps,
+                                        sh);
   tile_store_partials<GEMV_WARPS>(red, acc);
   __syncthreads();
   const int r = threadIdx.x >> 3, b = threadIdx.x & 7, n = n0 + r;  // threads 0..127: 16 x 8
   if (r < 16 && n < N && b < B) {
-    float v = tile_sum<GEMV_WARPS>(red, r, b) * wt.sum_scale();
+    float v = tile_sum<GEMV_WARPS>(red, r, b) * wt.sum_scale((n >= split1) + (n >= split2));
     if (residual) v += bf16_to_f32(residual[(size_t)b * N + n]);
     y[(size_t)b * N + n] = f32_to_bf16(v);
   }
@@ -44,7 +47,6 @@ __device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, cons
   __shared__ float red[GEMV_WARPS * 4 * 32];
   __shared__ typename Wt::Shared sh;
   Wt::init_shared(sh);
-  pdl_wait();
   pdl_launch_dependents();
   __syncthreads();
   const int g = (threadIdx.x & 31) >> 2;
@@ -53,7 +55,8 @@ __device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, cons
   const typename Wt::Rows rows = Wt::rows(wg, row, wu, row, K);
   const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  tile_partial<Wt, GEMV_WARPS, U>(acc, rows, g < B ? x + (size_t)g * K : nullptr, K, 0, steps, sh);
+  tile_partial<Wt, GEMV_WARPS, U, true>(acc, rows, g < B ? x + (size_t)g * K : nullptr, K, 0, steps,
+                                        sh);
   tile_store_partials<GEMV_WARPS>(red, acc);
   __syncthreads();
   const int j = threadIdx.x >> 3, b = threadIdx.x & 7, n = j0 + j;
@@ -66,13 +69,14 @@ __device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, cons
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_bf16(u16* y, const u16* x, const u16* w, const u16* residual, int B, int N, int K) {
-  gemv<Bf16Weights, BF16_UNROLL>(y, x, Bf16Weights{w}, residual, B, N, K);
+  gemv<Bf16Weights, BF16_UNROLL>(y, x, Bf16Weights{w}, residual, B, N, K, N, N);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_nvfp4(u16* y, const u16* x, const u8* codes, const u8* scales, const float* tensor_scale,
-           const u16* residual, int B, int N, int K) {
-  gemv<Nvfp4Weights, NVFP4_UNROLL>(y, x, Nvfp4Weights{codes, scales, tensor_scale}, residual, B, N, K);
+           const u16* residual, int B, int N, int K, int split1, int split2) {
+  gemv<Nvfp4Weights, NVFP4_UNROLL>(y, x, Nvfp4Weights{codes, scales, tensor_scale}, residual, B, N, K,
+                                   split1, split2);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)

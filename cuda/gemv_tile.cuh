@@ -39,8 +39,7 @@ struct Bf16Weights {
   static __device__ void init_shared(Shared&) {}
 
   __device__ Bf16Weights expert(int e, int n, int k) const { return {w + (size_t)e * n * k}; }
-  __device__ float sum_scale() const { return 1.0f; }
-  __device__ float expert_sum_scale(int) const { return 1.0f; }
+  __device__ float sum_scale(int = 0) const { return 1.0f; }
   static __device__ Rows rows(const Bf16Weights& a, int row_a, const Bf16Weights& b, int row_b,
                               int k_total) {
     return {a.w + (size_t)row_a * k_total, b.w + (size_t)row_b * k_total};
@@ -95,9 +94,9 @@ struct Nvfp4Weights {
   __device__ Nvfp4Weights expert(int e, int n, int k) const {
     return {codes + (size_t)e * n * (k / 2), scales + (size_t)e * n * (k / 16), tensor_scale + e};
   }
-  // What the fp32 sums are multiplied by (see nvfp4.cuh).
-  __device__ float sum_scale() const { return *tensor_scale * NVFP4_SUM_SCALE; }
-  __device__ float expert_sum_scale(int e) const { return tensor_scale[e] * NVFP4_SUM_SCALE; }
+  // What the fp32 sums are multiplied by (see nvfp4.cuh); i: the expert of a stack, or the row
+  // segment of weights concatenated by rows (each part keeps its tensor scale).
+  __device__ float sum_scale(int i = 0) const { return tensor_scale[i] * NVFP4_SUM_SCALE; }
   static __device__ Rows rows(const Nvfp4Weights& a, int row_a, const Nvfp4Weights& b, int row_b,
                               int k_total) {
     const size_t c = k_total / 2, s = k_total / 16;
@@ -136,11 +135,15 @@ struct Nvfp4Weights {
 
 // acc += this warp's share of rows . x_g over k-steps [s_begin, s_end).
 // x_g: token g's activation row (K bf16), or nullptr. K % LANE_K == 0.
-template <class Wt, int W, int U>
+// PREFETCH: the caller has not waited on the previous kernel yet (PDL); the first round of weight
+// loads is issued before `pdl_wait`, so it overlaps the previous kernel's tail, and every thread
+// has waited when this returns. Weights never depend on the previous kernel; x does.
+template <class Wt, int W, int U, bool PREFETCH = false>
 __device__ __forceinline__ void tile_partial(float (&acc)[4], const typename Wt::Rows& rows,
                                              const u16* x_g, int k_total, int s_begin, int s_end,
                                              const typename Wt::Shared& sh) {
   const int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
+  bool waited = !PREFETCH;
   for (int s0 = s_begin + warp; s0 < s_end; s0 += W * U) {
     typename Wt::Frag f[U];
 #pragma unroll
@@ -149,6 +152,10 @@ __device__ __forceinline__ void tile_partial(float (&acc)[4], const typename Wt:
       const int k = s * Wt::KSTEP + t * Wt::LANE_K;
       f[u] = (s < s_end && k < k_total) ? Wt::load(rows, k) : Wt::zero();
     }
+    if (!waited) {
+      pdl_wait();
+      waited = true;
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int s = s0 + u * W;
@@ -156,6 +163,7 @@ __device__ __forceinline__ void tile_partial(float (&acc)[4], const typename Wt:
       if (s < s_end) Wt::mma(acc, f[u], (x_g && k < k_total) ? x_g + k : nullptr, sh);
     }
   }
+  if (!waited) pdl_wait();  // a warp with no k-steps
 }
 
 // Partials of all warps: red[(warp * 4 + i) * 32 + lane], i = accumulator index.

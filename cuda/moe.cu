@@ -109,7 +109,7 @@ __device__ __forceinline__ int moe_expert_list(int* expert, int (*slot)[8], floa
         for (int a = 0; a < A; ++a)
           if (pair_expert[b * A + a] == e) {
             s = a;
-            c = routing_weights[b * A + a] * stack.expert_sum_scale(e);
+            c = routing_weights[b * A + a] * stack.sum_scale(e);
           }
       }
     }

@@ -20,13 +20,14 @@ from flint_sched.core.plan import StepPlan, StepResult
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.torch_executor import TorchExecutor
 from flint_sched.kernels import attention as attn
-from flint_sched.kernels.linear import gate_up_silu, linear
+from flint_sched.kernels.linear import concat_rows, gate_up_silu, linear
 from flint_sched.kernels.moe import moe_down, moe_gate_up, route, router_workspace
 from flint_sched.kernels.norm import rms_norm
 from flint_sched.kernels.sampling import argmax_workspace, greedy
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 MAX_DECODE_BATCH = 8
+INPUT_ROWS = ("tokens", "positions", "seq_lens", "ring_slots", "table_index", "table_value")
 
 
 def supports(config: FlintConfig) -> bool:
@@ -46,16 +47,16 @@ class _Buffers:
 
     def __init__(self, c: FlintConfig, max_blocks: int, device: torch.device):
         b, bf16, i32 = MAX_DECODE_BATCH, torch.bfloat16, torch.int32
-        self.tokens = torch.zeros(b, dtype=torch.long, device=device)
-        self.positions = torch.zeros(b, dtype=i32, device=device)
-        self.seq_lens = torch.ones(b, dtype=i32, device=device)
-        self.block_tables = torch.zeros(b, max_blocks, dtype=i32, device=device)
-        self.ring_slots = torch.zeros(b, dtype=i32, device=device)
+        # Per-step inputs, one row each: tokens, positions, seq_lens, ring_slots, and one block-table
+        # entry to write (flat index, value); filled on the host and copied in one transfer.
+        self.inputs = torch.zeros(len(INPUT_ROWS), b, dtype=i32, device=device)
+        self.inputs_host = torch.zeros_like(self.inputs, device="cpu", pin_memory=device.type == "cuda")
+        self.tokens, self.positions, self.seq_lens, self.ring_slots, self.table_index, self.table_value = self.inputs
+        # The last element is where rows with no new block entry write.
+        self.block_tables_flat = torch.zeros(b * max_blocks + 1, dtype=i32, device=device)
+        self.block_tables = self.block_tables_flat[:-1].view(b, max_blocks)
         self.hidden = [torch.zeros(b, c.hidden_size, dtype=bf16, device=device) for _ in range(2)]
         self.normed = torch.zeros(b, c.hidden_size, dtype=bf16, device=device)
-        self.q_lin = torch.zeros(b, c.q_size, dtype=bf16, device=device)
-        self.k_lin = torch.zeros(b, c.kv_size, dtype=bf16, device=device)
-        self.v_lin = torch.zeros(b, c.kv_size, dtype=bf16, device=device)
         self.qkv = torch.zeros(b, c.q_size + 2 * c.kv_size, dtype=bf16, device=device)
         self.q = torch.zeros(b, c.num_attention_heads, c.head_dim, dtype=bf16, device=device)
         self.attn_out = torch.zeros(b, c.num_attention_heads, c.head_dim, dtype=bf16, device=device)
@@ -86,18 +87,33 @@ class CudaExecutor:
         self.use_graphs = use_graphs
         self.pdl = pdl
         self.w = {name: _kernel_weight(t, self.device) for name, t in weights.items()}
-        self.qkv = {i: _fused_qkv(self.w, f"model.layers.{i}.self_attn.") for i in range(config.num_hidden_layers)}
+        self.qkv = {i: self._fuse_qkv(f"model.layers.{i}.self_attn.") for i in range(config.num_hidden_layers)}
         self.fallback = TorchExecutor(config, self.w, kv_cache, eos_token_ids, torch.bfloat16, self.device, seed,
                                       dequantize_once=False)
         max_blocks = -(-max_model_len // kv_cache.block_size)
         self.buf = _Buffers(config, max_blocks, self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._table_rows: list[tuple[str, int] | None] = [None] * MAX_DECODE_BATCH  # (request, entries on device)
         self.last_logits: torch.Tensor | None = None
+
+    def _fuse_qkv(self, prefix: str):
+        """q, k and v as one weight for one GEMV (NVFP4: each part keeps its tensor scale); the torch
+        path's q, k, v become views of it, so the weights are held once."""
+        names = [f"{prefix}{n}_proj.weight" for n in "qkv"]
+        fused, splits = concat_rows([self.w[n] for n in names])
+        for n, part, start, end in zip(names, range(3), (0, *splits), (*splits, fused.shape[0]), strict=True):
+            if isinstance(fused, NVFP4Tensor):
+                self.w[n] = NVFP4Tensor(fused.codes[start:end], fused.block_scales[start:end],
+                                        fused.tensor_scale[part: part + 1])
+            else:
+                self.w[n] = fused[start:end]
+        return fused, splits
 
     # -- dispatch ------------------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> StepResult:
         entries = plan.scheduled_requests
+        self._forget(plan)
         if not (plan.path == "low_latency" and 0 < len(entries) <= MAX_DECODE_BATCH):
             return self.fallback.execute(plan)
         b = len(entries)
@@ -114,19 +130,36 @@ class CudaExecutor:
         return self.fallback.sample(self.buf.logits[:b].float(), entries)
 
     def _fill_inputs(self, plan: StepPlan) -> None:
+        """One pinned host-to-device copy of the step's inputs. The device block tables are kept
+        across steps: a row is rewritten when its request changes, otherwise only the entries the
+        request gained since (one per 16 tokens in steady decode, as an in-graph scatter)."""
         entries, buf = plan.scheduled_requests, self.buf
-        b = len(entries)
+        host = buf.inputs_host.numpy()
         width = buf.block_tables.shape[1]
-        tables = torch.zeros(b, width, dtype=torch.int32)
+        dummy = buf.block_tables_flat.numel() - 1
         for row, e in enumerate(entries):
-            tables[row, : len(e.block_table)] = torch.tensor(e.block_table, dtype=torch.int32)
-        host = torch.tensor([[e.token_ids[0], e.start_position, e.start_position + 1, e.ring_slot] for e in entries],
-                            dtype=torch.int64)
-        buf.tokens[:b].copy_(host[:, 0])
-        buf.positions[:b].copy_(host[:, 1])
-        buf.seq_lens[:b].copy_(host[:, 2])
-        buf.ring_slots[:b].copy_(host[:, 3])
-        buf.block_tables[:b].copy_(tables)
+            table, known = e.block_table, self._table_rows[row]
+            index, value = dummy, 0
+            if known is None or known[0] != e.request_id or len(table) < known[1]:
+                self._copy_table(row, table, 0)
+            elif len(table) == known[1] + 1:
+                index, value = row * width + known[1], table[-1]
+            elif len(table) > known[1]:
+                self._copy_table(row, table, known[1])
+            self._table_rows[row] = (e.request_id, len(table))
+            host[:, row] = (e.token_ids[0], e.start_position, e.start_position + 1, e.ring_slot, index, value)
+        buf.inputs.copy_(buf.inputs_host, non_blocking=True)     # 192 bytes, contiguous
+
+    def _copy_table(self, row: int, table: list[int], start: int) -> None:
+        if len(table) > self.buf.block_tables.shape[1]:
+            raise ValueError(f"block table of {len(table)} blocks exceeds max_model_len {self.max_model_len}")
+        self.buf.block_tables[row, start: len(table)].copy_(torch.tensor(table[start:], dtype=torch.int32))
+
+    def _forget(self, plan: StepPlan) -> None:
+        """Rows of preempted or finished requests are rewritten when next used."""
+        gone = set(plan.preempted_request_ids) | set(plan.finished_request_ids)
+        if gone:
+            self._table_rows = [None if k is not None and k[0] in gone else k for k in self._table_rows]
 
     def _graph(self, b: int) -> torch.cuda.CUDAGraph:
         graph = self.graphs.get(b)
@@ -147,6 +180,7 @@ class CudaExecutor:
     def _decode(self, b: int) -> None:
         c, buf, w, eps = self.config, self.buf, self.w, self.config.rms_norm_eps
         h, h_next = buf.hidden[0][:b], buf.hidden[1][:b]
+        buf.block_tables_flat.index_put_((buf.table_index[:b],), buf.table_value[:b])
         torch.index_select(w["model.embed_tokens.weight"], 0, buf.tokens[:b], out=h)
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -171,13 +205,8 @@ class CudaExecutor:
         c, buf, w = self.config, self.buf, self.w
         p = f"model.layers.{i}.self_attn."
         qkv = buf.qkv[:b]
-        if self.qkv[i] is not None:                     # BF16: one GEMV over the fused weight
-            linear(normed, self.qkv[i], out=qkv, pdl=self.pdl)
-        else:                                           # NVFP4: q, k, v keep their own tensor scales
-            linear(normed, w[p + "q_proj.weight"], out=buf.q_lin[:b], pdl=self.pdl)
-            linear(normed, w[p + "k_proj.weight"], out=buf.k_lin[:b], pdl=self.pdl)
-            linear(normed, w[p + "v_proj.weight"], out=buf.v_lin[:b], pdl=self.pdl)
-            torch.cat((buf.q_lin[:b], buf.k_lin[:b], buf.v_lin[:b]), dim=1, out=qkv)
+        weight, splits = self.qkv[i]
+        linear(normed, weight, out=qkv, pdl=self.pdl, row_splits=splits)
         q, out, sinks = buf.q[:b], buf.attn_out[:b], w[p + "sinks"]
         if c.is_sliding(i):
             ring = self.kv.ring[self.kv.ring_index[i]]
@@ -208,14 +237,6 @@ class CudaExecutor:
         moe_down(hidden, ids, weights, w[p + "experts.down_proj.weight"],
                  w[p + "shared_experts.down_proj.weight"] if shared else None, residual=residual, out=out,
                  pdl=self.pdl)
-
-def _fused_qkv(w: dict, prefix: str) -> torch.Tensor | None:
-    """[q; k; v] as one [q_size + 2 kv_size, hidden] weight when all three are BF16, else None."""
-    parts = [w[prefix + f"{name}_proj.weight"] for name in "qkv"]
-    if any(isinstance(t, NVFP4Tensor) for t in parts):
-        return None
-    return torch.cat(parts).contiguous()
-
 
 def _needs_torch(entry) -> bool:
     """Greedy choice is exact on the GPU unless something edits the logits first."""

@@ -3,12 +3,14 @@
 x [B, K] bf16 contiguous with B <= 8; W bf16 [N, K] (K % 8 == 0) or an NVFP4Tensor (K % 64 == 0);
 outputs bf16. One CTA per 16 output rows (8 for gate/up: Wg and Wu stay separate tensors, their
 rows share one tile), whole K per CTA, 4-16 warps splitting K (`gemv_warps`). `out` may be
-`residual` (in-place add).
+`residual` (in-place add). `concat_rows` stacks up to three weights for one GEMV (q, k and v);
+NVFP4 parts keep their own tensor scales.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -101,23 +103,52 @@ def output(out: torch.Tensor | None, name: str, shape: tuple[int, ...], like: to
     return out
 
 
+MAX_ROW_PARTS = 3
+
+
+def concat_rows(weights: Sequence[Weight]) -> tuple[Weight, tuple[int, ...]]:
+    """[W0; W1; ...] (same K, same format, at most three) as one weight, and the rows where W1, W2...
+    start: pass them to `linear` as `row_splits`. NVFP4 parts keep their tensor scales, one each."""
+    if not 1 <= len(weights) <= MAX_ROW_PARTS:
+        raise ValueError(f"concat_rows takes 1..{MAX_ROW_PARTS} weights, got {len(weights)}")
+    if len({w.shape[1:] for w in weights}) != 1 or any(len(w.shape) != 2 for w in weights):
+        raise ValueError(f"weights must be 2-D with one K, got {[tuple(w.shape) for w in weights]}")
+    fmt = weight_format(*weights)
+    starts, row = [], 0
+    for w in weights[:-1]:
+        row += w.shape[0]
+        starts.append(row)
+    if fmt == "bf16":
+        return torch.cat(list(weights)).contiguous(), tuple(starts)
+    if any(w.tensor_scale.numel() != 1 for w in weights):
+        raise ValueError("concat_rows takes NVFP4 weights with one tensor scale each")
+    return NVFP4Tensor(torch.cat([w.codes for w in weights]).contiguous(),
+                       torch.cat([w.block_scales for w in weights]).contiguous(),
+                       torch.cat([w.tensor_scale.reshape(1) for w in weights])), tuple(starts)
+
+
 def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """y[B, N] = x @ W^T (+ residual), fp32 sums, one bf16 rounding."""
+           out: torch.Tensor | None = None, pdl: bool = False, row_splits: tuple[int, ...] = ()) -> torch.Tensor:
+    """y[B, N] = x @ W^T (+ residual), fp32 sums, one bf16 rounding. `row_splits`: from `concat_rows`."""
     check_activations(x)
     b, k = x.shape
     n = weight.shape[0]
     if tuple(weight.shape) != (n, k):
         raise ValueError(f"weight must be [N, {k}], got {tuple(weight.shape)}")
-    w_args = weight_args(weight, "weight", (n, k), x.device)
+    if len(row_splits) >= MAX_ROW_PARTS or list(row_splits) != sorted(set(row_splits)) or any(
+            not 0 < r < n for r in row_splits):
+        raise ValueError(f"row_splits must be at most {MAX_ROW_PARTS - 1} increasing rows inside 1..{n - 1}, "
+                         f"got {row_splits}")
+    w_args = weight_args(weight, "weight", (n, k), x.device, len(row_splits) + 1)
     if residual is not None:
         check_tensor(residual, "residual", torch.bfloat16, (b, n), x.device, 2)
     y = output(out, "out", (b, n), x)
     fmt = weight_format(weight)
     tiles = cdiv(n, TILE_ROWS)
     warps = gemv_warps(tiles, k, fmt)
+    splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
     _kernel(f"gemv_{fmt}", warps).launch((tiles,), (32 * warps,),
-                                         [y, x, *w_args, residual, I32(b), I32(n), I32(k)],
+                                         [y, x, *w_args, residual, I32(b), I32(n), I32(k), *splits],
                                          pdl=pdl, device=x.device.index)
     return y
 

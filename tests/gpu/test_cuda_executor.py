@@ -21,33 +21,56 @@ def ckpt(request):
     return dummy_checkpoint(small_real_config(), request.param, seed=5, device="cuda")
 
 
-def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True):
+def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True, seqs=4, num_blocks=512):
+    """Greedy generation through the scheduler; max_tokens: one for all, or one per prompt."""
     config = ckpt.config
-    block_size, num_blocks, seqs = 16, 512, 4
+    block_size = 16
     kv = KVCache(config, num_blocks, block_size, seqs, torch.bfloat16, "cuda")
     ex = CudaExecutor(config, ckpt.weights, kv, (), MAX_MODEL_LEN, "cuda", use_graphs=use_graphs, pdl=pdl)
     sched = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=256, num_blocks=num_blocks,
                                       max_model_len=MAX_MODEL_LEN, block_size=block_size,
                                       sliding_window=config.sliding_window))
-    for n, p in enumerate(prompts):
-        sched.add_request(f"r{n}", p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    for n, (p, limit) in enumerate(zip(prompts, limits, strict=True)):
+        sched.add_request(f"r{n}", p, SamplingParams(temperature=0, max_tokens=limit, ignore_eos=True))
     decode_logits, outputs = [], {f"r{n}": [] for n in range(len(prompts))}
+    preemptions = 0
     while sched.has_unfinished_requests():
         plan = sched.schedule()
+        preemptions += len(plan.preempted_request_ids)
         result = ex.execute(plan)
         if plan.path == "low_latency":
             for e, row in zip(plan.scheduled_requests, ex.last_logits):
                 decode_logits.append((e.request_id, e.start_position, row.float().clone()))
         for out in sched.update(plan, result):
             outputs[out.request_id].extend(out.new_token_ids)
-    return decode_logits, outputs
+    return decode_logits, outputs, preemptions
 
 
 def test_decode_logits_match_the_reference(ckpt):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (5, 600, 37)]
-    decode_logits, outputs = run(ckpt, prompts, max_tokens=6)
+    decode_logits, outputs, _ = run(ckpt, prompts, max_tokens=6)
     assert len(decode_logits) >= 3 * 3            # decodes alongside a prefill chunk run on torch
+    check_against_reference(ckpt, prompts, decode_logits, outputs)
+
+
+@pytest.mark.parametrize("num_blocks", [512, 24], ids=["roomy", "preempting"])
+def test_block_tables_follow_rows_changes_torch_steps_and_preemption(ckpt, num_blocks):
+    """Requests finish at different times (rows change owner), more than 8 decode at times (those
+    steps run on torch while the device block tables go stale), decodes cross several block
+    boundaries, and with 24 blocks requests are preempted and recomputed."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = [3, 40, 17, 90, 1, 60, 33, 8, 70, 25, 50]
+    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in lengths]
+    limits = [40, 5, 37, 12, 45, 20, 3, 41, 30, 9, 35]
+    decode_logits, outputs, preemptions = run(ckpt, prompts, limits, seqs=10, num_blocks=num_blocks)
+    assert all(len(outputs[f"r{n}"]) == limit for n, limit in enumerate(limits))
+    assert (preemptions > 0) == (num_blocks == 24)
+    check_against_reference(ckpt, prompts, decode_logits, outputs)
+
+
+def check_against_reference(ckpt, prompts, decode_logits, outputs):
     ref = FlintReference(ckpt.config, ckpt.weights, dtype=torch.float32, device="cuda")
     full = {f"r{n}": ref.forward(p + outputs[f"r{n}"]) for n, p in enumerate(prompts)}
     errors = []
@@ -65,8 +88,8 @@ def test_decode_logits_match_the_reference(ckpt):
 
 def test_graphs_with_pdl_replay_the_eager_step_exactly(ckpt):
     prompts = [[1, 2, 3, 4, 5], list(range(100, 140))]
-    eager, out_eager = run(ckpt, prompts, 4, use_graphs=False, pdl=False)
-    graphed, out_graphed = run(ckpt, prompts, 4, use_graphs=True)
+    eager, out_eager, _ = run(ckpt, prompts, 4, use_graphs=False, pdl=False)
+    graphed, out_graphed, _ = run(ckpt, prompts, 4, use_graphs=True)
     assert out_eager == out_graphed
     for (r1, p1, a), (r2, p2, b) in zip(eager, graphed):
         assert (r1, p1) == (r2, p2) and torch.equal(a, b)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from flint_sched.kernels import gate_up_silu, linear
+from flint_sched.kernels.linear import concat_rows
 from gpu_checks import assert_close_bf16, gen, poisoned
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize
 
@@ -60,6 +61,32 @@ def test_linear_nvfp4(b, n, k):
     w, x = nvfp4_weight(n, k, seed=n + k), activations(b, k, seed=b)
     y = linear(x, w, out=poisoned(b, n))
     assert_close_bf16(y, x.float() @ dense(w).t(), f"nvfp4 linear B={b} N={n} K={k}")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("b", [1, 5, 8])
+def test_concatenated_rows_keep_each_parts_tensor_scale(fmt, b):
+    """q/k/v as one GEMV: three parts with very different NVFP4 tensor scales, split at a tile
+    boundary (4096) and inside a tile (4104); each output row equals its own part's product."""
+    k = 2048
+    if fmt == "nvfp4":
+        parts = [raw_nvfp4_weight(n, k, seed=n, tensor_scale=s) for n, s in ((4096, 0.25), (8, 3.0), (520, 1e-3))]
+    else:
+        parts = [bf16_weight(n, k, seed=n) for n in (4096, 8, 520)]
+    fused, splits = concat_rows(parts)
+    assert splits == (4096, 4104) and tuple(fused.shape) == (4624, k)
+    x = activations(b, k, seed=b)
+    y = linear(x, fused, out=poisoned(b, 4624), row_splits=splits)
+    expected = torch.cat([x.float() @ dense(w).t() for w in parts], dim=1)
+    for (start, end), w in zip(((0, 4096), (4096, 4104), (4104, 4624)), parts):
+        assert_close_bf16(y[:, start:end], expected[:, start:end], f"{fmt} rows {start}:{end} B={b}")
+
+
+def test_row_splits_are_checked():
+    x, w = activations(1, 64, seed=0), bf16_weight(32, 64, seed=0)
+    for bad in ((0,), (40,), (16, 8), (4, 8, 12)):
+        with pytest.raises(ValueError, match="row_splits"):
+            linear(x, w, row_splits=bad)
 
 
 @pytest.mark.parametrize("b", [1, 8])
