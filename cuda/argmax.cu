@@ -30,8 +30,8 @@ __device__ __forceinline__ void argmax_rows(void* out, int out_int64, const void
   constexpr int VEC = BF16 ? 8 : 4;  // values per 16-byte load
   __shared__ u64 warp_best[ARGMAX_THREADS / 32];
   __shared__ u32 is_last;
-  pdl_wait();
   pdl_launch_dependents();
+  pdl_wait();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row = blockIdx.y, split = blockIdx.x, splits = gridDim.x, B = gridDim.y;
   const int begin = split * chunk, end = min(V, begin + chunk);

@@ -199,6 +199,7 @@ decode_attention_bf16(u16* out, const u16* q, const u16* k_cache, const u16* v_c
   const int num_splits = gridDim.x, G = gridDim.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3, row = lane >> 2;
   u16* out_group = out + ((long long)b * G + g) * GROUP * HEAD_DIM;
+  pdl_launch_dependents();
   pdl_wait();
 
   // Independent loads first, so their latencies overlap: the length, the ring slot, Q.
@@ -258,7 +259,6 @@ decode_attention_bf16(u16* out, const u16* q, const u16* k_cache, const u16* v_c
                 lane);
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
-  pdl_launch_dependents();
   st.l += __shfl_xor_sync(0xFFFFFFFFu, st.l, 1);
   st.l += __shfl_xor_sync(0xFFFFFFFFu, st.l, 2);
   __syncthreads();  // every copy was waited for: the stages become the combine area

@@ -29,6 +29,8 @@ __device__ __forceinline__ void moe_gate_up(u16* h, const u16* x, const int* ids
   __shared__ int pair_expert[MOE_MAX_PAIRS];
   Wt::init_shared(sh);
   pdl_wait();
+  // Triggered after the wait on purpose: when moe_down starts, every CTA here has waited, so the
+  // router (the kernel before this one) is complete, and moe_down reads its ids early.
   pdl_launch_dependents();
   const int P = T * A, p = blockIdx.y;
   if (threadIdx.x < P) pair_expert[threadIdx.x] = ids[threadIdx.x];
@@ -75,7 +77,7 @@ __device__ __forceinline__ int moe_expert_list(int* expert, int (*slot)[8], floa
   __shared__ int first[MOE_MAX_PAIRS];
   __shared__ int num_experts;
   const int P = T * A, tid = threadIdx.x;
-  if (tid < P) pair_expert[tid] = ids[tid];
+  if (tid < P) pair_expert[tid] = __ldcg(ids + tid);  // from L2: written by the router
   __syncthreads();
   if (tid < P) {
     const int e = pair_expert[tid];
@@ -109,7 +111,7 @@ __device__ __forceinline__ int moe_expert_list(int* expert, int (*slot)[8], floa
         for (int a = 0; a < A; ++a)
           if (pair_expert[b * A + a] == e) {
             s = a;
-            c = routing_weights[b * A + a] * stack.sum_scale(e);
+            c = __ldcg(routing_weights + b * A + a) * stack.sum_scale(e);
           }
       }
     }
@@ -131,8 +133,9 @@ __device__ __forceinline__ void moe_down(u16* y, const u16* h, const int* ids,
   __shared__ float coef[MOE_MAX_PAIRS + 1][8];
   __shared__ typename Wt::Shared sh;
   Wt::init_shared(sh);
-  pdl_wait();
   pdl_launch_dependents();
+  // The router's ids and weights are complete (see moe_gate_up): list the experts and start the
+  // first round of weight loads before waiting for h.
   const int num_experts =
       moe_expert_list(expert, slot, coef, ids, routing_weights, stack, shared, has_shared, T, A, E);
 
@@ -142,6 +145,7 @@ __device__ __forceinline__ void moe_down(u16* y, const u16* h, const int* ids,
   const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;  // per expert
   const int items = num_experts * steps;              // item = (expert u, k-step s)
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  bool waited = false;
   for (int f0 = warp; f0 < items; f0 += MOE_DOWN_WARPS * U) {
     typename Wt::Frag frag[U];
     const u16* xk[U];
@@ -165,6 +169,10 @@ __device__ __forceinline__ void moe_down(u16* y, const u16* h, const int* ids,
         c_odd[i] = coef[u][2 * t + 1];
       }
     }
+    if (!waited) {
+      pdl_wait();
+      waited = true;
+    }
 #pragma unroll
     for (int i = 0; i < U; ++i) {
       if (f0 + i * MOE_DOWN_WARPS < items) {
@@ -177,6 +185,7 @@ __device__ __forceinline__ void moe_down(u16* y, const u16* h, const int* ids,
       }
     }
   }
+  if (!waited) pdl_wait();  // a warp with no items
   tile_store_partials<MOE_DOWN_WARPS>(red, acc);
   __syncthreads();
   const int r = threadIdx.x >> 3, b = threadIdx.x & 7, n = n0 + r;

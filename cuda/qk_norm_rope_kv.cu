@@ -31,6 +31,7 @@ qk_norm_rope_kv_bf16(u16* q_out, u16* k_cache, u16* v_cache, const u16* qkv, con
   const int b = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int H = num_q_heads, G = num_kv_heads, head = blockIdx.y * QKN_WARPS + warp;
   const bool rope = rope_inv_freq != nullptr;
+  pdl_launch_dependents();
   pdl_wait();
   const int p = positions[b];
   if (rope && threadIdx.x < HEAD_DIM / 2) {
@@ -42,7 +43,6 @@ qk_norm_rope_kv_bf16(u16* q_out, u16* k_cache, u16* v_cache, const u16* qkv, con
     sin_s[threadIdx.x] = (float)sin_a;
   }
   __syncthreads();
-  pdl_launch_dependents();
   if (head >= H + 2 * G) return;
 
   const u16* src = qkv + (long long)b * (H + 2 * G) * HEAD_DIM + head * HEAD_DIM + 4 * lane;

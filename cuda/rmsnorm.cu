@@ -24,8 +24,8 @@ __device__ __forceinline__ float block_sum(float v) {
 extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
 rmsnorm_bf16(u16* out, u16* residual_out, const u16* x, const u16* residual, const u16* weight,
              int H, float eps) {
-  pdl_wait();
   pdl_launch_dependents();
+  pdl_wait();
   const size_t base = (size_t)blockIdx.x * H;
   const int num_vec = H / 8;
   float s[NORM_MAX_VEC][8];

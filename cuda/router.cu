@@ -73,7 +73,6 @@ router_topk(int* ids, float* weights, const u16* x, const u16* gate, const float
   __shared__ Bf16Weights::Shared sh;
   __shared__ u32 is_last;
   extern __shared__ float scores[];  // [T][E], last CTA only
-  pdl_wait();
   pdl_launch_dependents();
   const int g = (threadIdx.x & 31) >> 2, warp = threadIdx.x >> 5;
   const int n0 = blockIdx.x * 16, split = blockIdx.y, splits = gridDim.y;
@@ -81,7 +80,7 @@ router_topk(int* ids, float* weights, const u16* x, const u16* gate, const float
   const Bf16Weights w{gate};
   const Bf16Rows rows = Bf16Weights::rows(w, min(n0 + g, E - 1), w, min(n0 + g + 8, E - 1), K);
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  tile_partial<Bf16Weights, ROUTER_WARPS, ROUTER_UNROLL>(acc, rows, g < T ? x + (size_t)g * K : nullptr, K,
+  tile_partial<Bf16Weights, ROUTER_WARPS, ROUTER_UNROLL, true>(acc, rows, g < T ? x + (size_t)g * K : nullptr, K,
                                                          split * steps / splits,
                                                          (split + 1) * steps / splits, sh);
   tile_store_partials<ROUTER_WARPS>(red, acc);

@@ -94,6 +94,8 @@ class CudaExecutor:
         self.buf = _Buffers(config, max_blocks, self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._table_rows: list[tuple[str, int] | None] = [None] * MAX_DECODE_BATCH  # (request, entries on device)
+        # Set to a list (with use_graphs off) to receive each layer's output hidden state [B, hidden].
+        self.layer_outputs: list[torch.Tensor] | None = None
         self.last_logits: torch.Tensor | None = None
 
     def _fuse_qkv(self, prefix: str):
@@ -162,6 +164,8 @@ class CudaExecutor:
             self._table_rows = [None if k is not None and k[0] in gone else k for k in self._table_rows]
 
     def _graph(self, b: int) -> torch.cuda.CUDAGraph:
+        if self.layer_outputs is not None:
+            raise RuntimeError("layer_outputs needs use_graphs=False")
         graph = self.graphs.get(b)
         if graph is None:
             stream = torch.cuda.Stream(self.device)
@@ -197,6 +201,8 @@ class CudaExecutor:
                                   out=buf.mlp_hidden[:b], pdl=self.pdl)
                 linear(up, w[p + "mlp.down_proj.weight"], residual=h, out=h_next, pdl=self.pdl)
             h, h_next = h_next, h
+            if self.layer_outputs is not None:
+                self.layer_outputs.append(h.clone())
         normed = rms_norm(h, w["model.norm.weight"], eps, out=buf.normed[:b], pdl=self.pdl)
         linear(normed, w["lm_head.weight"], out=buf.logits[:b], pdl=self.pdl)
         greedy(buf.logits[:b], out=buf.next_tokens[:b], workspace=buf.argmax_workspace, pdl=self.pdl)

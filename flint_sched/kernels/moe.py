@@ -5,6 +5,10 @@ stacked [E, out, in] (bf16, or NVFP4Tensor with one tensor scale per expert); th
 is separate. h [T, A + 1, I] bf16 holds slot a's activation in h[:, a] and the shared expert's in
 h[:, A]. The router's workspace carries a ticket the kernel resets, so it can be reused and
 captured in a CUDA graph; pass one from `router_workspace` when capturing.
+
+With `pdl=True`, `moe_down` reads the expert ids and routing weights before waiting on its
+predecessor (and starts loading those experts' weights): launch it right after `moe_gate_up`,
+whose CTAs trigger it only after waiting for the kernel that wrote the ids (the router).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from flint_sched.checkpoint.make import dummy_checkpoint
+from flint_sched.config import preset
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.core.scheduler_config import SchedulerConfig
 from flint_sched.executor.cuda_executor import CudaExecutor
@@ -16,9 +17,14 @@ from gpu_checks import MAX_MODEL_LEN, small_real_config
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", params=["bf16", "nvfp4"])
+CONFIGS = {"flint-tiny": lambda: preset("flint-tiny"), "small-real": small_real_config}
+
+
+@pytest.fixture(scope="module", params=[(c, f) for c in CONFIGS for f in ("bf16", "nvfp4")],
+                ids=lambda p: "-".join(p))
 def ckpt(request):
-    return dummy_checkpoint(small_real_config(), request.param, seed=5, device="cuda")
+    config, fmt = request.param
+    return dummy_checkpoint(CONFIGS[config](), fmt, seed=5, device="cuda")
 
 
 def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True, seqs=4, num_blocks=512):
@@ -84,6 +90,33 @@ def check_against_reference(ckpt, prompts, decode_logits, outputs):
     assert errors[len(errors) // 2][0] < 1.5e-2, errors
     assert sum(e < 2e-2 for e, *_ in errors) >= 0.75 * len(errors), errors
     assert errors[-1][0] < 0.2, errors
+
+
+def test_every_layers_output_matches_the_reference(ckpt):
+    """The first decode step's hidden state after each layer, against the fp32 reference's."""
+    prompt = torch.randint(0, 4096, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    config = ckpt.config
+    kv = KVCache(config, 64, 16, 1, torch.bfloat16, "cuda")
+    ex = CudaExecutor(config, ckpt.weights, kv, (), MAX_MODEL_LEN, "cuda", use_graphs=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256, num_blocks=64,
+                                      max_model_len=MAX_MODEL_LEN, block_size=16,
+                                      sliding_window=config.sliding_window))
+    sched.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    tokens = []
+    while ex.layer_outputs is None or not ex.layer_outputs:
+        plan = sched.schedule()
+        if plan.path == "low_latency":
+            ex.layer_outputs = []
+        for out in sched.update(plan, ex.execute(plan)):
+            tokens.extend(out.new_token_ids)
+    assert len(ex.layer_outputs) == config.num_hidden_layers
+    expected = []
+    FlintReference(config, ckpt.weights, dtype=torch.float32, device="cuda").forward(
+        prompt + tokens[:1], hidden_out=expected)
+    for i, (got, want) in enumerate(zip(ex.layer_outputs, expected, strict=True)):
+        want = want[-1]
+        error = float((got[0].float() - want).norm() / want.norm())
+        assert error < 2e-2, f"layer {i}: relative error {error:.3e}"
 
 
 def test_graphs_with_pdl_replay_the_eager_step_exactly(ckpt):
