@@ -42,14 +42,16 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
 }
 
 // ---- global loads ----------------------------------------------------------------------------
-// Weights never change while a kernel runs, so their loads are plain (non-volatile) asm: the
-// compiler may schedule them freely, even above `pdl_wait`. Activations use ordinary C++ loads,
-// which stay below the "memory" clobber of `pdl_wait`.
+// Weights never change while a kernel runs, so they may be loaded before `pdl_wait`. Their loads
+// are volatile asm so that they stay where the source puts them: batched ahead of their uses (the
+// compiler otherwise sinks each next to its mma, one round trip per k-step) and, where the source
+// says so, above `pdl_wait`. Everything a previous kernel wrote must be read with loads that stay
+// below the wait (`ld_act_v4`, ordinary C++ loads, `__ldcg`).
 
 // Read-once weights: non-coherent path, no L1 allocation.
 __device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
@@ -57,19 +59,32 @@ __device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
 // Weight side data reused by neighbouring lanes and warps (block scales): cached in L1.
 __device__ __forceinline__ u32 ld_weight_u16(const void* p) {
   u16 v;
-  asm("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
   return v;
 }
 
-// Activations shared by every CTA of the kernel (x rows, h rows): read-only path, cached in L1.
+// Activations (x rows, h rows, logits): written by the previous kernel, read by every CTA, cached
+// in L1. A coherent load in volatile asm with a memory clobber, so that neither compiler moves it
+// above `pdl_wait` (an `__ldg`, ld.global.nc, was hoisted above griddepcontrol.wait: a race).
 __device__ __forceinline__ uint4 ld_act_v4(const void* p) {
-  return __ldg(reinterpret_cast<const uint4*>(p));
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
 }
 
 // Data written by other CTAs of this kernel (after a fence): read from L2, bypassing L1. The
 // intrinsics are ordinary memory reads to the compiler (kept below fences, free to overlap).
 __device__ __forceinline__ float ld_cg_f32(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ u64 ld_cg_u64(const u64* p) { return __ldcg(p); }
+
+// Hint: bring [p, p + bytes) into L2, one request to the bulk copy engine, no registers. Used
+// before `pdl_wait` on weights, so their DRAM reads overlap the previous kernel. `bytes` is
+// rounded down to a multiple of 16; p must be 16-byte aligned.
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+  bytes &= ~15u;
+  if (bytes) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
 
 // ---- tensor cores ----------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@
 // y may alias residual (each element is read and written by the same thread). NVFP4 W may be up
 // to three weights stacked by rows, each with its tensor scale: rows [split1, split2) use
 // tensor_scale[1], rows from split2 on tensor_scale[2] (q/k/v as one GEMV).
-// Each CTA loads its first round of weights before waiting on the previous kernel (PDL).
+// Before waiting on the previous kernel (PDL), each CTA asks for its weight rows in L2 and issues
+// its first round of weight loads.
 // GEMV_WARPS (4, 8 or 16) is a compile-time define: few tiles want more warps splitting K, so
 // that each SM keeps enough loads in flight.
 #include "gemv_tile.cuh"
@@ -26,6 +27,7 @@ __device__ __forceinline__ void gemv(u16* y, const u16* x, const Wt& wt, const u
   __syncthreads();
   const int g = (threadIdx.x & 31) >> 2;
   const int n0 = blockIdx.x * 16;
+  if (threadIdx.x == 0) wt.prefetch(n0, min(16, N - n0), K);
   const typename Wt::Rows rows = Wt::rows(wt, min(n0 + g, N - 1), wt, min(n0 + g + 8, N - 1), K);
   const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -51,6 +53,8 @@ __device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, cons
   __syncthreads();
   const int g = (threadIdx.x & 31) >> 2;
   const int j0 = blockIdx.x * 8;
+  if (threadIdx.x == 0) wg.prefetch(j0, min(8, I - j0), K);
+  if (threadIdx.x == 32) wu.prefetch(j0, min(8, I - j0), K);
   const int row = min(j0 + g, I - 1);
   const typename Wt::Rows rows = Wt::rows(wg, row, wu, row, K);
   const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;

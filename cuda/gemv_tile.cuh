@@ -8,7 +8,7 @@
 //          |t0|t1|t2|t3|                                          lane t = lane % 4: chunk t
 //
 // One k-step: each lane loads 16 bytes of row0 and 16 of row1 at its chunk (BF16: 8 weights,
-// NVFP4: 32), plus the same k range of token g's activations (the mma B fragment, zero for
+// NVFP4: 32), plus the same k range of token g's activations (`X`, the mma B fragment, zero for
 // g >= B). The k order inside a lane's chunk is permuted identically on both sides, so any
 // pairing the decoder finds cheap is allowed. Partial sums are reduced across warps in shared
 // memory in warp order, so results are deterministic.
@@ -44,6 +44,10 @@ struct Bf16Weights {
                               int k_total) {
     return {a.w + (size_t)row_a * k_total, b.w + (size_t)row_b * k_total};
   }
+  // L2 prefetch of rows [row, row + n) (contiguous); row * k_total * 2 is 16-byte aligned.
+  __device__ void prefetch(int row, int n, int k_total) const {
+    prefetch_l2(w + (size_t)row * k_total, (u32)n * k_total * 2);
+  }
   static __device__ Frag load(const Rows& rows, int k) {
     return {ld_stream_v4(rows.r0 + k), ld_stream_v4(rows.r1 + k)};
   }
@@ -51,9 +55,10 @@ struct Bf16Weights {
     const uint4 z = make_uint4(0, 0, 0, 0);
     return {z, z};
   }
-  // xk: token g's activations at k (8 bf16), or nullptr for zeros.
-  static __device__ void mma(float (&acc)[4], const Frag& f, const u16* xk, const Shared&) {
-    const uint4 x = xk ? ld_act_v4(xk) : make_uint4(0, 0, 0, 0);
+  typedef uint4 X;  // token g's activations of one lane's k-step: 8 bf16
+  static __device__ X load_x(const u16* xk) { return ld_act_v4(xk); }
+  static __device__ X zero_x() { return make_uint4(0, 0, 0, 0); }
+  static __device__ void mma(float (&acc)[4], const Frag& f, const X& x, const Shared&) {
     mma_bf16_16x8x16(acc, f.w0.x, f.w1.x, f.w0.y, f.w1.y, x.x, x.y);
     mma_bf16_16x8x16(acc, f.w0.z, f.w1.z, f.w0.w, f.w1.w, x.z, x.w);
   }
@@ -102,6 +107,11 @@ struct Nvfp4Weights {
     const size_t c = k_total / 2, s = k_total / 16;
     return {a.codes + row_a * c, b.codes + row_b * c, a.scales + row_a * s, b.scales + row_b * s};
   }
+  // L2 prefetch of rows [row, row + n): codes and block scales (row a multiple of 8).
+  __device__ void prefetch(int row, int n, int k_total) const {
+    prefetch_l2(codes + (size_t)row * (k_total / 2), (u32)n * (k_total / 2));
+    prefetch_l2(scales + (size_t)row * (k_total / 16), (u32)n * (k_total / 16));
+  }
   static __device__ Frag load(const Rows& rows, int k) {
     return {ld_stream_v4(rows.c0 + k / 2), ld_stream_v4(rows.c1 + k / 2),
             ld_weight_u16(rows.s0 + k / 16), ld_weight_u16(rows.s1 + k / 16)};
@@ -110,18 +120,30 @@ struct Nvfp4Weights {
     const uint4 z = make_uint4(0, 0, 0, 0);
     return {z, z, 0u, 0u};
   }
-  static __device__ void mma(float (&acc)[4], const Frag& f, const u16* xk, const Shared& sh) {
+  struct X {  // token g's activations of one lane's k-step: 32 bf16
+    uint4 v[4];
+  };
+  static __device__ X load_x(const u16* xk) {
+    X x;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x.v[i] = ld_act_v4(xk + 8 * i);
+    return x;
+  }
+  static __device__ X zero_x() {
+    X x;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x.v[i] = make_uint4(0, 0, 0, 0);
+    return x;
+  }
+  static __device__ void mma(float (&acc)[4], const Frag& f, const X& x, const Shared& sh) {
     const u32 scale0[2] = {sh.scale[f.s0 & 0xFFu], sh.scale[f.s0 >> 8]};
     const u32 scale1[2] = {sh.scale[f.s1 & 0xFFu], sh.scale[f.s1 >> 8]};
     const u32 words0[4] = {f.c0.x, f.c0.y, f.c0.z, f.c0.w};
     const u32 words1[4] = {f.c1.x, f.c1.y, f.c1.z, f.c1.w};
-    uint4 xv[4];  // all four loads first: they are L1 hits, but serialized they would add up
-#pragma unroll
-    for (int i = 0; i < 4; ++i) xv[i] = xk ? ld_act_v4(xk + 8 * i) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // word i: weights k + 8i .. k + 8i + 7, block i / 2
       u32 xp[4];
-      x_pairs_for_e2m1(xv[i], xp);
+      x_pairs_for_e2m1(x.v[i], xp);
       u32 p0[4], p1[4];
       e2m1x8_to_bf16(words0[i], scale0[i >> 1], p0);
       e2m1x8_to_bf16(words1[i], scale1[i >> 1], p1);
@@ -156,12 +178,18 @@ __device__ __forceinline__ void tile_partial(float (&acc)[4], const typename Wt:
       pdl_wait();
       waited = true;
     }
+    // Then every activation load of the round (L1/L2 hits, but one after another they would cost
+    // a round trip per k-step), then the mmas.
+    typename Wt::X xv[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int s = s0 + u * W;
       const int k = s * Wt::KSTEP + t * Wt::LANE_K;
-      if (s < s_end) Wt::mma(acc, f[u], (x_g && k < k_total) ? x_g + k : nullptr, sh);
+      xv[u] = (x_g && s < s_end && k < k_total) ? Wt::load_x(x_g + k) : Wt::zero_x();
     }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (s0 + u * W < s_end) Wt::mma(acc, f[u], xv[u], sh);
   }
   if (!waited) pdl_wait();  // a warp with no k-steps
 }

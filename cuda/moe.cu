@@ -17,6 +17,7 @@
 #endif
 #define MOE_DOWN_WARPS 16
 #define MOE_MAX_PAIRS 64  // T * A
+#define MOE_DOWN_PREFETCH_EXPERTS 8
 #define BF16_UNROLL 8
 #define NVFP4_UNROLL 4
 
@@ -138,9 +139,16 @@ __device__ __forceinline__ void moe_down(u16* y, const u16* h, const int* ids,
   // first round of weight loads before waiting for h.
   const int num_experts =
       moe_expert_list(expert, slot, coef, ids, routing_weights, stack, shared, has_shared, T, A, E);
+  const int n0 = blockIdx.x * 16;
+  // Prefetched only for a few experts (batch 1: 6 + shared): with many, gate/up is bandwidth-bound
+  // already and the prefetch competes with it and falls out of L2 before use (measured: batch 8
+  // got slower).
+  if (num_experts <= MOE_DOWN_PREFETCH_EXPERTS && threadIdx.x < num_experts) {
+    const int e = expert[threadIdx.x];
+    (e < 0 ? shared : stack.expert(e, N, K)).prefetch(n0, min(16, N - n0), K);
+  }
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.x * 16;
   const int row0 = min(n0 + g, N - 1), row1 = min(n0 + g + 8, N - 1);
   const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;  // per expert
   const int items = num_experts * steps;              // item = (expert u, k-step s)
@@ -173,11 +181,14 @@ __device__ __forceinline__ void moe_down(u16* y, const u16* h, const int* ids,
       pdl_wait();
       waited = true;
     }
+    typename Wt::X xv[U];  // all activation loads of the round first (see tile_partial)
+#pragma unroll
+    for (int i = 0; i < U; ++i) xv[i] = xk[i] ? Wt::load_x(xk[i]) : Wt::zero_x();
 #pragma unroll
     for (int i = 0; i < U; ++i) {
       if (f0 + i * MOE_DOWN_WARPS < items) {
         float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        Wt::mma(part, frag[i], xk[i], sh);
+        Wt::mma(part, frag[i], xv[i], sh);
         acc[0] = fmaf(c_even[i], part[0], acc[0]);
         acc[1] = fmaf(c_odd[i], part[1], acc[1]);
         acc[2] = fmaf(c_even[i], part[2], acc[2]);
@@ -196,14 +207,18 @@ __device__ __forceinline__ void moe_down(u16* y, const u16* h, const int* ids,
   }
 }
 
-extern "C" __global__ void __launch_bounds__(MOE_GATE_UP_WARPS * 32)
+// NOTE: at least 2 CTAs per SM: with no minimum, ptxas kept ~40 registers and issued each k-step's
+// loads right before its mma (a round trip per k-step) instead of all U of them at once.
+extern "C" __global__ void __launch_bounds__(MOE_GATE_UP_WARPS * 32, 2)
 moe_gate_up_bf16(u16* h, const u16* x, const int* ids, const u16* gate, const u16* up,
                  const u16* shared_gate, const u16* shared_up, int T, int A, int I, int K, int E) {
   moe_gate_up<Bf16Weights, BF16_UNROLL>(h, x, ids, Bf16Weights{gate}, Bf16Weights{up},
                                         Bf16Weights{shared_gate}, Bf16Weights{shared_up}, T, A, I, K, E);
 }
 
-extern "C" __global__ void __launch_bounds__(MOE_GATE_UP_WARPS * 32)
+// NOTE: at least 2 CTAs per SM: with no minimum, ptxas kept ~40 registers and issued each k-step's
+// loads right before its mma (a round trip per k-step) instead of all U of them at once.
+extern "C" __global__ void __launch_bounds__(MOE_GATE_UP_WARPS * 32, 2)
 moe_gate_up_nvfp4(u16* h, const u16* x, const int* ids,
                   const u8* g_codes, const u8* g_scales, const float* g_tensor_scale,
                   const u8* u_codes, const u8* u_scales, const float* u_tensor_scale,

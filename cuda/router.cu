@@ -78,6 +78,7 @@ router_topk(int* ids, float* weights, const u16* x, const u16* gate, const float
   const int n0 = blockIdx.x * 16, split = blockIdx.y, splits = gridDim.y;
   const int steps = (K + Bf16Weights::KSTEP - 1) / Bf16Weights::KSTEP;
   const Bf16Weights w{gate};
+  if (threadIdx.x == 0 && split == 0) w.prefetch(n0, min(16, E - n0), K);
   const Bf16Rows rows = Bf16Weights::rows(w, min(n0 + g, E - 1), w, min(n0 + g + 8, E - 1), K);
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   tile_partial<Bf16Weights, ROUTER_WARPS, ROUTER_UNROLL, true>(acc, rows, g < T ? x + (size_t)g * K : nullptr, K,

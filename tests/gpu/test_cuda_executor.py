@@ -84,12 +84,18 @@ def check_against_reference(ckpt, prompts, decode_logits, outputs):
         expected = full[rid][pos]
         errors.append((float((row - expected).norm() / expected.norm()), rid, pos))
     # bf16 through 7 layers lands near 1e-2; now and then bf16 noise flips one routed expert of one
-    # token (a bf16 reference does the same, measured on the H200: up to 0.13), so bound the typical
-    # error tightly and every error loosely.
+    # token (a bf16 reference does the same), which moves those positions' logits by up to 0.13 on
+    # the small real-shaped config and up to 0.29 on flint-tiny (hidden 64; measured on the H200).
+    # So: tight bounds on the typical error, per request too (a wrong block table or ring slot
+    # spoils most positions of its request, not a scattered few), and a loose one on each error.
     errors.sort()
-    assert errors[len(errors) // 2][0] < 1.5e-2, errors
-    assert sum(e < 2e-2 for e, *_ in errors) >= 0.75 * len(errors), errors
-    assert errors[-1][0] < 0.2, errors
+    summary = f"median {errors[len(errors) // 2]}, worst five {errors[-5:]} of {len(errors)}"
+    assert errors[len(errors) // 2][0] < 1.5e-2, summary
+    assert sum(e < 2e-2 for e, *_ in errors) >= 0.75 * len(errors), summary
+    assert errors[-1][0] < 0.4, summary
+    for rid in {rid for _, rid, _ in errors}:
+        mine = [e for e, r, _ in errors if r == rid]
+        assert mine[len(mine) // 2] < 1.5e-2, f"{rid}: median error {mine[len(mine) // 2]:.3e} ({summary})"
 
 
 def test_every_layers_output_matches_the_reference(ckpt):
