@@ -155,6 +155,13 @@ struct Nvfp4Weights {
 
 // ---- the tile loop ---------------------------------------------------------------------------
 
+// X_BATCH (a compile-time define, 1 or 0): load a round's activations together before its mmas
+// (fewest round trips: small batches), or each right before its mma (fewer registers, more CTAs
+// per SM: NVFP4 at larger batches, where the FP4 decode's integer work wants the occupancy).
+#ifndef X_BATCH
+#define X_BATCH 1
+#endif
+
 // acc += this warp's share of rows . x_g over k-steps [s_begin, s_end).
 // x_g: token g's activation row (K bf16), or nullptr. K % LANE_K == 0.
 // PREFETCH: the caller has not waited on the previous kernel yet (PDL); the first round of weight
@@ -178,18 +185,27 @@ __device__ __forceinline__ void tile_partial(float (&acc)[4], const typename Wt:
       pdl_wait();
       waited = true;
     }
-    // Then every activation load of the round (L1/L2 hits, but one after another they would cost
-    // a round trip per k-step), then the mmas.
-    typename Wt::X xv[U];
+    if (X_BATCH) {
+      // Every activation load of the round first (L1/L2 hits, but one after another they cost a
+      // round trip per k-step), then the mmas.
+      typename Wt::X xv[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int s = s0 + u * W;
-      const int k = s * Wt::KSTEP + t * Wt::LANE_K;
-      xv[u] = (x_g && s < s_end && k < k_total) ? Wt::load_x(x_g + k) : Wt::zero_x();
+      for (int u = 0; u < U; ++u) {
+        const int s = s0 + u * W;
+        const int k = s * Wt::KSTEP + t * Wt::LANE_K;
+        xv[u] = (x_g && s < s_end && k < k_total) ? Wt::load_x(x_g + k) : Wt::zero_x();
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (s0 + u * W < s_end) Wt::mma(acc, f[u], xv[u], sh);
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int s = s0 + u * W;
+        const int k = s * Wt::KSTEP + t * Wt::LANE_K;
+        if (s < s_end) Wt::mma(acc, f[u], (x_g && k < k_total) ? Wt::load_x(x_g + k) : Wt::zero_x(), sh);
+      }
     }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (s0 + u * W < s_end) Wt::mma(acc, f[u], xv[u], sh);
   }
   if (!waited) pdl_wait();  // a warp with no k-steps
 }

@@ -181,14 +181,15 @@ __device__ __forceinline__ void moe_down(u16* y, const u16* h, const int* ids,
       pdl_wait();
       waited = true;
     }
-    typename Wt::X xv[U];  // all activation loads of the round first (see tile_partial)
+    typename Wt::X xv[X_BATCH ? U : 1];  // the round's activation loads first (see tile_partial)
 #pragma unroll
-    for (int i = 0; i < U; ++i) xv[i] = xk[i] ? Wt::load_x(xk[i]) : Wt::zero_x();
+    for (int i = 0; i < (X_BATCH ? U : 0); ++i) xv[i] = xk[i] ? Wt::load_x(xk[i]) : Wt::zero_x();
 #pragma unroll
     for (int i = 0; i < U; ++i) {
       if (f0 + i * MOE_DOWN_WARPS < items) {
         float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        Wt::mma(part, frag[i], xv[i], sh);
+        if (!X_BATCH) xv[0] = xk[i] ? Wt::load_x(xk[i]) : Wt::zero_x();
+        Wt::mma(part, frag[i], xv[X_BATCH ? i : 0], sh);
         acc[0] = fmaf(c_even[i], part[0], acc[0]);
         acc[1] = fmaf(c_odd[i], part[1], acc[1]);
         acc[2] = fmaf(c_even[i], part[2], acc[2]);

@@ -13,9 +13,9 @@ from flint_sched.kernels.sampling import argmax_workspace, greedy
 # Compile-time variants the launchers pick from, and (source, entry point) of every kernel they
 # use; the CPU test compiles each variant and finds each entry point in its CUBIN.
 VARIANTS = {
-    "gemv.cu": ({"GEMV_WARPS": 4}, {"GEMV_WARPS": 8}, {"GEMV_WARPS": 16}),
+    "gemv.cu": tuple({"GEMV_WARPS": w, "X_BATCH": x} for w in (4, 8, 16) for x in (0, 1)),
     "router.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),
-    "moe.cu": ({"MOE_GATE_UP_WARPS": 4}, {"MOE_GATE_UP_WARPS": 8}),
+    "moe.cu": tuple({"MOE_GATE_UP_WARPS": w, "X_BATCH": x} for w in (4, 8) for x in (0, 1)),
 }
 ENTRY_POINTS = (
     ("rmsnorm.cu", "rmsnorm_bf16"),

@@ -19,7 +19,7 @@ import torch
 
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.linear import (MAX_TOKENS, Weight, cdiv, check_activations, check_tensor, output,
-                                        weight_args, weight_format)
+                                        weight_args, weight_format, x_batch)
 
 MAX_PAIRS = 64            # T * A (cuda/moe.cu MOE_MAX_PAIRS)
 MAX_EXPERTS = 1024        # router: 32 experts per lane
@@ -95,7 +95,7 @@ def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: Weight, up: Weight,
         args += [None] * (6 if fmt == "nvfp4" else 2)
     h = output(out, "out", (t, a + 1, i), x)
     warps = GATE_UP_WARPS[fmt]
-    _kernel("moe.cu", f"moe_gate_up_{fmt}", (("MOE_GATE_UP_WARPS", warps),)).launch(
+    _kernel("moe.cu", f"moe_gate_up_{fmt}", (("MOE_GATE_UP_WARPS", warps), ("X_BATCH", x_batch(fmt, t)))).launch(
         (cdiv(i, 8), t * a + int(has_shared)), (32 * warps,),
         [h, x, ids, *args, I32(t), I32(a), I32(i), I32(k), I32(num_experts)], pdl=pdl, device=x.device.index)
     return h
@@ -123,7 +123,8 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor, 
         check_tensor(residual, "residual", torch.bfloat16, (t, n), h.device, 2)
     y = output(out, "out", (t, n), h)
     # MOE_GATE_UP_WARPS shapes moe_gate_up only: name a variant gate/up compiles anyway.
-    _kernel("moe.cu", f"moe_down_{fmt}", (("MOE_GATE_UP_WARPS", GATE_UP_WARPS[fmt]),)).launch(
+    _kernel("moe.cu", f"moe_down_{fmt}",
+            (("MOE_GATE_UP_WARPS", GATE_UP_WARPS[fmt]), ("X_BATCH", x_batch(fmt, t)))).launch(
         (cdiv(n, 16),), (DOWN_THREADS,),
         [y, h, ids, routing_weights, *args, I32(int(has_shared)), residual, I32(t), I32(a), I32(n), I32(i),
          I32(num_experts)], pdl=pdl, device=h.device.index)
