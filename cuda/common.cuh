@@ -64,12 +64,11 @@ __device__ __forceinline__ u32 ld_weight_u16(const void* p) {
 }
 
 // Activations (x rows, h rows, logits): written by the previous kernel, read by every CTA, cached
-// in L1; or staged in shared memory (a generic load serves both). Volatile asm with a memory
-// clobber, so that neither compiler moves it above `pdl_wait` (an `__ldg`, ld.global.nc, was
-// hoisted above griddepcontrol.wait: a race).
+// in L1. A coherent load in volatile asm with a memory clobber, so that neither compiler moves it
+// above `pdl_wait` (an `__ldg`, ld.global.nc, was hoisted above griddepcontrol.wait: a race).
 __device__ __forceinline__ uint4 ld_act_v4(const void* p) {
   uint4 v;
-  asm volatile("ld.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
 }

@@ -7,8 +7,6 @@
 // tensor_scale[1], rows from split2 on tensor_scale[2] (q/k/v as one GEMV).
 // Before waiting on the previous kernel (PDL), each CTA asks for its weight rows in L2 and issues
 // its first round of weight loads.
-// norm_weight (may be null): x is first RMSNormed with it (eps), each CTA normalizing the B rows
-// into dynamic shared memory (B * K * 2 bytes, the launcher sizes it): no separate norm kernel.
 // GEMV_WARPS (4, 8 or 16) is a compile-time define: few tiles want more warps splitting K, so
 // that each SM keeps enough loads in flight.
 #include "gemv_tile.cuh"
@@ -19,30 +17,9 @@
 #define BF16_UNROLL 8   // k-steps in flight per warp: 8 x 1 KB
 #define NVFP4_UNROLL 4  // 4 x (1 KB codes + scales)
 
-// The rows this lane's token g reads: x itself, or x normalized into shared memory (after the
-// wait). With no norm, PREFETCH: the first round of weight loads goes out before the wait.
-template <class Wt, int U>
-__device__ __forceinline__ void gemv_tile_sum(float (&acc)[4], const typename Wt::Rows& rows,
-                                              const u16* x, const u16* norm_weight, float eps, int B,
-                                              int K, const typename Wt::Shared& sh) {
-  extern __shared__ uint4 x_normed[];
-  const int g = (threadIdx.x & 31) >> 2;
-  const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;
-  if (norm_weight) {
-    pdl_wait();
-    u16* xs = reinterpret_cast<u16*>(x_normed);
-    stage_rms_normed<GEMV_WARPS>(xs, x, norm_weight, B, K, eps);
-    tile_partial<Wt, GEMV_WARPS, U>(acc, rows, g < B ? xs + (size_t)g * K : nullptr, K, 0, steps, sh);
-  } else {
-    tile_partial<Wt, GEMV_WARPS, U, true>(acc, rows, g < B ? x + (size_t)g * K : nullptr, K, 0, steps,
-                                          sh);
-  }
-}
-
 template <class Wt, int U>
 __device__ __forceinline__ void gemv(u16* y, const u16* x, const Wt& wt, const u16* residual,
-                                     const u16* norm_weight, float eps, int B, int N, int K,
-                                     int split1, int split2) {
+                                     int B, int N, int K, int split1, int split2) {
   __shared__ float red[GEMV_WARPS * 4 * 32];
   __shared__ typename Wt::Shared sh;
   Wt::init_shared(sh);
@@ -52,8 +29,10 @@ __device__ __forceinline__ void gemv(u16* y, const u16* x, const Wt& wt, const u
   const int n0 = blockIdx.x * 16;
   if (threadIdx.x == 0) wt.prefetch(n0, min(16, N - n0), K);
   const typename Wt::Rows rows = Wt::rows(wt, min(n0 + g, N - 1), wt, min(n0 + g + 8, N - 1), K);
+  const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  gemv_tile_sum<Wt, U>(acc, rows, x, norm_weight, eps, B, K, sh);
+  tile_partial<Wt, GEMV_WARPS, U, true>(acc, rows, g < B ? x + (size_t)g * K : nullptr, K, 0, steps,
+                                        sh);
   tile_store_partials<GEMV_WARPS>(red, acc);
   __syncthreads();
   const int r = threadIdx.x >> 3, b = threadIdx.x & 7, n = n0 + r;  // threads 0..127: 16 x 8
@@ -65,8 +44,8 @@ __device__ __forceinline__ void gemv(u16* y, const u16* x, const Wt& wt, const u
 }
 
 template <class Wt, int U>
-__device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, const Wt& wu,
-                                        const u16* norm_weight, float eps, int B, int I, int K) {
+__device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, const Wt& wu, int B,
+                                        int I, int K) {
   __shared__ float red[GEMV_WARPS * 4 * 32];
   __shared__ typename Wt::Shared sh;
   Wt::init_shared(sh);
@@ -78,8 +57,10 @@ __device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, cons
   if (threadIdx.x == 32) wu.prefetch(j0, min(8, I - j0), K);
   const int row = min(j0 + g, I - 1);
   const typename Wt::Rows rows = Wt::rows(wg, row, wu, row, K);
+  const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  gemv_tile_sum<Wt, U>(acc, rows, x, norm_weight, eps, B, K, sh);
+  tile_partial<Wt, GEMV_WARPS, U, true>(acc, rows, g < B ? x + (size_t)g * K : nullptr, K, 0, steps,
+                                        sh);
   tile_store_partials<GEMV_WARPS>(red, acc);
   __syncthreads();
   const int j = threadIdx.x >> 3, b = threadIdx.x & 7, n = j0 + j;
@@ -91,30 +72,25 @@ __device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, cons
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
-gemv_bf16(u16* y, const u16* x, const u16* w, const u16* residual, const u16* norm_weight, float eps,
-          int B, int N, int K) {
-  gemv<Bf16Weights, BF16_UNROLL>(y, x, Bf16Weights{w}, residual, norm_weight, eps, B, N, K, N, N);
+gemv_bf16(u16* y, const u16* x, const u16* w, const u16* residual, int B, int N, int K) {
+  gemv<Bf16Weights, BF16_UNROLL>(y, x, Bf16Weights{w}, residual, B, N, K, N, N);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_nvfp4(u16* y, const u16* x, const u8* codes, const u8* scales, const float* tensor_scale,
-           const u16* residual, const u16* norm_weight, float eps, int B, int N, int K, int split1,
-           int split2) {
-  gemv<Nvfp4Weights, NVFP4_UNROLL>(y, x, Nvfp4Weights{codes, scales, tensor_scale}, residual, norm_weight,
-                                   eps, B, N, K, split1, split2);
+           const u16* residual, int B, int N, int K, int split1, int split2) {
+  gemv<Nvfp4Weights, NVFP4_UNROLL>(y, x, Nvfp4Weights{codes, scales, tensor_scale}, residual, B, N, K,
+                                   split1, split2);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
-gate_up_bf16(u16* h, const u16* x, const u16* wg, const u16* wu, const u16* norm_weight, float eps, int B,
-             int I, int K) {
-  gate_up<Bf16Weights, BF16_UNROLL>(h, x, Bf16Weights{wg}, Bf16Weights{wu}, norm_weight, eps, B, I, K);
+gate_up_bf16(u16* h, const u16* x, const u16* wg, const u16* wu, int B, int I, int K) {
+  gate_up<Bf16Weights, BF16_UNROLL>(h, x, Bf16Weights{wg}, Bf16Weights{wu}, B, I, K);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gate_up_nvfp4(u16* h, const u16* x, const u8* g_codes, const u8* g_scales, const float* g_tensor_scale,
-              const u8* u_codes, const u8* u_scales, const float* u_tensor_scale, const u16* norm_weight,
-              float eps, int B, int I, int K) {
+              const u8* u_codes, const u8* u_scales, const float* u_tensor_scale, int B, int I, int K) {
   gate_up<Nvfp4Weights, NVFP4_UNROLL>(h, x, Nvfp4Weights{g_codes, g_scales, g_tensor_scale},
-                                      Nvfp4Weights{u_codes, u_scales, u_tensor_scale}, norm_weight, eps,
-                                      B, I, K);
+                                      Nvfp4Weights{u_codes, u_scales, u_tensor_scale}, B, I, K);
 }

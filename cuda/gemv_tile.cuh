@@ -153,46 +153,6 @@ struct Nvfp4Weights {
   }
 };
 
-// ---- RMSNorm of the input, staged in shared memory --------------------------------------------
-
-// xs[b][k] = bf16(x[b][k] * rsqrt(mean(x[b]^2) + eps) * weight[k]) for the B <= 8 rows of x [B, K]
-// (fp32 math as `rms_norm` in model/reference.py; K % 8 == 0). Warp w normalizes rows w, w + W..;
-// every thread calls it after `pdl_wait`, and it ends with a barrier.
-template <int W>
-__device__ __forceinline__ void stage_rms_normed(u16* xs, const u16* x, const u16* weight, int B, int K,
-                                                 float eps) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, vecs = K / 8;
-  for (int b = warp; b < B; b += W) {
-    const u16* row = x + (size_t)b * K;
-    u16* out = xs + (size_t)b * K;
-    float sum_sq = 0.0f;
-#pragma unroll 4
-    for (int v = lane; v < vecs; v += 32) {
-      const uint4 xv = ld_act_v4(row + 8 * v);
-      const u32 w[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        sum_sq = fmaf(bf16x2_lo(w[j]), bf16x2_lo(w[j]), sum_sq);
-        sum_sq = fmaf(bf16x2_hi(w[j]), bf16x2_hi(w[j]), sum_sq);
-      }
-      *reinterpret_cast<uint4*>(out + 8 * v) = xv;
-    }
-    const float inv = rsqrtf(warp_sum(sum_sq) / K + eps);
-    __syncwarp();
-    for (int v = lane; v < vecs; v += 32) {  // each lane rereads what it stored
-      const uint4 xv = *reinterpret_cast<const uint4*>(out + 8 * v);
-      const uint4 gv = __ldg(reinterpret_cast<const uint4*>(weight + 8 * v));  // a weight
-      const u32 x2[4] = {xv.x, xv.y, xv.z, xv.w}, g2[4] = {gv.x, gv.y, gv.z, gv.w};
-      u32 o[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        o[j] = pack_bf16x2(bf16x2_lo(x2[j]) * inv * bf16x2_lo(g2[j]), bf16x2_hi(x2[j]) * inv * bf16x2_hi(g2[j]));
-      *reinterpret_cast<uint4*>(out + 8 * v) = make_uint4(o[0], o[1], o[2], o[3]);
-    }
-  }
-  __syncthreads();
-}
-
 // ---- the tile loop ---------------------------------------------------------------------------
 
 // X_BATCH (a compile-time define, 1 or 0): load a round's activations together before its mmas
@@ -203,7 +163,7 @@ __device__ __forceinline__ void stage_rms_normed(u16* xs, const u16* x, const u1
 #endif
 
 // acc += this warp's share of rows . x_g over k-steps [s_begin, s_end).
-// x_g: token g's activation row (K bf16, global or shared memory), or nullptr. K % LANE_K == 0.
+// x_g: token g's activation row (K bf16), or nullptr. K % LANE_K == 0.
 // PREFETCH: the caller has not waited on the previous kernel yet (PDL); the first round of weight
 // loads is issued before `pdl_wait`, so it overlaps the previous kernel's tail, and every thread
 // has waited when this returns. Weights never depend on the previous kernel; x does.

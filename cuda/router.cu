@@ -66,19 +66,13 @@ __device__ __forceinline__ void router_select(int* ids, float* weights, const fl
   }
 }
 
-// norm_weight (may be null): x is first RMSNormed with it (eps) in every CTA, into dynamic shared
-// memory, and CTA (0, 0) writes the normalized rows to x_normed for the expert kernels.
-// Dynamic shared memory: T * K * 2 bytes (with a norm), then T * E fp32 scores (last CTA).
 extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
 router_topk(int* ids, float* weights, const u16* x, const u16* gate, const float* bias,
-            float* partial, u32* ticket, const u16* norm_weight, float eps, u16* x_normed, int T, int E,
-            int K, int A, float scaling) {
+            float* partial, u32* ticket, int T, int E, int K, int A, float scaling) {
   __shared__ float red[ROUTER_WARPS * 4 * 32];
   __shared__ Bf16Weights::Shared sh;
   __shared__ u32 is_last;
-  extern __shared__ uint4 dyn[];
-  u16* xs = reinterpret_cast<u16*>(dyn);                                    // [T][K], with a norm
-  float* scores = reinterpret_cast<float*>(xs + (norm_weight ? T * K : 0));  // [T][E], last CTA
+  extern __shared__ float scores[];  // [T][E], last CTA only
   pdl_launch_dependents();
   const int g = (threadIdx.x & 31) >> 2, warp = threadIdx.x >> 5;
   const int n0 = blockIdx.x * 16, split = blockIdx.y, splits = gridDim.y;
@@ -87,19 +81,9 @@ router_topk(int* ids, float* weights, const u16* x, const u16* gate, const float
   if (threadIdx.x == 0 && split == 0) w.prefetch(n0, min(16, E - n0), K);
   const Bf16Rows rows = Bf16Weights::rows(w, min(n0 + g, E - 1), w, min(n0 + g + 8, E - 1), K);
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  const int s_begin = split * steps / splits, s_end = (split + 1) * steps / splits;
-  if (norm_weight) {
-    pdl_wait();
-    stage_rms_normed<ROUTER_WARPS>(xs, x, norm_weight, T, K, eps);
-    if (blockIdx.x == 0 && split == 0)
-      for (int i = threadIdx.x; i < T * K / 8; i += blockDim.x)
-        reinterpret_cast<uint4*>(x_normed)[i] = reinterpret_cast<const uint4*>(xs)[i];
-    tile_partial<Bf16Weights, ROUTER_WARPS, ROUTER_UNROLL>(acc, rows, g < T ? xs + (size_t)g * K : nullptr, K,
-                                                           s_begin, s_end, sh);
-  } else {
-    tile_partial<Bf16Weights, ROUTER_WARPS, ROUTER_UNROLL, true>(acc, rows, g < T ? x + (size_t)g * K : nullptr,
-                                                                 K, s_begin, s_end, sh);
-  }
+  tile_partial<Bf16Weights, ROUTER_WARPS, ROUTER_UNROLL, true>(acc, rows, g < T ? x + (size_t)g * K : nullptr, K,
+                                                         split * steps / splits,
+                                                         (split + 1) * steps / splits, sh);
   tile_store_partials<ROUTER_WARPS>(red, acc);
   __syncthreads();
   const int r = threadIdx.x >> 3, b = threadIdx.x & 7, n = n0 + r;

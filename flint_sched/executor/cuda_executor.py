@@ -22,6 +22,7 @@ from flint_sched.executor.torch_executor import TorchExecutor
 from flint_sched.kernels import attention as attn
 from flint_sched.kernels.linear import concat_rows, gate_up_silu, linear
 from flint_sched.kernels.moe import moe_down, moe_gate_up, route, router_workspace
+from flint_sched.kernels.norm import rms_norm
 from flint_sched.kernels.sampling import argmax_workspace, greedy
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
@@ -181,39 +182,37 @@ class CudaExecutor:
     # -- the decode step -----------------------------------------------------------------------
 
     def _decode(self, b: int) -> None:
-        """One decode step for b requests. Every RMSNorm runs inside the kernel that consumes it
-        (q/k/v GEMV, router, dense gate/up, LM head); residual adds inside o_proj and down."""
         c, buf, w, eps = self.config, self.buf, self.w, self.config.rms_norm_eps
         h, h_next = buf.hidden[0][:b], buf.hidden[1][:b]
         buf.block_tables_flat.index_put_((buf.table_index[:b],), buf.table_value[:b])
         torch.index_select(w["model.embed_tokens.weight"], 0, buf.tokens[:b], out=h)
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            self._attention(i, b, h)
+            normed = rms_norm(h, w[p + "input_layernorm.weight"], eps, out=buf.normed[:b], pdl=self.pdl)
+            self._attention(i, b, normed)
             linear(buf.attn_out[:b].view(b, c.q_size), w[p + "self_attn.o_proj.weight"], residual=h, out=h_next,
                    pdl=self.pdl)
             h, h_next = h_next, h
-            norm = w[p + "post_attention_layernorm.weight"]
+            normed = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps, out=buf.normed[:b], pdl=self.pdl)
             if c.is_moe(i):
-                self._moe(i, b, h, norm, out=h_next)
+                self._moe(i, b, normed, residual=h, out=h_next)
             else:
-                up = gate_up_silu(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
-                                  out=buf.mlp_hidden[:b], pdl=self.pdl, norm_weight=norm, eps=eps)
+                up = gate_up_silu(normed, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                                  out=buf.mlp_hidden[:b], pdl=self.pdl)
                 linear(up, w[p + "mlp.down_proj.weight"], residual=h, out=h_next, pdl=self.pdl)
             h, h_next = h_next, h
             if self.layer_outputs is not None:
                 self.layer_outputs.append(h.clone())
-        linear(h, w["lm_head.weight"], out=buf.logits[:b], pdl=self.pdl, norm_weight=w["model.norm.weight"], eps=eps)
+        normed = rms_norm(h, w["model.norm.weight"], eps, out=buf.normed[:b], pdl=self.pdl)
+        linear(normed, w["lm_head.weight"], out=buf.logits[:b], pdl=self.pdl)
         greedy(buf.logits[:b], out=buf.next_tokens[:b], workspace=buf.argmax_workspace, pdl=self.pdl)
 
-    def _attention(self, i: int, b: int, h: torch.Tensor) -> None:
+    def _attention(self, i: int, b: int, normed: torch.Tensor) -> None:
         c, buf, w = self.config, self.buf, self.w
-        p = f"model.layers.{i}."
+        p = f"model.layers.{i}.self_attn."
         qkv = buf.qkv[:b]
         weight, splits = self.qkv[i]
-        linear(h, weight, out=qkv, pdl=self.pdl, row_splits=splits, norm_weight=w[p + "input_layernorm.weight"],
-               eps=c.rms_norm_eps)
-        p += "self_attn."
+        linear(normed, weight, out=qkv, pdl=self.pdl, row_splits=splits)
         q, out, sinks = buf.q[:b], buf.attn_out[:b], w[p + "sinks"]
         if c.is_sliding(i):
             ring = self.kv.ring[self.kv.ring_index[i]]
@@ -230,24 +229,20 @@ class CudaExecutor:
             attn.decode_attention_full(q, full[0], full[1], tables, buf.seq_lens[:b], sinks,
                                        buf.attention_workspace, self.max_model_len, out=out, pdl=self.pdl)
 
-    def _moe(self, i: int, b: int, h: torch.Tensor, norm: torch.Tensor, out: torch.Tensor) -> None:
-        """out = h + MoE(rms_norm(h)): the router normalizes h and hands the result to the experts."""
+    def _moe(self, i: int, b: int, normed: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> None:
         c, buf, w = self.config, self.buf, self.w
         p = f"model.layers.{i}.mlp."
-        normed = buf.normed[:b]
-        ids, weights = route(h, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"],
+        ids, weights = route(normed, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"],
                              c.num_experts_per_tok, c.routed_scaling_factor, ids=buf.expert_ids[:b],
-                             weights=buf.expert_weights[:b], workspace=buf.router_workspace, pdl=self.pdl,
-                             norm_weight=norm, eps=c.rms_norm_eps, normed_out=normed)
+                             weights=buf.expert_weights[:b], workspace=buf.router_workspace, pdl=self.pdl)
         shared = c.n_shared_experts > 0
         hidden = moe_gate_up(normed, ids, w[p + "experts.gate_proj.weight"], w[p + "experts.up_proj.weight"],
                              w[p + "shared_experts.gate_proj.weight"] if shared else None,
                              w[p + "shared_experts.up_proj.weight"] if shared else None,
                              out=buf.expert_hidden[:b], pdl=self.pdl)
         moe_down(hidden, ids, weights, w[p + "experts.down_proj.weight"],
-                 w[p + "shared_experts.down_proj.weight"] if shared else None, residual=h, out=out,
+                 w[p + "shared_experts.down_proj.weight"] if shared else None, residual=residual, out=out,
                  pdl=self.pdl)
-
 
 def _needs_torch(entry) -> bool:
     """Greedy choice is exact on the GPU unless something edits the logits first."""

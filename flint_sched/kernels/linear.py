@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
+from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 MAX_TOKENS = 8
@@ -28,12 +28,13 @@ TARGET_WARPS = 132 * 16
 Weight = torch.Tensor | NVFP4Tensor
 
 
-def x_batch(fmt: str) -> int:
-    """X_BATCH of cuda/gemv_tile.cuh: BF16 loads a round's activations together; NVFP4 loads each
-    next to its mma (~80 instead of ~130 registers: more CTAs per SM for the FP4 decode's integer
-    work). Measured on the H200, NVFP4 batch 1/2/4/8 at 1K: 2.24/2.55/3.20/4.54 ms per step with
-    X_BATCH 0, 2.27/2.68/3.40/4.88 with 1 (benchmarks/RESULTS.md)."""
-    return int(fmt == "bf16")
+# NVFP4 from this many tokens on loads activations just before each mma (X_BATCH 0 in
+# cuda/gemv_tile.cuh): fewer registers, more CTAs per SM for the FP4 decode's integer work.
+NVFP4_X_BATCH_BELOW = 4
+
+
+def x_batch(fmt: str, tokens: int) -> int:
+    return int(fmt == "bf16" or tokens < NVFP4_X_BATCH_BELOW)
 
 
 @functools.cache
@@ -135,20 +136,9 @@ def concat_rows(weights: Sequence[Weight]) -> tuple[Weight, tuple[int, ...]]:
                        torch.cat([w.tensor_scale.reshape(1) for w in weights])), tuple(starts)
 
 
-def norm_args(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float) -> tuple[list, int]:
-    """Kernel arguments [norm_weight, eps] and the dynamic shared memory they need (B * K * 2)."""
-    if norm_weight is None:
-        return [None, F32(0.0)], 0
-    check_tensor(norm_weight, "norm_weight", torch.bfloat16, (x.shape[1],), x.device)
-    return [norm_weight, F32(eps)], x.numel() * 2
-
-
 def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, pdl: bool = False, row_splits: tuple[int, ...] = (),
-           norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    """y[B, N] = x' @ W^T (+ residual), fp32 sums, one bf16 rounding, where x' = x, or with
-    `norm_weight` x' = rms_norm(x, norm_weight, eps) computed in the kernel (as `rms_norm` in
-    model/reference.py). `row_splits`: from `concat_rows`."""
+           out: torch.Tensor | None = None, pdl: bool = False, row_splits: tuple[int, ...] = ()) -> torch.Tensor:
+    """y[B, N] = x @ W^T (+ residual), fp32 sums, one bf16 rounding. `row_splits`: from `concat_rows`."""
     check_activations(x)
     b, k = x.shape
     n = weight.shape[0]
@@ -166,17 +156,15 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     tiles = cdiv(n, TILE_ROWS)
     warps = gemv_warps(tiles, k, fmt)
     splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
-    norm, shared = norm_args(x, norm_weight, eps)
-    _kernel(f"gemv_{fmt}", warps, x_batch(fmt)).launch(
-        (tiles,), (32 * warps,), [y, x, *w_args, residual, *norm, I32(b), I32(n), I32(k), *splits],
-        shared_bytes=shared, pdl=pdl, device=x.device.index)
+    _kernel(f"gemv_{fmt}", warps, x_batch(fmt, b)).launch((tiles,), (32 * warps,),
+                                         [y, x, *w_args, residual, I32(b), I32(n), I32(k), *splits],
+                                         pdl=pdl, device=x.device.index)
     return y
 
 
 def gate_up_silu(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor | None = None,
-                 pdl: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    """h[B, I] = silu(x' @ gate^T) * (x' @ up^T); gate and up [I, K] in the same format; x' as in
-    `linear`."""
+                 pdl: bool = False) -> torch.Tensor:
+    """h[B, I] = silu(x @ gate^T) * (x @ up^T); gate and up [I, K] in the same format."""
     check_activations(x)
     b, k = x.shape
     i = gate.shape[0]
@@ -188,10 +176,8 @@ def gate_up_silu(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor | 
     h = output(out, "out", (b, i), x)
     tiles = cdiv(i, TILE_ROWS // 2)
     warps = gemv_warps(tiles, k, fmt)
-    norm, shared = norm_args(x, norm_weight, eps)
-    _kernel(f"gate_up_{fmt}", warps, x_batch(fmt)).launch(
-        (tiles,), (32 * warps,), [h, x, *args, *norm, I32(b), I32(i), I32(k)], shared_bytes=shared, pdl=pdl,
-        device=x.device.index)
+    _kernel(f"gate_up_{fmt}", warps, x_batch(fmt, b)).launch((tiles,), (32 * warps,), [h, x, *args, I32(b), I32(i), I32(k)],
+                                            pdl=pdl, device=x.device.index)
     return h
 
 

@@ -19,7 +19,7 @@ import torch
 
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.linear import (MAX_TOKENS, Weight, cdiv, check_activations, check_tensor, output,
-                                        norm_args, weight_args, weight_format, x_batch)
+                                        weight_args, weight_format, x_batch)
 
 MAX_PAIRS = 64            # T * A (cuda/moe.cu MOE_MAX_PAIRS)
 MAX_EXPERTS = 1024        # router: 32 experts per lane
@@ -41,12 +41,8 @@ def router_workspace(num_experts: int, device: torch.device | str, max_tokens: i
 
 def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
           ids: torch.Tensor | None = None, weights: torch.Tensor | None = None,
-          workspace: torch.Tensor | None = None, pdl: bool = False, norm_weight: torch.Tensor | None = None,
-          eps: float = 1e-6, normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert ids int32 [T, A], weights fp32 [T, A]) as `route()` in model/reference.py.
-
-    With `norm_weight`, the router's input is rms_norm(x, norm_weight, eps), computed in the kernel
-    and written to `normed_out` (needed: the experts take the same input)."""
+          workspace: torch.Tensor | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids int32 [T, A], weights fp32 [T, A]) as `route()` in model/reference.py."""
     check_activations(x)
     t, k = x.shape
     e = gate.shape[0]
@@ -70,16 +66,10 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
         raise ValueError(f"router workspace must be fp32 with >= {need} elements on {x.device}")
     partial, ticket = workspace[: need - 1], workspace[workspace.numel() - 1:]
     max_experts = 256 if e <= 256 else MAX_EXPERTS
-    norm, normed_bytes = norm_args(x, norm_weight, eps)
-    if (norm_weight is None) != (normed_out is None):
-        raise ValueError("give normed_out exactly when norm_weight is given")
-    if normed_out is not None:
-        check_tensor(normed_out, "normed_out", torch.bfloat16, tuple(x.shape), x.device)
     _kernel("router.cu", "router_topk", (("ROUTER_MAX_EXPERTS", max_experts),)).launch(
         (tiles, splits), (ROUTER_THREADS,),
-        [ids, weights, x, gate, bias, partial, ticket, *norm, normed_out, I32(t), I32(e), I32(k), I32(top_k),
-         F32(scaling)],
-        shared_bytes=normed_bytes + t * e * 4, pdl=pdl, device=x.device.index)
+        [ids, weights, x, gate, bias, partial, ticket, I32(t), I32(e), I32(k), I32(top_k), F32(scaling)],
+        shared_bytes=t * e * 4, pdl=pdl, device=x.device.index)
     return ids, weights
 
 
@@ -105,8 +95,7 @@ def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: Weight, up: Weight,
         args += [None] * (6 if fmt == "nvfp4" else 2)
     h = output(out, "out", (t, a + 1, i), x)
     warps = GATE_UP_WARPS[fmt]
-    defines = (("MOE_GATE_UP_WARPS", warps), ("X_BATCH", x_batch(fmt)))
-    _kernel("moe.cu", f"moe_gate_up_{fmt}", defines).launch(
+    _kernel("moe.cu", f"moe_gate_up_{fmt}", (("MOE_GATE_UP_WARPS", warps), ("X_BATCH", x_batch(fmt, t)))).launch(
         (cdiv(i, 8), t * a + int(has_shared)), (32 * warps,),
         [h, x, ids, *args, I32(t), I32(a), I32(i), I32(k), I32(num_experts)], pdl=pdl, device=x.device.index)
     return h
@@ -135,7 +124,7 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor, 
     y = output(out, "out", (t, n), h)
     # MOE_GATE_UP_WARPS shapes moe_gate_up only: name a variant gate/up compiles anyway.
     _kernel("moe.cu", f"moe_down_{fmt}",
-            (("MOE_GATE_UP_WARPS", GATE_UP_WARPS[fmt]), ("X_BATCH", x_batch(fmt)))).launch(
+            (("MOE_GATE_UP_WARPS", GATE_UP_WARPS[fmt]), ("X_BATCH", x_batch(fmt, t)))).launch(
         (cdiv(n, 16),), (DOWN_THREADS,),
         [y, h, ids, routing_weights, *args, I32(int(has_shared)), residual, I32(t), I32(a), I32(n), I32(i),
          I32(num_experts)], pdl=pdl, device=h.device.index)

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from flint_sched.kernels import gate_up_silu, linear
 from flint_sched.kernels.linear import concat_rows
-from flint_sched.model.reference import rms_norm as reference_rms_norm
 from gpu_checks import assert_close_bf16, gen, poisoned
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize
 
@@ -140,26 +139,6 @@ def test_gate_up_silu(fmt, b, i, k):
     xf = x.float()
     ref = F.silu(xf @ dense(gate).t()) * (xf @ dense(up).t())
     assert_close_bf16(h, ref, f"{fmt} gate_up_silu B={b} I={i} K={k}")
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("b", [1, 3, 8])
-def test_the_norm_inside_the_gemv(fmt, b):
-    """linear / gate_up_silu with norm_weight: rms_norm(x) computed in the kernel, then the product
-    (q/k/v and LM head shapes: K = 2048; and the tiny model's K = 64)."""
-    make = nvfp4_weight if fmt == "nvfp4" else bf16_weight
-    for n, k in ((5120, 2048), (100, 64)):
-        w = make(n, k, seed=n)
-        x = (4 * activations(b, k, seed=b)).bfloat16()
-        norm = (1 + 0.3 * torch.randn(k, device="cuda", generator=gen(k))).bfloat16()
-        normed = reference_rms_norm(x, norm, 1e-5)
-        y = linear(x, w, out=poisoned(b, n), norm_weight=norm, eps=1e-5)
-        assert_close_bf16(y, normed.float() @ dense(w).t(), f"{fmt} norm + linear B={b} N={n} K={k}")
-        gate, up = make(n, k, seed=n + 1), make(n, k, seed=n + 2)
-        h = gate_up_silu(x, gate, up, out=poisoned(b, n), norm_weight=norm, eps=1e-5)
-        nf = normed.float()
-        ref = F.silu(nf @ dense(gate).t()) * (nf @ dense(up).t())
-        assert_close_bf16(h, ref, f"{fmt} norm + gate_up B={b} I={n} K={k}")
 
 
 def test_lm_head_shape():

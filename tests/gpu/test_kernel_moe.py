@@ -14,7 +14,6 @@ from flint_sched.checkpoint.random_init import random_tensor
 from flint_sched.config import preset
 from flint_sched.kernels import moe, moe_down, moe_gate_up, route, router_workspace
 from flint_sched.model.reference import FlintReference
-from flint_sched.model.reference import rms_norm as reference_rms_norm
 from flint_sched.model.reference import route as reference_route
 from flint_sched.model.weights import tensor_specs
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize
@@ -130,24 +129,6 @@ def test_router_matches_reference(tokens, shape):
     again = route(x, gate, bias, shape["top_k"], SCALING, workspace=workspace)   # the ticket was reset
     assert torch.equal(again[0], ids) and torch.equal(again[1], weights), "router is not deterministic"
     assert workspace[-1:].view(torch.int32).item() == 0, "ticket not reset"
-
-
-@pytest.mark.parametrize("shape", [REAL, TINY], ids=["real", "tiny"])
-@pytest.mark.parametrize("tokens", [1, 8])
-def test_router_with_the_norm_inside(tokens, shape):
-    """route(x, norm_weight=w) normalizes x as rms_norm does, hands that to normed_out, and routes
-    exactly as the plain router does on normed_out."""
-    e, k = shape["experts"], shape["hidden"]
-    g = gen(tokens + 100)
-    x = (3 * torch.randn(tokens, k, device="cuda", generator=g)).bfloat16()
-    norm = (1 + 0.2 * torch.randn(k, device="cuda", generator=g)).bfloat16()
-    gate = (torch.randn(e, k, device="cuda", generator=g) / k**0.5).bfloat16()
-    bias = 0.1 * torch.randn(e, device="cuda", generator=g)
-    normed = torch.full_like(x, float("nan"))
-    ids, weights = route(x, gate, bias, shape["top_k"], SCALING, norm_weight=norm, eps=1e-5, normed_out=normed)
-    close_bf16(normed, reference_rms_norm(x, norm, 1e-5), f"normed_out T={tokens}")
-    plain_ids, plain_weights = route(normed, gate, bias, shape["top_k"], SCALING)
-    assert torch.equal(ids, plain_ids) and torch.equal(weights, plain_weights)
 
 
 # ---- experts ---------------------------------------------------------------------------------
