@@ -28,13 +28,12 @@ TARGET_WARPS = 132 * 16
 Weight = torch.Tensor | NVFP4Tensor
 
 
-# NVFP4 from this many tokens on loads activations just before each mma (X_BATCH 0 in
-# cuda/gemv_tile.cuh): fewer registers, more CTAs per SM for the FP4 decode's integer work.
-NVFP4_X_BATCH_BELOW = 4
-
-
-def x_batch(fmt: str, tokens: int) -> int:
-    return int(fmt == "bf16" or tokens < NVFP4_X_BATCH_BELOW)
+def x_batch(fmt: str) -> int:
+    """X_BATCH of cuda/gemv_tile.cuh: BF16 loads a round's activations together; NVFP4 loads each
+    next to its mma (~80 instead of ~130 registers: more CTAs per SM for the FP4 decode's integer
+    work). Measured on the H200, NVFP4 batch 1/2/4/8 at 1K: 2.24/2.55/3.20/4.54 ms per step with
+    X_BATCH 0, 2.27/2.68/3.40/4.88 with 1 (benchmarks/RESULTS.md)."""
+    return int(fmt == "bf16")
 
 
 @functools.cache
@@ -156,7 +155,7 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     tiles = cdiv(n, TILE_ROWS)
     warps = gemv_warps(tiles, k, fmt)
     splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
-    _kernel(f"gemv_{fmt}", warps, x_batch(fmt, b)).launch((tiles,), (32 * warps,),
+    _kernel(f"gemv_{fmt}", warps, x_batch(fmt)).launch((tiles,), (32 * warps,),
                                          [y, x, *w_args, residual, I32(b), I32(n), I32(k), *splits],
                                          pdl=pdl, device=x.device.index)
     return y
@@ -176,7 +175,7 @@ def gate_up_silu(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor | 
     h = output(out, "out", (b, i), x)
     tiles = cdiv(i, TILE_ROWS // 2)
     warps = gemv_warps(tiles, k, fmt)
-    _kernel(f"gate_up_{fmt}", warps, x_batch(fmt, b)).launch((tiles,), (32 * warps,), [h, x, *args, I32(b), I32(i), I32(k)],
+    _kernel(f"gate_up_{fmt}", warps, x_batch(fmt)).launch((tiles,), (32 * warps,), [h, x, *args, I32(b), I32(i), I32(k)],
                                             pdl=pdl, device=x.device.index)
     return h
 

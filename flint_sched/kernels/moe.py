@@ -95,7 +95,8 @@ def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: Weight, up: Weight,
         args += [None] * (6 if fmt == "nvfp4" else 2)
     h = output(out, "out", (t, a + 1, i), x)
     warps = GATE_UP_WARPS[fmt]
-    _kernel("moe.cu", f"moe_gate_up_{fmt}", (("MOE_GATE_UP_WARPS", warps), ("X_BATCH", x_batch(fmt, t)))).launch(
+    defines = (("MOE_GATE_UP_WARPS", warps), ("X_BATCH", x_batch(fmt)))
+    _kernel("moe.cu", f"moe_gate_up_{fmt}", defines).launch(
         (cdiv(i, 8), t * a + int(has_shared)), (32 * warps,),
         [h, x, ids, *args, I32(t), I32(a), I32(i), I32(k), I32(num_experts)], pdl=pdl, device=x.device.index)
     return h
@@ -124,7 +125,7 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor, 
     y = output(out, "out", (t, n), h)
     # MOE_GATE_UP_WARPS shapes moe_gate_up only: name a variant gate/up compiles anyway.
     _kernel("moe.cu", f"moe_down_{fmt}",
-            (("MOE_GATE_UP_WARPS", GATE_UP_WARPS[fmt]), ("X_BATCH", x_batch(fmt, t)))).launch(
+            (("MOE_GATE_UP_WARPS", GATE_UP_WARPS[fmt]), ("X_BATCH", x_batch(fmt)))).launch(
         (cdiv(n, 16),), (DOWN_THREADS,),
         [y, h, ids, routing_weights, *args, I32(int(has_shared)), residual, I32(t), I32(a), I32(n), I32(i),
          I32(num_experts)], pdl=pdl, device=h.device.index)
