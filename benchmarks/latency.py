@@ -152,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = args.bandwidth_gbps or measure_bandwidth_gbps(device)
     ckpt = dummy_checkpoint(config, args.weight_format, args.seed, device)
     batches, contexts, prefills = _ints(args.batch_sizes), _ints(args.contexts), _ints(args.prefill_lens)
-    max_seqs = max(batches)
+    if not batches and not prefills:
+        raise SystemExit("nothing to measure: give --batch-sizes (with --contexts) or --prefill-lens")
+    max_seqs = max(batches, default=1)
     placeholder = KVCache(config, 1, args.block_size, 1, dtype, device)
     if args.executor == "cuda":
         max_len = max(contexts + prefills) + 1

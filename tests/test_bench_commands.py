@@ -19,6 +19,14 @@ def test_bench_latency_smoke(tmp_path, capsys):
     assert "decode B=3" in capsys.readouterr().out
 
 
+def test_bench_latency_prefill_only(tmp_path):
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", "flint-tiny", "--device", "cpu", "--batch-sizes", "",
+                 "--contexts", "", "--prefill-lens", "24", "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["decode"] == [] and result["prefill_tokens_per_s"]["24"] > 0
+
+
 def test_bench_serve_smoke_against_flint_tiny(request, tmp_path):
     server = shared_server(request, "real")
     assert main(["bench", "serve", "--base-url", server.base_url, "--dataset-name", "random",
