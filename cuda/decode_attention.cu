@@ -200,23 +200,17 @@ decode_attention_bf16(u16* out, const u16* q, const u16* k_cache, const u16* v_c
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3, row = lane >> 2;
   u16* out_group = out + ((long long)b * G + g) * GROUP * HEAD_DIM;
   pdl_launch_dependents();
-  pdl_wait();
 
-  // Independent loads first, so their latencies overlap: the length, the ring slot, Q.
+  // Before the wait: the step's inputs (lengths, ring slots, block tables: written before the
+  // step's first kernel, which did not use PDL) and the keys of positions < L - 1 (earlier steps).
+  // Only the new key at L - 1 and Q come from the kernel before (qk_norm_rope_kv).
   const KvPages pages(block_tables, table_stride, ring_slots, page_rows, b);
   const int L = max(0, seq_lens[b]);
-  // Q fragments (A operand rows 0-7 = the 8 heads): qa[kk] = Q[row][16kk + 2t ..], Q[row][16kk + 8 + 2t ..].
-  u32 qa[8][2];
-  const u16* q_row = q + (((long long)b * G + g) * GROUP + row) * HEAD_DIM + 2 * t;
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
-    qa[kk][0] = *reinterpret_cast<const u32*>(q_row + 16 * kk);
-    qa[kk][1] = *reinterpret_cast<const u32*>(q_row + 16 * kk + 8);
-  }
   const int n_keys = window > 0 ? min(L, window) : L;
   const int chunk = max(ATTN_MIN_SPLIT_KEYS, cdiv_i(cdiv_i(n_keys, num_splits), ATTN_TILE) * ATTN_TILE);
   const int active = cdiv_i(n_keys, chunk);
   if (n_keys == 0) {  // padding request: no keys, and the sink carries no value -> zeros
+    pdl_wait();
     if (split == 0)
       for (int i = threadIdx.x; i < GROUP * HEAD_DIM / 8; i += ATTN_THREADS)
         reinterpret_cast<uint4*>(out_group)[i] = make_uint4(0u, 0u, 0u, 0u);
@@ -236,9 +230,28 @@ decode_attention_bf16(u16* out, const u16* q, const u16* k_cache, const u16* v_c
     for (int s = 0; s < ATTN_STAGES; ++s) mbarrier_init(bar0 + 8 * s, 1);
   fence_mbarrier_init();
   __syncwarp();
+  // The first tiles of the pipeline go out before the wait when they end before the new key.
+  bool early[ATTN_STAGES - 1];
+#pragma unroll
+  for (int s = 0; s < ATTN_STAGES - 1; ++s) {
+    const int first = begin + (warp + s * ATTN_WARPS) * ATTN_TILE;
+    early[s] = s < my_tiles && first + ATTN_TILE < L;
+    if (early[s])
+      load_tile(stage0 + s * STAGE_BYTES, bar0 + 8 * s, k_cache, v_cache, pages, head_offset, kv_row_elems, first,
+                end, lane);
+  }
+  pdl_wait();
+  // Q fragments (A operand rows 0-7 = the 8 heads): qa[kk] = Q[row][16kk + 2t ..], Q[row][16kk + 8 + 2t ..].
+  u32 qa[8][2];
+  const u16* q_row = q + (((long long)b * G + g) * GROUP + row) * HEAD_DIM + 2 * t;
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    qa[kk][0] = *reinterpret_cast<const u32*>(q_row + 16 * kk);
+    qa[kk][1] = *reinterpret_cast<const u32*>(q_row + 16 * kk + 8);
+  }
 #pragma unroll
   for (int s = 0; s < ATTN_STAGES - 1; ++s)
-    if (s < my_tiles)
+    if (s < my_tiles && !early[s])
       load_tile(stage0 + s * STAGE_BYTES, bar0 + 8 * s, k_cache, v_cache, pages, head_offset, kv_row_elems,
                 begin + (warp + s * ATTN_WARPS) * ATTN_TILE, end, lane);
   SplitState st;

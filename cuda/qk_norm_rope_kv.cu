@@ -32,7 +32,9 @@ qk_norm_rope_kv_bf16(u16* q_out, u16* k_cache, u16* v_cache, const u16* qkv, con
   const int H = num_q_heads, G = num_kv_heads, head = blockIdx.y * QKN_WARPS + warp;
   const bool rope = rope_inv_freq != nullptr;
   pdl_launch_dependents();
-  pdl_wait();
+  // Before the wait: positions, block tables and ring slots are the step's inputs (written before
+  // its first kernel, which did not use PDL), the norm weights are weights. Only qkv comes from
+  // the kernel before.
   const int p = positions[b];
   if (rope && threadIdx.x < HEAD_DIM / 2) {
     // As rope_cos_sin: the fp64 angle p * inv_freq (inv_freq computed by torch, bit for bit),
@@ -48,16 +50,17 @@ qk_norm_rope_kv_bf16(u16* q_out, u16* k_cache, u16* v_cache, const u16* qkv, con
   const u16* src = qkv + (long long)b * (H + 2 * G) * HEAD_DIM + head * HEAD_DIM + 4 * lane;
   const long long kv_offset =
       p >= 0 ? KvPages(block_tables, table_stride, ring_slots, page_rows, b).row(p) * G * HEAD_DIM : 0;
+  const bool is_q = head < H;
+  float x[4], w[4];
+  if (head < H + G) load_bf16x4((is_q ? q_norm_weight : k_norm_weight) + 4 * lane, w);
+  pdl_wait();
   if (head >= H + G) {  // v: copied as is
     if (p >= 0)
       *reinterpret_cast<uint2*>(v_cache + kv_offset + (head - H - G) * HEAD_DIM + 4 * lane) =
           *reinterpret_cast<const uint2*>(src);
     return;
   }
-  const bool is_q = head < H;
-  float x[4], w[4];
   load_bf16x4(src, x);
-  load_bf16x4((is_q ? q_norm_weight : k_norm_weight) + 4 * lane, w);
   // NOTE: __fmul_rn/__fadd_rn keep the compiler from fusing into FMAs, which torch's separate
   // elementwise ops never do; fused results would differ in the last fp32 bit.
   float sum_sq = 0.0f;

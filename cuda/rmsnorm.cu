@@ -25,9 +25,15 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
 rmsnorm_bf16(u16* out, u16* residual_out, const u16* x, const u16* residual, const u16* weight,
              int H, float eps) {
   pdl_launch_dependents();
-  pdl_wait();
   const size_t base = (size_t)blockIdx.x * H;
   const int num_vec = H / 8;
+  uint4 wv[NORM_MAX_VEC];  // the weight is not the previous kernel's: loaded before the wait
+#pragma unroll
+  for (int i = 0; i < NORM_MAX_VEC; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    if (v < num_vec) wv[i] = *reinterpret_cast<const uint4*>(weight + 8 * v);
+  }
+  pdl_wait();
   float s[NORM_MAX_VEC][8];
   float sum_sq = 0.0f;
 #pragma unroll
@@ -57,8 +63,7 @@ rmsnorm_bf16(u16* out, u16* residual_out, const u16* x, const u16* residual, con
   for (int i = 0; i < NORM_MAX_VEC; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
     if (v >= num_vec) break;
-    const uint4 wv = *reinterpret_cast<const uint4*>(weight + 8 * v);
-    const u32 w[4] = {wv.x, wv.y, wv.z, wv.w};
+    const u32 w[4] = {wv[i].x, wv[i].y, wv[i].z, wv[i].w};
     u32 o[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
