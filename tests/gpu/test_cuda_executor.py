@@ -1,11 +1,13 @@
 """CudaExecutor against the reference: decode logits after torch-path prefills, BF16 and NVFP4,
 graphs on and off, contexts past the 513 window, several requests at once."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from flint_sched.checkpoint.make import dummy_checkpoint
-from flint_sched.config import preset
+from flint_sched.config import flint_layer_types, preset
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.core.scheduler_config import SchedulerConfig
 from flint_sched.executor.cuda_executor import CudaExecutor
@@ -99,7 +101,24 @@ def check_against_reference(ckpt, prompts, decode_logits, outputs):
             assert mine[len(mine) // 2] < 1.5e-2, f"{rid}: median error {mine[len(mine) // 2]:.3e} ({summary})"
 
 
+@pytest.fixture(scope="module", params=["bf16", "nvfp4"])
+def full_size_layers(request):
+    """Flint's own layers (hidden 2048, 32/4 heads, 256 experts of 512), the first four of them
+    (two dense, a sliding and a full-attention MoE layer), with a small vocabulary."""
+    config = dataclasses.replace(preset("flint"), num_hidden_layers=4, layer_types=tuple(flint_layer_types(4)),
+                                 vocab_size=4096, max_position_embeddings=MAX_MODEL_LEN)
+    return dummy_checkpoint(config, request.param, seed=6, device="cuda")
+
+
 def test_every_layers_output_matches_the_reference(ckpt):
+    check_layer_outputs(ckpt)
+
+
+def test_full_size_layers_match_the_reference(full_size_layers):
+    check_layer_outputs(full_size_layers)
+
+
+def check_layer_outputs(ckpt):
     """The first decode step's hidden state after each layer, against the fp32 reference's."""
     prompt = torch.randint(0, 4096, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     config = ckpt.config
