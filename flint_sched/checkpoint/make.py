@@ -4,6 +4,7 @@ or made directly on the device (`dummy`), and the embedded default model kept in
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -76,14 +77,17 @@ def dummy_checkpoint(config: FlintConfig, weight_format: str = "nvfp4", seed: in
 
 def default_checkpoint_path(name: str = DEFAULT_MODEL, fmt: str = "hf-bf16", seed: int = 0,
                             progress: bool = True) -> Path:
-    """The generated checkpoint of a preset in the cache, made once (atomically) on first use."""
+    """The generated checkpoint of a preset in the cache, made once (atomically) on first use. The
+    name carries a digest of the preset's config, so a changed preset is made anew."""
+    config = preset(name)
+    digest = hashlib.sha256(repr(config).encode()).hexdigest()[:8]
     suffix = ".gguf" if fmt == "gguf-nvfp4" else ""
-    path = cache_dir() / f"{name}-seed{seed}-{fmt}{suffix}"
+    path = cache_dir() / f"{name}-{digest}-seed{seed}-{fmt}{suffix}"
     if path.exists():
         return path
     tmp = path.with_name(path.name + ".partial")
     if tmp.is_dir():
         shutil.rmtree(tmp)
-    made = make_checkpoint(preset(name), fmt, seed, tmp, device="cpu", progress=progress)
+    made = make_checkpoint(config, fmt, seed, tmp, device="cpu", progress=progress)
     made.rename(path)
     return path

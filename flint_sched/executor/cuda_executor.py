@@ -134,7 +134,7 @@ class CudaExecutor:
     def _fill_inputs(self, plan: StepPlan) -> None:
         """One pinned host-to-device copy of the step's inputs. The device block tables are kept
         across steps: a row is rewritten when its request changes, otherwise only the entries the
-        request gained since (one per 16 tokens in steady decode, as an in-graph scatter)."""
+        request gained since (one per block in steady decode, as an in-graph scatter)."""
         entries, buf = plan.scheduled_requests, self.buf
         host = buf.inputs_host.numpy()
         width = buf.block_tables.shape[1]
