@@ -43,6 +43,7 @@ class FakeOpenAIServer:
     endless_stream: bool = False
     requests: list[dict] = field(default_factory=list)
     disconnected: threading.Event = field(default_factory=threading.Event)
+    url: str = ""                                                     # set by `running_fake_server`
 
     def reset(self) -> None:
         self.script, self.failures, self.requests = None, [], []
@@ -198,3 +199,12 @@ def serve(app: Starlette) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=5)
         sock.close()
+
+
+@contextmanager
+def running_fake_server() -> Iterator[FakeOpenAIServer]:
+    """A FakeOpenAIServer served on loopback (`serve`), its base URL in `.url`."""
+    fake = FakeOpenAIServer()
+    with serve(fake.app()) as url:
+        fake.url = url
+        yield fake

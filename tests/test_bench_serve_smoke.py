@@ -6,7 +6,7 @@ import importlib.util
 import json
 
 import pytest
-from fake_openai_server import FakeOpenAIServer, serve
+from fake_openai_server import running_fake_server
 
 from flint_sched.benchmarks.serve import main
 
@@ -15,9 +15,7 @@ HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None  # the `benc
 
 @pytest.fixture(scope="module")
 def server():
-    fake = FakeOpenAIServer()
-    with serve(fake.app()) as url:
-        fake.url = url
+    with running_fake_server() as fake:
         yield fake
 
 

@@ -8,7 +8,7 @@ import socket
 import httpx
 import msgspec
 import pytest
-from fake_openai_server import FakeOpenAIServer, Script, serve
+from fake_openai_server import Script, running_fake_server
 
 from flint_sched.api.client import AsyncFlintClient, split_base_url
 from flint_sched.api.client_stream import SSEDecoder, accumulate_chat
@@ -34,9 +34,7 @@ MESSAGES = [{"role": "user", "content": "Weather and time in Beijing?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    fake = FakeOpenAIServer()
-    with serve(fake.app()) as url:
-        fake.url = url
+    with running_fake_server() as fake:
         yield fake
 
 
