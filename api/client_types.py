@@ -51,6 +51,13 @@ class Usage(msgspec.Struct):
     total_tokens: int = 0
 
 
+def _adopt_reasoning_content(part: ChatMessage | ChatDelta) -> None:
+    """A reply that carries the reasoning as `reasoning_content` lands in `reasoning` too."""
+    if part.reasoning is None and part.reasoning_content is not None:
+        part.reasoning = part.reasoning_content
+    part.reasoning_content = None
+
+
 class ChatMessage(msgspec.Struct, omit_defaults=True):
     """An assistant message; `msgspec.to_builtins(message)` is ready to append to the next request's history."""
 
@@ -61,9 +68,7 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     reasoning_content: str | None = None
 
     def __post_init__(self) -> None:
-        if self.reasoning is None and self.reasoning_content is not None:
-            self.reasoning = self.reasoning_content
-        self.reasoning_content = None
+        _adopt_reasoning_content(self)
 
 
 class ChatChoice(msgspec.Struct):
@@ -102,9 +107,7 @@ class ChatDelta(msgspec.Struct):
     reasoning_content: str | None = None
 
     def __post_init__(self) -> None:
-        if self.reasoning is None and self.reasoning_content is not None:
-            self.reasoning = self.reasoning_content
-        self.reasoning_content = None
+        _adopt_reasoning_content(self)
 
 
 class ChatChunkChoice(msgspec.Struct):
