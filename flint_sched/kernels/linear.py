@@ -155,9 +155,9 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     tiles = cdiv(n, TILE_ROWS)
     warps = gemv_warps(tiles, k, fmt)
     splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
-    _kernel(f"gemv_{fmt}", warps, x_batch(fmt)).launch((tiles,), (32 * warps,),
-                                         [y, x, *w_args, residual, I32(b), I32(n), I32(k), *splits],
-                                         pdl=pdl, device=x.device.index)
+    _kernel(f"gemv_{fmt}", warps, x_batch(fmt)).launch(
+        (tiles,), (32 * warps,), [y, x, *w_args, residual, I32(b), I32(n), I32(k), *splits], pdl=pdl,
+        device=x.device.index)
     return y
 
 
@@ -175,8 +175,8 @@ def gate_up_silu(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor | 
     h = output(out, "out", (b, i), x)
     tiles = cdiv(i, TILE_ROWS // 2)
     warps = gemv_warps(tiles, k, fmt)
-    _kernel(f"gate_up_{fmt}", warps, x_batch(fmt)).launch((tiles,), (32 * warps,), [h, x, *args, I32(b), I32(i), I32(k)],
-                                            pdl=pdl, device=x.device.index)
+    _kernel(f"gate_up_{fmt}", warps, x_batch(fmt)).launch(
+        (tiles,), (32 * warps,), [h, x, *args, I32(b), I32(i), I32(k)], pdl=pdl, device=x.device.index)
     return h
 
 

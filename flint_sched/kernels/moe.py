@@ -34,6 +34,12 @@ def _kernel(source: str, name: str, defines: tuple = ()) -> Kernel:
     return compile_kernel(source, name, dict(defines))
 
 
+def _moe_kernel(name: str, fmt: str) -> Kernel:
+    """moe_gate_up_* or moe_down_* of cuda/moe.cu; both come from the one compiled variant per
+    format (MOE_GATE_UP_WARPS shapes gate/up only, X_BATCH both)."""
+    return _kernel("moe.cu", f"{name}_{fmt}", (("MOE_GATE_UP_WARPS", GATE_UP_WARPS[fmt]), ("X_BATCH", x_batch(fmt))))
+
+
 def router_workspace(num_experts: int, device: torch.device | str, max_tokens: int = MAX_TOKENS) -> torch.Tensor:
     """fp32 scratch for partial logits plus the ticket (last element, zero)."""
     return torch.zeros(MAX_ROUTER_SPLITS * max_tokens * num_experts + 1, dtype=torch.float32, device=device)
@@ -94,10 +100,8 @@ def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: Weight, up: Weight,
     else:
         args += [None] * (6 if fmt == "nvfp4" else 2)
     h = output(out, "out", (t, a + 1, i), x)
-    warps = GATE_UP_WARPS[fmt]
-    defines = (("MOE_GATE_UP_WARPS", warps), ("X_BATCH", x_batch(fmt)))
-    _kernel("moe.cu", f"moe_gate_up_{fmt}", defines).launch(
-        (cdiv(i, 8), t * a + int(has_shared)), (32 * warps,),
+    _moe_kernel("moe_gate_up", fmt).launch(
+        (cdiv(i, 8), t * a + int(has_shared)), (32 * GATE_UP_WARPS[fmt],),
         [h, x, ids, *args, I32(t), I32(a), I32(i), I32(k), I32(num_experts)], pdl=pdl, device=x.device.index)
     return h
 
@@ -123,9 +127,7 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor, 
     if residual is not None:
         check_tensor(residual, "residual", torch.bfloat16, (t, n), h.device, 2)
     y = output(out, "out", (t, n), h)
-    # MOE_GATE_UP_WARPS shapes moe_gate_up only: name a variant gate/up compiles anyway.
-    _kernel("moe.cu", f"moe_down_{fmt}",
-            (("MOE_GATE_UP_WARPS", GATE_UP_WARPS[fmt]), ("X_BATCH", x_batch(fmt)))).launch(
+    _moe_kernel("moe_down", fmt).launch(
         (cdiv(n, 16),), (DOWN_THREADS,),
         [y, h, ids, routing_weights, *args, I32(int(has_shared)), residual, I32(t), I32(a), I32(n), I32(i),
          I32(num_experts)], pdl=pdl, device=h.device.index)
