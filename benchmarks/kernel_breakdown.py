@@ -34,3 +34,34 @@ def format_breakdown(rows: list[tuple[str, float, float]], step_ms: float, top: 
     for name, us, count in rows[:top]:
         lines.append(f"  {us:9.1f} µs  {count:5.0f}x  {name[:90]}")
     return "\n".join(lines)
+
+
+def critical_path(step: Callable[[], object], num_steps: int = 5) -> list[tuple[str, float, float]]:
+    """(kernel name, µs per step it moves the step's end, launches per step), largest first.
+
+    With programmatic dependent launch a kernel starts while its predecessor runs, so its duration
+    includes waiting. Here the kernels of each traced step are taken in start order and each is
+    charged with how far it pushes the latest end seen so far: the charges of a step sum to its GPU
+    time from the first kernel's start to the last one's end, and a kernel that finishes in the
+    shadow of an earlier one costs nothing.
+    """
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            step()
+            torch.cuda.synchronize()
+    kernels = sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+                     if e.device_type() == torch.autograd.DeviceType.CUDA
+                     and not e.name().startswith(("Memcpy", "Memset")))
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    frontier = None
+    for start, end, name in kernels:
+        if frontier is None or start > frontier:     # a new step (or an idle gap): charge from its start
+            frontier = start
+        entry = totals[name]
+        entry[0] += max(0, end - frontier) / 1e3
+        entry[1] += 1
+        frontier = max(frontier, end)
+    rows = [(name, us / num_steps, count / num_steps) for name, (us, count) in totals.items()]
+    return sorted(rows, key=lambda row: -row[1])

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from flint_sched.benchmarks.kernel_breakdown import format_breakdown, kernel_breakdown
+from flint_sched.benchmarks.step_bytes import decode_step_bytes
 from flint_sched.checkpoint.make import dummy_checkpoint, resolve_device
 from flint_sched.config import preset
 from flint_sched.core.plan import ScheduledRequest, StepPlan
@@ -24,8 +26,6 @@ from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.torch_executor import TorchExecutor
 from flint_sched.sampling_params import SamplingParams
-from flint_sched.benchmarks.kernel_breakdown import format_breakdown, kernel_breakdown
-from flint_sched.benchmarks.step_bytes import decode_step_bytes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -145,7 +145,9 @@ def run_prefill(executor, args, length: int) -> float | None:
     return length / (time.perf_counter() - start)
 
 
-def run(args: argparse.Namespace) -> int:
+def build(args: argparse.Namespace):
+    """The executor over dummy weights with a KV pool sized for the largest case that fits; returns
+    (executor, device, bandwidth GB/s, KV blocks)."""
     device = resolve_device(args.device)
     config = preset(args.model)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -175,6 +177,12 @@ def run(args: argparse.Namespace) -> int:
     executor.kv = kv                           # the sized cache replaces the placeholder
     if isinstance(executor, CudaExecutor):
         executor.fallback.kv = kv
+    return executor, device, bandwidth, num_blocks
+
+
+def run(args: argparse.Namespace) -> int:
+    executor, device, bandwidth, num_blocks = build(args)
+    batches, contexts, prefills = _ints(args.batch_sizes), _ints(args.contexts), _ints(args.prefill_lens)
     print(f"device {device}, {args.executor} executor, {args.weight_format} weights, KV pool {num_blocks} blocks of {args.block_size}, "
           f"bandwidth {bandwidth:.0f} GB/s")
     results, skipped = [], []

@@ -20,7 +20,9 @@
 #endif
 #define ATTN_THREADS (ATTN_WARPS * 32)
 #define ATTN_TILE 16            // keys per warp step
-#define ATTN_MIN_SPLIT_KEYS 64  // flint_sched/kernels/attention.py MIN_SPLIT_KEYS
+#ifndef ATTN_MIN_SPLIT_KEYS
+#define ATTN_MIN_SPLIT_KEYS 64  // flint_sched/kernels/attention.py MIN_SPLIT_KEYS (passed as a define)
+#endif
 #define PARTIAL_FLOATS (GROUP * HEAD_DIM + 2 * GROUP)  // o[8][128], m[8], l[8]
 #define MERGE_GROUP 16                                 // splits per first-level merge
 #define MAX_GROUPS 8                                   // 128 splits at most (attention.py MAX_SPLITS)

@@ -27,6 +27,10 @@ from flint_sched.kernels.sampling import argmax_workspace, greedy
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 MAX_DECODE_BATCH = 8
+# Launching one graph of ~450 kernels takes 0.15-0.3 ms of host time on the H200 machine, and the
+# GPU starts on a graph only once its launch returns; a small first graph lets it start early
+# (benchmarks/RESULTS.md). Each graph boundary costs a few µs (no PDL overlap across it).
+FIRST_GRAPH_LAYERS = 3
 INPUT_ROWS = ("tokens", "positions", "seq_lens", "ring_slots", "table_index", "table_value")
 
 
@@ -34,6 +38,17 @@ def supports(config: FlintConfig) -> bool:
     """The kernels' fixed shapes: head_dim 128, 8 query heads per KV head, at most 8 KV heads."""
     return (config.head_dim == attn.HEAD_DIM and config.num_queries_per_kv == attn.GROUP
             and config.num_key_value_heads <= attn.MAX_KV_HEADS and config.hidden_size % 64 == 0)
+
+
+def graph_segments(num_layers: int, first_graph_layers: int) -> list[tuple[int, int]]:
+    """[first, last) layer ranges of the step's graphs: `first_graph_layers`, then 4x as many,
+    then the rest (0: one graph). Each graph's launch (host time ~ its size) then fits in the GPU
+    time of the graphs before it, and only the small first one is waited for."""
+    first = first_graph_layers
+    if not 0 < first < num_layers:
+        return [(0, num_layers)]
+    second = min(num_layers, 5 * first)
+    return [(0, first), (first, second)] + ([(second, num_layers)] if second < num_layers else [])
 
 
 def _kernel_weight(w: torch.Tensor | NVFP4Tensor, device: torch.device):
@@ -75,9 +90,11 @@ class _Buffers:
 class CudaExecutor:
     def __init__(self, config: FlintConfig, weights: Weights, kv_cache: KVCache, eos_token_ids: Collection[int],
                  max_model_len: int, device: torch.device | str = "cuda", seed: int = 0, use_graphs: bool = True,
-                 pdl: bool = True):
+                 pdl: bool = True, first_graph_layers: int = FIRST_GRAPH_LAYERS):
         """`pdl`: launch every kernel with programmatic dependent launch, so each one starts while its
-        predecessor drains (every kernel waits with griddepcontrol.wait before reading inputs)."""
+        predecessor drains (every kernel waits with griddepcontrol.wait before reading inputs).
+        `first_graph_layers`: the step is captured as three graphs (`graph_segments`), so that the
+        GPU starts on the first while the host still launches the rest (0: one graph)."""
         if not supports(config):
             raise ValueError("the CUDA kernels need head_dim 128 and 8 query heads per KV head")
         self.config = config
@@ -86,13 +103,14 @@ class CudaExecutor:
         self.max_model_len = max_model_len
         self.use_graphs = use_graphs
         self.pdl = pdl
+        self.segments = graph_segments(config.num_hidden_layers, first_graph_layers)
         self.w = {name: _kernel_weight(t, self.device) for name, t in weights.items()}
         self.qkv = {i: self._fuse_qkv(f"model.layers.{i}.self_attn.") for i in range(config.num_hidden_layers)}
         self.fallback = TorchExecutor(config, self.w, kv_cache, eos_token_ids, torch.bfloat16, self.device, seed,
                                       dequantize_once=False)
         max_blocks = -(-max_model_len // kv_cache.block_size)
         self.buf = _Buffers(config, max_blocks, self.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._table_rows: list[tuple[str, int] | None] = [None] * MAX_DECODE_BATCH  # (request, entries on device)
         # Set to a list (with use_graphs off) to receive each layer's output hidden state [B, hidden].
         self.layer_outputs: list[torch.Tensor] | None = None
@@ -121,9 +139,11 @@ class CudaExecutor:
         b = len(entries)
         self._fill_inputs(plan)
         if self.use_graphs:
-            self._graph(b).replay()
+            for graph in self._graphs(b):
+                graph.replay()
         else:
-            self._decode(b)
+            for first, last in self.segments:
+                self._decode(b, first, last)
         self.last_logits = self.buf.logits[:b]
         if all(e.sampling_params.is_greedy and e.sampling_params.logprobs is None and not _needs_torch(e)
                for e in entries):
@@ -163,30 +183,37 @@ class CudaExecutor:
         if gone:
             self._table_rows = [None if k is not None and k[0] in gone else k for k in self._table_rows]
 
-    def _graph(self, b: int) -> torch.cuda.CUDAGraph:
+    def _graphs(self, b: int) -> list[torch.cuda.CUDAGraph]:
         if self.layer_outputs is not None:
             raise RuntimeError("layer_outputs needs use_graphs=False")
-        graph = self.graphs.get(b)
-        if graph is None:
+        graphs = self.graphs.get(b)
+        if graphs is None:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._decode(b)                      # loads every kernel before capture
+                for first, last in self.segments:
+                    self._decode(b, first, last)      # loads every kernel before capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._decode(b)
-            self.graphs[b] = graph
-        return graph
+            graphs = []
+            for first, last in self.segments:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=graphs[0].pool() if graphs else None):
+                    self._decode(b, first, last)
+                graphs.append(graph)
+            self.graphs[b] = graphs
+        return graphs
 
     # -- the decode step -----------------------------------------------------------------------
 
-    def _decode(self, b: int) -> None:
+    def _decode(self, b: int, first: int, last: int) -> None:
+        """Layers [first, last) of the step; the first segment starts with the embedding, the last
+        ends with the LM head and the greedy token. Each layer starts and ends in buf.hidden[0]."""
         c, buf, w, eps = self.config, self.buf, self.w, self.config.rms_norm_eps
         h, h_next = buf.hidden[0][:b], buf.hidden[1][:b]
-        buf.block_tables_flat.index_put_((buf.table_index[:b],), buf.table_value[:b])
-        torch.index_select(w["model.embed_tokens.weight"], 0, buf.tokens[:b], out=h)
-        for i in range(c.num_hidden_layers):
+        if first == 0:
+            buf.block_tables_flat.index_put_((buf.table_index[:b],), buf.table_value[:b])
+            torch.index_select(w["model.embed_tokens.weight"], 0, buf.tokens[:b], out=h)
+        for i in range(first, last):
             p = f"model.layers.{i}."
             normed = rms_norm(h, w[p + "input_layernorm.weight"], eps, out=buf.normed[:b], pdl=self.pdl)
             self._attention(i, b, normed)
@@ -203,6 +230,8 @@ class CudaExecutor:
             h, h_next = h_next, h
             if self.layer_outputs is not None:
                 self.layer_outputs.append(h.clone())
+        if last < c.num_hidden_layers:
+            return
         normed = rms_norm(h, w["model.norm.weight"], eps, out=buf.normed[:b], pdl=self.pdl)
         linear(normed, w["lm_head.weight"], out=buf.logits[:b], pdl=self.pdl)
         greedy(buf.logits[:b], out=buf.next_tokens[:b], workspace=buf.argmax_workspace, pdl=self.pdl)

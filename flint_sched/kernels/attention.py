@@ -24,7 +24,7 @@ MAX_KV_HEADS = 8
 NORM_WARPS = 8               # cuda/qk_norm_rope_kv.cu QKN_WARPS: heads per CTA
 ATTN_THREADS = 128           # cuda/decode_attention.cu: 4 warps ...
 ATTN_SMEM_BYTES = 4 * 2 * 2 * 16 * (HEAD_DIM * 2 + 16)   # ... x 2 stages x (K + V) x 16 keys x 272 B = 68 KiB
-MIN_SPLIT_KEYS = 64          # cuda/decode_attention.cu ATTN_MIN_SPLIT_KEYS
+MIN_SPLIT_KEYS = 64          # cuda/decode_attention.cu ATTN_MIN_SPLIT_KEYS (a define from here)
 MAX_SPLITS = 128
 # NOTE: 68 KiB of shared memory and 142 registers per thread let three CTAs share an SM
 # (228 KiB, 64 K registers): a grid of 132 x 3 CTAs is one full wave. Measured on the H200,
@@ -39,8 +39,8 @@ LOG2E = 1.4426950408889634
 
 
 @functools.cache
-def _kernel(source: str, name: str) -> Kernel:
-    return compile_kernel(source, name)
+def _kernel(source: str, name: str, defines: tuple = ()) -> Kernel:
+    return compile_kernel(source, name, dict(defines))
 
 
 def decode_splits(batch: int, max_keys: int, kv_heads: int = 4) -> int:
@@ -196,7 +196,7 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
         out = torch.empty(b, h, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     check_tensor(out, "out", torch.bfloat16, (b, h, HEAD_DIM), dev)
     scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else softmax_scale
-    _kernel("decode_attention.cu", "decode_attention_bf16").launch(
+    _kernel("decode_attention.cu", "decode_attention_bf16", (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS),)).launch(
         (splits, g, b), (ATTN_THREADS,),
         [out, q, k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window),
          seq_lens, sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E), workspace,

@@ -29,12 +29,13 @@ def ckpt(request):
     return dummy_checkpoint(CONFIGS[config](), fmt, seed=5, device="cuda")
 
 
-def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True, seqs=4, num_blocks=512):
+def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True, seqs=4, num_blocks=512, first_graph_layers=3):
     """Greedy generation through the scheduler; max_tokens: one for all, or one per prompt."""
     config = ckpt.config
     block_size = 16
     kv = KVCache(config, num_blocks, block_size, seqs, torch.bfloat16, "cuda")
-    ex = CudaExecutor(config, ckpt.weights, kv, (), MAX_MODEL_LEN, "cuda", use_graphs=use_graphs, pdl=pdl)
+    ex = CudaExecutor(config, ckpt.weights, kv, (), MAX_MODEL_LEN, "cuda", use_graphs=use_graphs, pdl=pdl,
+                      first_graph_layers=first_graph_layers)
     sched = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=256, num_blocks=num_blocks,
                                       max_model_len=MAX_MODEL_LEN, block_size=block_size,
                                       sliding_window=config.sliding_window))
@@ -145,10 +146,13 @@ def check_layer_outputs(ckpt):
         assert error < 2e-2, f"layer {i}: relative error {error:.3e}"
 
 
-def test_graphs_with_pdl_replay_the_eager_step_exactly(ckpt):
+@pytest.mark.parametrize("first_graph_layers", [0, 1])
+def test_graphs_with_pdl_replay_the_eager_step_exactly(ckpt, first_graph_layers):
+    """One graph for the step, or graphs of 1, 4 and 2 layers (the first with the embedding, the
+    last with the LM head): the same logits, bit for bit, as eager launches without PDL."""
     prompts = [[1, 2, 3, 4, 5], list(range(100, 140))]
     eager, out_eager, _ = run(ckpt, prompts, 4, use_graphs=False, pdl=False)
-    graphed, out_graphed, _ = run(ckpt, prompts, 4, use_graphs=True)
+    graphed, out_graphed, _ = run(ckpt, prompts, 4, use_graphs=True, first_graph_layers=first_graph_layers)
     assert out_eager == out_graphed
     for (r1, p1, a), (r2, p2, b) in zip(eager, graphed):
         assert (r1, p1) == (r2, p2) and torch.equal(a, b)

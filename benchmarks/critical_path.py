@@ -1,0 +1,176 @@
+"""What each kernel class costs a CUDA-executor decode step: the step time with that class left out.
+
+With programmatic dependent launch the kernels of a step overlap, so the per-kernel durations of
+`bench latency --kernel-breakdown` do not add up to the step. Here the step is re-captured with one
+class of launches removed (its outputs keep whatever they held: the result is not a forward pass,
+only a timing) and the difference to the full step is that class's share of the critical path.
+"none" removes every kernel but the embedding lookup: the host, the input copy and the graph launch.
+First, from a trace of the full step, each kernel's charge: how far it moves the step's end
+(kernel_breakdown.critical_path), which needs no re-capture but sees only what the trace sees.
+
+Run on the GPU machine:
+    python3 -m flint_sched.benchmarks.critical_path --weight-format nvfp4 --batch-sizes 1,8 --contexts 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+import types
+from contextlib import contextmanager
+
+import torch
+
+from flint_sched.benchmarks import latency
+from flint_sched.benchmarks.kernel_breakdown import critical_path, format_breakdown
+from flint_sched.executor import cuda_executor as ce
+from flint_sched.kernels import attention
+from flint_sched.quant.nvfp4 import NVFP4Tensor
+
+CLASSES = ("rmsnorm", "qkv", "qk_norm_rope_kv", "attention", "o_proj", "router", "moe_gate_up", "moe_down",
+           "dense_mlp", "lm_head+argmax")
+
+
+def _key(w) -> int:
+    return (w.codes if isinstance(w, NVFP4Tensor) else w).data_ptr()
+
+
+def _linear_class(executor) -> dict[int, str]:
+    kinds = {}
+    for name, w in executor.w.items():
+        if name.endswith("o_proj.weight"):
+            kinds[_key(w)] = "o_proj"
+        elif name.endswith("mlp.down_proj.weight"):
+            kinds[_key(w)] = "dense_mlp"
+        elif name == "lm_head.weight":
+            kinds[_key(w)] = "lm_head+argmax"
+    for fused, _ in executor.qkv.values():
+        kinds[_key(fused)] = "qkv"
+    return kinds
+
+
+@contextmanager
+def without(executor, removed: set[str]):
+    """Patch the executor module so that launches of the removed classes do nothing."""
+    kinds = _linear_class(executor)
+    real = {name: getattr(ce, name) for name in ("rms_norm", "linear", "gate_up_silu", "route", "moe_gate_up",
+                                                 "moe_down", "greedy", "attn")}
+
+    def keep(kind, fn, result):
+        return fn if kind not in removed else (lambda *a, **k: result(*a, **k))
+
+    def linear(x, w, **k):
+        return k["out"] if kinds[_key(w)] in removed else real["linear"](x, w, **k)
+
+    attn = types.SimpleNamespace(**{n: getattr(real["attn"], n) for n in dir(real["attn"]) if not n.startswith("_")})
+    for n in ("qk_norm_rope_kv_sliding", "qk_norm_rope_kv_full"):
+        setattr(attn, n, keep("qk_norm_rope_kv", getattr(attn, n), lambda *a, **k: None))
+    for n in ("decode_attention_sliding", "decode_attention_full"):
+        setattr(attn, n, keep("attention", getattr(attn, n), lambda *a, **k: k["out"]))
+    patched = {
+        "rms_norm": keep("rmsnorm", real["rms_norm"], lambda *a, **k: k["out"]),
+        "linear": linear,
+        "gate_up_silu": keep("dense_mlp", real["gate_up_silu"], lambda *a, **k: k["out"]),
+        "route": keep("router", real["route"], lambda *a, **k: (k["ids"], k["weights"])),
+        "moe_gate_up": keep("moe_gate_up", real["moe_gate_up"], lambda *a, **k: k["out"]),
+        "moe_down": keep("moe_down", real["moe_down"], lambda *a, **k: k["out"]),
+        "greedy": keep("lm_head+argmax", real["greedy"], lambda *a, **k: k["out"]),
+        "attn": attn}
+    for name, fn in patched.items():
+        setattr(ce, name, fn)
+    executor.graphs.clear()
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(ce, name, fn)
+        executor.graphs.clear()
+
+
+def segments_text(executor) -> str:
+    return " ".join(f"{first}-{last - 1}" for first, last in executor.segments)
+
+
+def host_times(executor, plan, steps: int = 50) -> str:
+    """Median µs of the step's host parts: input fill, graph launch call, wait for the GPU, the
+    GPU's own time between events recorded around the launch, and the whole step."""
+    b = len(plan.scheduled_requests)
+    graphs = executor._graphs(b)
+    rows = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        executor._fill_inputs(plan)
+        t1 = time.perf_counter()
+        start.record()
+        for graph in graphs:
+            graph.replay()
+        end.record()
+        t2 = time.perf_counter()
+        executor.buf.next_tokens[:b].tolist()
+        t3 = time.perf_counter()
+        rows.append((t1 - t0, t2 - t1, t3 - t2, start.elapsed_time(end) / 1e3, t3 - t0))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        for graph in graphs:
+            graph.replay()
+    torch.cuda.synchronize()
+    back_to_back = (time.perf_counter() - t0) / steps
+    names = ("fill", "launch", "wait", "GPU (events)", "step")
+    return (", ".join(f"{n} {1e6 * statistics.median(r[i] for r in rows):.1f} µs" for i, n in enumerate(names))
+            + f"; replays back to back {1e6 * back_to_back:.1f} µs each")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    latency.add_arguments(parser)
+    parser.set_defaults(executor="cuda", batch_sizes="1,8", contexts="1024", prefill_lens="", num_steps=60)
+    parser.add_argument("--no-ablation", action="store_true", help="only the traced critical path")
+    parser.add_argument("--first-graph-layers", default="",
+                        help="also time the step with these first-graph sizes (executor.graph_segments; 0: one graph)")
+    parser.add_argument("--min-split-keys", default="",
+                        help="also time the step with each of these attention MIN_SPLIT_KEYS (e.g. 64,128,256)")
+    args = parser.parse_args()
+    executor, _, bandwidth, _ = latency.build(args)
+    # Without the router, the MoE kernels read the experts the last full step chose.
+    print(f"{args.weight_format}, bandwidth {bandwidth:.0f} GB/s; ms per step, and what removing each class saves")
+    for context in latency._ints(args.contexts):
+        for batch in latency._ints(args.batch_sizes):
+            full = latency.run_decode(executor, args, batch, context, bandwidth).step_ms
+            print(f"B={batch} C={context}: full step {full:.3f} ms", flush=True)
+            plan = latency.decode_plan(batch, context, math.ceil((context + 1) / args.block_size))
+            print("  charged to each kernel: how far it moves the step's end (graph replay, traced)")
+            print(format_breakdown(critical_path(lambda plan=plan: executor.execute(plan)), full, top=20), flush=True)
+            print("  host: " + host_times(executor, plan), flush=True)
+            for layers in latency._ints(args.first_graph_layers):
+                default, executor.segments = executor.segments, ce.graph_segments(executor.config.num_hidden_layers,
+                                                                                    layers)
+                executor.graphs.clear()
+                step = latency.run_decode(executor, args, batch, context, bandwidth).step_ms
+                print(f"  graphs {segments_text(executor)}: {step:7.3f} ms; host: {host_times(executor, plan)}",
+                      flush=True)
+                executor.segments = default
+                executor.graphs.clear()
+            for keys in latency._ints(args.min_split_keys):
+                default, attention.MIN_SPLIT_KEYS = attention.MIN_SPLIT_KEYS, keys
+                executor.graphs.clear()
+                step = latency.run_decode(executor, args, batch, context, bandwidth).step_ms
+                attention.MIN_SPLIT_KEYS = default
+                executor.graphs.clear()
+                print(f"  attention MIN_SPLIT_KEYS {keys:4d}: {step:7.3f} ms", flush=True)
+            if args.no_ablation:
+                continue
+            for kind in (*CLASSES, "none"):
+                with without(executor, set(CLASSES) if kind == "none" else {kind}):
+                    step = latency.run_decode(executor, args, batch, context, bandwidth).step_ms
+                print(f"  without {kind:<16} {step:7.3f} ms  saves {full - step:6.3f} ms "
+                      f"({100 * (full - step) / full:4.1f} %)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
