@@ -2,10 +2,18 @@
 //   logits = x . gate^T (fp32 sums), scores = sigmoid(logits), chosen = top-A of (scores + bias),
 //   weights = scores[chosen] / sum(scores[chosen]) * scaling; ids and weights in descending order
 //   of score + bias (ties: lower expert id).
-// Grid (E/16 row tiles, K splits): each CTA writes fp32 partial logits to `partial`
-// [splits][T][E]; the last CTA to take a ticket sums them in split order (deterministic), selects,
-// and resets the ticket to 0 so that the kernel replays in a CUDA graph. ROUTER_MAX_EXPERTS
-// (256 or 1024) is a compile-time define.
+//
+// router_topk_cluster (E <= 256, weights fit in shared memory): one cluster of 8 CTAs, each owning
+// E/8 experts. Before waiting on the previous kernel each CTA bulk-copies its gate rows into
+// shared memory; after it, x goes to shared memory, the logits come from mma.sync, and each CTA
+// writes its sigmoid scores into CTA 0's shared memory (distributed shared memory); one cluster
+// barrier later CTA 0 selects. No global round trips between the partial sums and the selection.
+//
+// router_topk (any E <= ROUTER_MAX_EXPERTS): grid (E/16 row tiles, K splits); each CTA writes fp32
+// partial logits to `partial` [splits][T][E]; the last CTA to take a ticket sums them in split
+// order (deterministic), selects, and resets the ticket to 0 so that the kernel replays in a CUDA
+// graph. ROUTER_MAX_EXPERTS (256 or 1024) is a compile-time define.
+#include "async_copy.cuh"
 #include "gemv_tile.cuh"
 
 #define ROUTER_WARPS 8
@@ -16,8 +24,29 @@
 #endif
 #define ROUTER_PER_LANE (ROUTER_MAX_EXPERTS / 32)
 
+// Order-preserving map of a float to an unsigned key (larger float, larger key); -0.0 sorts just
+// below +0.0, the only pair of equal floats it tells apart.
+__device__ __forceinline__ u32 order_key(float f) {
+  const u32 u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ u32 warp_max_u32(u32 v) {
+  u32 r;
+  asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+  return r;
+}
+
+__device__ __forceinline__ u32 warp_min_u32(u32 v) {
+  u32 r;
+  asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+  return r;
+}
+
 // One warp: top-A of scores[e] + bias[e] over E <= ROUTER_MAX_EXPERTS experts; lane owns experts
-// lane + 32 i, held in registers (unrolled loops: no local memory). Taken ones become -inf.
+// lane + 32 i, held in registers (unrolled loops: no local memory). Each round takes the warp's
+// largest key, then the lowest expert id holding it (two redux.sync instead of a shuffle tree);
+// taken ones become -inf.
 __device__ __forceinline__ void router_select(int* ids, float* weights, const float* scores,
                                               const float* bias, int E, int A, float scaling) {
   const float neg_inf = -__int_as_float(0x7F800000);
@@ -39,16 +68,9 @@ __device__ __forceinline__ void router_select(int* ids, float* weights, const fl
         best = sel[i];
         best_i = i;
       }
-    int best_e = best > neg_inf ? lane + 32 * best_i : 0x7FFFFFFF;
-#pragma unroll
-    for (int m = 16; m > 0; m >>= 1) {
-      const float ov = __shfl_xor_sync(0xFFFFFFFFu, best, m);
-      const int oe = __shfl_xor_sync(0xFFFFFFFFu, best_e, m);
-      if (ov > best || (ov == best && oe < best_e)) {
-        best = ov;
-        best_e = oe;
-      }
-    }
+    const u32 key = best > neg_inf ? order_key(best) : 0u;
+    const u32 top = warp_max_u32(key);
+    const int best_e = (int)warp_min_u32(key == top && best > neg_inf ? (u32)(lane + 32 * best_i) : 0xFFFFFFFFu);
     if ((best_e & 31) == lane) {
 #pragma unroll
       for (int i = 0; i < ROUTER_PER_LANE; ++i)
@@ -114,4 +136,120 @@ router_topk(int* ids, float* weights, const u16* x, const u16* gate, const float
   for (int tok = warp; tok < T; tok += ROUTER_WARPS)
     router_select(ids + tok * A, weights + tok * A, scores + tok * E, bias, E, A, scaling);
   if (threadIdx.x == 0) *ticket = 0u;
+}
+
+// ---- cluster router ------------------------------------------------------------------------------
+
+#define RC_CTAS 8       // kernels/moe.py CLUSTER_CTAS: one cluster, portable size
+#define RC_WARPS 8
+#define RC_MAX_TILES 2  // 16-row tiles per CTA: E <= RC_CTAS * 32
+
+__device__ __forceinline__ u32 cluster_ctarank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The address of this shared-memory location in CTA `rank` of the cluster.
+__device__ __forceinline__ u32 cluster_map(u32 addr, u32 rank) {
+  u32 r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void st_cluster_f32(u32 addr, float v) {
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+// Dynamic shared memory, rows `pitch` = 2K + 16 bytes apart (the pad puts the 8 rows of every
+// ldmatrix, and the 8 token rows of the B fragments, in distinct banks):
+//   gate rows [tiles * 16][pitch] | x [T][pitch] | scores [T][E] fp32 (CTA 0's are the ones used) | bias [E]
+extern "C" __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32)
+router_topk_cluster(int* ids, float* weights, const u16* x, const u16* gate, const float* bias, int T, int E,
+                    int K, int A, float scaling) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ u64 bar;
+  __shared__ float red[RC_WARPS * 4 * 32];
+  pdl_launch_dependents();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const u32 rank = cluster_ctarank();
+  const int per_cta = (E + RC_CTAS - 1) / RC_CTAS, tiles = (per_cta + 15) / 16;
+  const int e0 = rank * per_cta, n_rows = max(0, min(per_cta, E - e0));
+  const int pitch = 2 * K + 16;
+  unsigned char* w_smem = smem;
+  unsigned char* x_smem = w_smem + tiles * 16 * pitch;
+  float* scores = reinterpret_cast<float*>(x_smem + T * pitch);
+  float* bias_smem = scores + T * E;
+
+  // Before the wait: this CTA's gate rows (one bulk copy per row), CTA 0 also the bias.
+  const u32 bar_addr = smem_addr(&bar);
+  if (threadIdx.x == 0) {
+    mbarrier_init(bar_addr, 1);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (warp == 0) {
+    if (lane == 0) mbarrier_arrive_expect_tx(bar_addr, (u32)n_rows * K * 2);
+    __syncwarp();
+    for (int r = lane; r < n_rows; r += 32)
+      bulk_copy_g2s(smem_addr(w_smem + r * pitch), gate + (size_t)(e0 + r) * K, K * 2, bar_addr);
+  }
+  if (rank == 0)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) bias_smem[e] = bias[e];
+  cluster_arrive_relaxed();  // every CTA has started: waited on before writing into CTA 0
+
+  pdl_wait();
+  for (int i = threadIdx.x; i < T * (K / 8); i += blockDim.x) {
+    const int b = i / (K / 8), c = i - b * (K / 8);
+    *reinterpret_cast<uint4*>(x_smem + b * pitch + 16 * c) = ld_act_v4(x + (size_t)b * K + 8 * c);
+  }
+  __syncthreads();
+  mbarrier_wait_parity(bar_addr, 0);
+
+  // Warp -> (tile, k range); D[16 rows][8 tokens] += W . x^T on tensor cores.
+  const int warps_per_tile = RC_WARPS / tiles, tile = warp / warps_per_tile, split = warp - tile * warps_per_tile;
+  const int steps = K / 16, s_begin = split * steps / warps_per_tile, s_end = (split + 1) * steps / warps_per_tile;
+  const int a_row = tile * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, a_k = (lane >> 4) * 8;
+  const u32 a_base = smem_addr(w_smem + a_row * pitch + a_k * 2);
+  const u32 b_base = smem_addr(x_smem + g * pitch + 4 * t);
+  const bool has_token = g < T;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int s = s_begin; s < s_end; ++s) {
+    u32 a[4];
+    ldmatrix_x4(a, a_base + 32 * s);
+    const u32 b0 = has_token ? ld_shared_u32(b_base + 32 * s) : 0u;
+    const u32 b1 = has_token ? ld_shared_u32(b_base + 32 * s + 16) : 0u;
+    mma_bf16_16x8x16(acc, a[0], a[1], a[2], a[3], b0, b1);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) red[(warp * 4 + i) * 32 + lane] = acc[i];
+  __syncthreads();
+
+  // Thread -> (row r of this CTA, token b): sum the tile's warps in order, sigmoid, into CTA 0.
+  cluster_wait_acquire();
+  const int r = threadIdx.x >> 3, b = threadIdx.x & 7;
+  if (r < n_rows && b < T) {
+    const int rt = r & 15, first = (r >> 4) * warps_per_tile;
+    const int src_lane = (rt & 7) * 4 + (b >> 1), i = ((rt >> 3) << 1) | (b & 1);
+    float logit = 0.0f;
+    for (int w = first; w < first + warps_per_tile; ++w) logit += red[(w * 4 + i) * 32 + src_lane];
+    st_cluster_f32(cluster_map(smem_addr(scores + b * E + e0 + r), 0), 1.0f / (1.0f + expf(-logit)));
+  }
+  cluster_arrive_release();
+  cluster_wait_acquire();
+  if (rank != 0) return;
+  for (int tok = warp; tok < T; tok += RC_WARPS)
+    router_select(ids + tok * A, weights + tok * A, scores + tok * E, bias_smem, E, A, scaling);
 }

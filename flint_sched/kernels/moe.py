@@ -25,6 +25,8 @@ MAX_PAIRS = 64            # T * A (cuda/moe.cu MOE_MAX_PAIRS)
 MAX_EXPERTS = 1024        # router: 32 experts per lane
 MAX_ROUTER_SPLITS = 8
 ROUTER_THREADS = 256
+CLUSTER_CTAS = 8                   # cuda/router.cu RC_CTAS: the cluster router's one cluster
+CLUSTER_MAX_SHARED = 200 * 1024    # its dynamic shared memory at most (the H200 allows 227 KiB)
 GATE_UP_WARPS = {"bf16": 8, "nvfp4": 4}  # K = 2048: 8 resp. 4 k-steps per warp, one round of loads
 DOWN_THREADS = 512
 
@@ -47,8 +49,13 @@ def router_workspace(num_experts: int, device: torch.device | str, max_tokens: i
 
 def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
           ids: torch.Tensor | None = None, weights: torch.Tensor | None = None,
-          workspace: torch.Tensor | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert ids int32 [T, A], weights fp32 [T, A]) as `route()` in model/reference.py."""
+          workspace: torch.Tensor | None = None, pdl: bool = False,
+          cluster: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids int32 [T, A], weights fp32 [T, A]) as `route()` in model/reference.py.
+
+    cluster: use the one-cluster kernel (gate in shared memory, no workspace); None: whenever it
+    fits (`cluster_router_bytes`), as for Flint's 256 x 2048 gate.
+    """
     check_activations(x)
     t, k = x.shape
     e = gate.shape[0]
@@ -62,6 +69,18 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
     check_tensor(bias, "bias", torch.float32, (e,), x.device, 4)
     ids = _out(ids, "ids", torch.int32, (t, top_k), x)
     weights = _out(weights, "weights", torch.float32, (t, top_k), x)
+    shared = cluster_router_bytes(e, k, t)
+    if cluster is None:
+        cluster = shared is not None
+    if cluster:
+        if shared is None:
+            raise ValueError(f"the cluster router needs <= {8 * 32} experts, hidden % 16 == 0 and its gate in "
+                             f"{CLUSTER_MAX_SHARED} bytes of shared memory; got {e} x {k}")
+        _kernel("router.cu", "router_topk_cluster", (("ROUTER_MAX_EXPERTS", 256),)).launch(
+            (CLUSTER_CTAS,), (ROUTER_THREADS,),
+            [ids, weights, x, gate, bias, I32(t), I32(e), I32(k), I32(top_k), F32(scaling)],
+            shared_bytes=shared, pdl=pdl, device=x.device.index)
+        return ids, weights
     if workspace is None:
         workspace = router_workspace(e, x.device, t)
     tiles = cdiv(e, 16)
@@ -77,6 +96,17 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
         [ids, weights, x, gate, bias, partial, ticket, I32(t), I32(e), I32(k), I32(top_k), F32(scaling)],
         shared_bytes=t * e * 4, pdl=pdl, device=x.device.index)
     return ids, weights
+
+
+def cluster_router_bytes(num_experts: int, hidden: int, tokens: int) -> int | None:
+    """Dynamic shared memory of the cluster router (cuda/router.cu router_topk_cluster), or None
+    where it does not apply: each of its CTAs holds ceil(E / 8) <= 32 gate rows padded to 16."""
+    per_cta = cdiv(num_experts, CLUSTER_CTAS)
+    if per_cta > 32 or hidden % 16:
+        return None
+    pitch = 2 * hidden + 16
+    size = (cdiv(per_cta, 16) * 16 + tokens) * pitch + (tokens + 1) * num_experts * 4
+    return size if size <= CLUSTER_MAX_SHARED else None
 
 
 def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: Weight, up: Weight,

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.gpu
 
 REAL = dict(experts=256, top_k=6, hidden=2048, inter=512)
 TINY = dict(experts=16, top_k=4, hidden=64, inter=64)
+ODD = dict(experts=13, top_k=5, hidden=96, inter=64)     # cluster router: its last CTA holds no expert
 SCALING = 2.5
 
 
@@ -113,9 +114,11 @@ def check_router(x, gate, bias, top_k, ids, weights, what):
         assert len(got) == top_k, f"{what}: token {b} chose duplicate experts {ids[b].tolist()}"
 
 
-@pytest.mark.parametrize("shape", [REAL, TINY], ids=["real", "tiny"])
+@pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "ticket"])
+@pytest.mark.parametrize("shape", [REAL, TINY, ODD], ids=["real", "tiny", "odd"])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_router_matches_reference(tokens, shape):
+def test_router_matches_reference(tokens, shape, cluster):
+    """Both router kernels: the one-cluster one (gate in shared memory) and the ticket one."""
     e, k = shape["experts"], shape["hidden"]
     g = gen(tokens)
     x = torch.randn(tokens, k, device="cuda", generator=g).bfloat16()
@@ -124,9 +127,9 @@ def test_router_matches_reference(tokens, shape):
     workspace = router_workspace(e, "cuda")
     ids = torch.full((tokens, shape["top_k"]), -1, dtype=torch.int32, device="cuda")
     weights = torch.full((tokens, shape["top_k"]), float("nan"), device="cuda")
-    route(x, gate, bias, shape["top_k"], SCALING, ids=ids, weights=weights, workspace=workspace)
-    check_router(x, gate, bias, shape["top_k"], ids, weights, f"router T={tokens} E={e}")
-    again = route(x, gate, bias, shape["top_k"], SCALING, workspace=workspace)   # the ticket was reset
+    route(x, gate, bias, shape["top_k"], SCALING, ids=ids, weights=weights, workspace=workspace, cluster=cluster)
+    check_router(x, gate, bias, shape["top_k"], ids, weights, f"router T={tokens} E={e} cluster={cluster}")
+    again = route(x, gate, bias, shape["top_k"], SCALING, workspace=workspace, cluster=cluster)  # ticket reset
     assert torch.equal(again[0], ids) and torch.equal(again[1], weights), "router is not deterministic"
     assert workspace[-1:].view(torch.int32).item() == 0, "ticket not reset"
 
