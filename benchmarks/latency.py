@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth-gbps", type=float, default=None, help="default: measured with a device copy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="decode requests sample with this temperature (0: greedy, the token chosen on the GPU)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--kernel-breakdown", action="store_true",
                    help="after each decode case, trace a few steps and print GPU time per kernel")
 
@@ -91,14 +95,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def decode_plan(batch: int, context: int, blocks_per_request: int) -> StepPlan:
+def decode_plan(batch: int, context: int, blocks_per_request: int, params: SamplingParams = GREEDY) -> StepPlan:
     entries = [ScheduledRequest(f"r{b}", [b + 1], context, list(range(b * blocks_per_request, (b + 1) * blocks_per_request)),
-                                b, True, GREEDY, [1], [], False) for b in range(batch)]
+                                b, True, params, [1], [], False) for b in range(batch)]
     return StepPlan(entries, batch, "low_latency" if batch <= 8 else "grouped", [], [])
 
 
+def sampling_params(args) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=1)
+
+
 def run_decode(executor, args, batch: int, context: int, bandwidth: float) -> DecodeResult:
-    plan = decode_plan(batch, context, math.ceil((context + 1) / args.block_size))
+    plan = decode_plan(batch, context, math.ceil((context + 1) / args.block_size), sampling_params(args))
     executor.execute(plan)                                          # warm-up
     times, deadline = [], time.perf_counter() + args.max_case_seconds
     for _ in range(args.num_steps):
@@ -183,8 +191,10 @@ def build(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     executor, device, bandwidth, num_blocks = build(args)
     batches, contexts, prefills = _ints(args.batch_sizes), _ints(args.contexts), _ints(args.prefill_lens)
+    sampling = ("greedy" if args.temperature == 0 else
+                f"sampled (temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k})")
     print(f"device {device}, {args.executor} executor, {args.weight_format} weights, KV pool {num_blocks} blocks of {args.block_size}, "
-          f"bandwidth {bandwidth:.0f} GB/s")
+          f"bandwidth {bandwidth:.0f} GB/s, {sampling} decode")
     results, skipped = [], []
     for context in contexts:
         for batch in batches:

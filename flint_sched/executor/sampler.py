@@ -1,14 +1,18 @@
-"""Token choice from one step's logits, per request, in vLLM's order.
+"""Token choice from one step's logits, for the whole batch at once, in vLLM's order.
 
     min_tokens mask -> logit_bias -> repetition / frequency / presence penalties -> (greedy: argmax)
     -> temperature -> top_k -> top_p -> min_p -> draw
-Logprobs come from the raw logits. A seeded request draws from a generator seeded by (seed, number
-of tokens it has produced), so its output depends on nothing else in the batch, nor on preemption.
+Every transformation runs on the [B, V] logits as a few batched tensor operations (on the GPU when
+the logits are there); the host reads back only the chosen ids (and logprobs, if asked for), in
+one transfer. Logprobs come from the raw logits. A seeded request draws from a generator seeded by
+(seed, number of tokens it has produced) and is filtered on its own row alone, so its output
+depends on nothing else in the batch, nor on preemption.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections import Counter
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -20,60 +24,109 @@ def _seeded_generator(seed: int, step: int, device: torch.device) -> torch.Gener
     return torch.Generator(device=device).manual_seed((seed * 1_000_003 + step) % 2**63)
 
 
-def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: list[int],
-                    output_ids: list[int]) -> torch.Tensor:
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
-        values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-    if output_ids and (p.frequency_penalty or p.presence_penalty):
-        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.numel())
-        counts = counts[: logits.numel()].to(logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
+def _index_put(logits: torch.Tensor, rows: list[int], cols: list[int], values, accumulate: bool = False) -> None:
+    if rows:
+        dev = logits.device
+        index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+        logits.index_put_(index, torch.as_tensor(values, dtype=logits.dtype, device=dev), accumulate=accumulate)
 
 
-def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masks (removed tokens get -inf)."""
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.numel():
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p     # keep the token that reaches p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if p.min_p > 0.0:
+def edit_logits(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_token_ids: Collection[int]) -> None:
+    """In place, per row: min_tokens bans (EOS and stop ids), logit_bias, then the penalties.
+    Each kind is one scatter over the batch, built from the host-side token lists."""
+    ban, bias, rep, freq = ([], []), ([], [], []), ([], [], []), ([], [], [])
+    for row, e in enumerate(entries):
+        p = e.sampling_params
+        if len(e.output_token_ids) < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            ban[0].extend([row] * len(banned))
+            ban[1].extend(sorted(banned))
+        for token, value in p.logit_bias.items():
+            bias[0].append(row), bias[1].append(token), bias[2].append(value)
+        if p.repetition_penalty != 1.0:
+            seen = sorted(set(e.prompt_token_ids) | set(e.output_token_ids))
+            rep[0].extend([row] * len(seen)), rep[1].extend(seen), rep[2].extend([p.repetition_penalty] * len(seen))
+        if e.output_token_ids and (p.frequency_penalty or p.presence_penalty):
+            for token, count in sorted(Counter(e.output_token_ids).items()):
+                freq[0].append(row), freq[1].append(token)
+                freq[2].append(-(p.frequency_penalty * count + p.presence_penalty))
+    _index_put(logits, *ban, float("-inf"))
+    _index_put(logits, *bias, accumulate=True)
+    if rep[0]:
+        index = (torch.tensor(rep[0], device=logits.device), torch.tensor(rep[1], device=logits.device))
+        values, penalty = logits[index], torch.tensor(rep[2], dtype=logits.dtype, device=logits.device)
+        logits.index_put_(index, torch.where(values > 0, values / penalty, values * penalty))
+    _index_put(logits, *freq, accumulate=True)
+
+
+def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (removed tokens get -inf), row by row of
+    logits [n, V] with each row's own parameters, in a few batched operations."""
+    n, vocab = logits.shape
+    dev = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+    logits = logits / temperature[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if min(top_k) < vocab or min(top_p) < 1.0:
+        values, order = torch.sort(logits, dim=-1, descending=True)
+        if min(top_k) < vocab:       # keep every value >= the k-th largest (its ties too)
+            kth = values.gather(1, torch.tensor(top_k, device=dev)[:, None] - 1)
+            values = values.masked_fill(values < kth, float("-inf"))
+        if min(top_p) < 1.0:         # keep the tokens before the cumulative mass reaches p, and that one
+            probs = torch.softmax(values, dim=-1)
+            drop = (torch.cumsum(probs, dim=-1) - probs) >= torch.tensor(top_p, dtype=probs.dtype, device=dev)[:, None]
+            values = values.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, values)
+    min_p = [p.min_p for p in params]
+    if max(min_p) > 0.0:
         probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        floor = torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
+
+
+def sample_batch(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_token_ids: Collection[int],
+                 generator: torch.Generator | None) -> list[tuple[int, TokenLogprobs | None]]:
+    """The next token (and its logprobs, if asked for) of each request from fp32 logits [B, V]."""
+    raw = logits
+    logits = logits.clone()
+    edit_logits(logits, entries, eos_token_ids)
+    chosen = torch.argmax(logits, dim=-1)
+    sampled = [row for row, e in enumerate(entries) if not e.sampling_params.is_greedy]
+    seeded = [row for row in sampled if entries[row].sampling_params.seed is not None]
+    groups = [[row for row in sampled if entries[row].sampling_params.seed is None]] + [[row] for row in seeded]
+    for rows in groups:
+        if not rows:
+            continue
+        index = torch.tensor(rows, device=logits.device)
+        probs = torch.softmax(filter_logits(logits[index], [entries[r].sampling_params for r in rows]), dim=-1)
+        noise = torch.empty_like(probs)
+        p = entries[rows[0]].sampling_params
+        if p.seed is not None:
+            noise.exponential_(generator=_seeded_generator(p.seed, len(entries[rows[0]].output_token_ids),
+                                                           logits.device))
+        else:
+            noise.exponential_(generator=generator)
+        chosen[index] = torch.argmax(probs / noise, dim=-1)
+    want = [row for row, e in enumerate(entries) if e.sampling_params.logprobs is not None]
+    if not want:
+        return [(token, None) for token in chosen.tolist()]
+    logprobs = torch.log_softmax(raw[want].float(), dim=-1)
+    top = max(entries[row].sampling_params.logprobs for row in want)
+    picked = logprobs.gather(1, chosen[want][:, None])[:, 0]
+    top_values, top_ids = torch.topk(logprobs, top, dim=-1) if top > 0 else (logprobs[:, :0], logprobs[:, :0])
+    tokens, picked, top_values, top_ids = (chosen.tolist(), picked.tolist(), top_values.tolist(),
+                                           top_ids.long().tolist())
+    results: list[tuple[int, TokenLogprobs | None]] = [(token, None) for token in tokens]
+    for n, row in enumerate(want):
+        k = entries[row].sampling_params.logprobs
+        results[row] = (tokens[row], TokenLogprobs(tokens[row], picked[n], list(zip(top_ids[n][:k],
+                                                                                     top_values[n][:k]))))
+    return results
 
 
 def sample_one(logits: torch.Tensor, entry: ScheduledRequest, eos_token_ids: Collection[int],
                generator: torch.Generator | None) -> tuple[int, TokenLogprobs | None]:
     """The next token of one request from its fp32 logits [V]."""
-    p = entry.sampling_params
-    raw = logits
-    logits = logits.clone()
-    if len(entry.output_token_ids) < p.min_tokens:
-        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-        if banned:
-            logits[torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
-    for token_id, bias in p.logit_bias.items():
-        logits[token_id] += bias
-    logits = apply_penalties(logits, p, entry.prompt_token_ids, entry.output_token_ids)
-    if p.is_greedy:
-        token = int(torch.argmax(logits))
-    else:
-        probs = torch.softmax(filter_logits(logits, p), dim=-1)
-        if p.seed is not None:
-            generator = _seeded_generator(p.seed, len(entry.output_token_ids), logits.device)
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        token = int(torch.argmax(probs / noise))
-    if p.logprobs is None:
-        return token, None
-    logprobs = torch.log_softmax(raw.float(), dim=-1)
-    top = torch.topk(logprobs, p.logprobs) if p.logprobs > 0 else None
-    top_list = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
-    return token, TokenLogprobs(token, float(logprobs[token]), top_list)
+    return sample_batch(logits.view(1, -1), [entry], eos_token_ids, generator)[0]

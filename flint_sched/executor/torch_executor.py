@@ -16,7 +16,7 @@ from flint_sched.checkpoint.common import Weights
 from flint_sched.config import FlintConfig
 from flint_sched.core.plan import ScheduledRequest, StepPlan, StepResult
 from flint_sched.executor.kv_cache import KVCache
-from flint_sched.executor.sampler import sample_one
+from flint_sched.executor.sampler import sample_batch
 from flint_sched.model.reference import FlintReference, attention_with_sinks, rms_norm
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
@@ -81,10 +81,10 @@ class TorchExecutor:
         return self.sample(logits, [entries[n] for n in sampling])
 
     def sample(self, logits: torch.Tensor, entries: list[ScheduledRequest]) -> StepResult:
-        """One token per entry from its fp32 logits row."""
+        """One token per entry from its fp32 logits row (one batched pass, one read-back)."""
         tokens, logprobs = {}, {}
-        for row, entry in zip(logits, entries, strict=True):
-            token, lp = sample_one(row, entry, self.eos_token_ids, self.generator)
+        for entry, (token, lp) in zip(entries, sample_batch(logits, entries, self.eos_token_ids, self.generator),
+                                      strict=True):
             tokens[entry.request_id] = [token]
             if lp is not None:
                 logprobs[entry.request_id] = [lp]
