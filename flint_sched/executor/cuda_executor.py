@@ -18,6 +18,7 @@ from flint_sched.checkpoint.common import Weights
 from flint_sched.config import FlintConfig
 from flint_sched.core.plan import StepPlan, StepResult
 from flint_sched.executor.kv_cache import KVCache
+from flint_sched.executor.sampler import draw, filter_rows
 from flint_sched.executor.torch_executor import TorchExecutor
 from flint_sched.kernels import attention as attn
 from flint_sched.kernels.linear import concat_rows, gate_up_silu, linear
@@ -111,6 +112,9 @@ class CudaExecutor:
         max_blocks = -(-max_model_len // kv_cache.block_size)
         self.buf = _Buffers(config, max_blocks, self.device)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)             # the graph sampler's noise (torch's CUDA generator)
+        self.sampler = GraphSampler(self.buf.logits, self.buf.next_tokens)
         self._table_rows: list[tuple[str, int] | None] = [None] * MAX_DECODE_BATCH  # (request, entries on device)
         # Set to a list (with use_graphs off) to receive each layer's output hidden state [B, hidden].
         self.layer_outputs: list[torch.Tensor] | None = None
@@ -145,11 +149,13 @@ class CudaExecutor:
             for first, last in self.segments:
                 self._decode(b, first, last)
         self.last_logits = self.buf.logits[:b]
-        if all(e.sampling_params.is_greedy and e.sampling_params.logprobs is None and not _needs_torch(e)
-               for e in entries):
+        if all(e.sampling_params.is_greedy and _plain(e) for e in entries):
             tokens = self.buf.next_tokens[:b].tolist()
-            return StepResult({e.request_id: [t] for e, t in zip(entries, tokens, strict=True)})
-        return self.fallback.sample(self.buf.logits[:b].float(), entries)
+        elif all(_plain(e) and e.sampling_params.seed is None for e in entries) and self.use_graphs:
+            tokens = self.sampler(entries)
+        else:
+            return self.fallback.sample(self.buf.logits[:b].float(), entries)
+        return StepResult({e.request_id: [t] for e, t in zip(entries, tokens, strict=True)})
 
     def _fill_inputs(self, plan: StepPlan) -> None:
         """One pinned host-to-device copy of the step's inputs. The device block tables are kept
@@ -273,8 +279,49 @@ class CudaExecutor:
                  w[p + "shared_experts.down_proj.weight"] if shared else None, residual=residual, out=out,
                  pdl=self.pdl)
 
-def _needs_torch(entry) -> bool:
-    """Greedy choice is exact on the GPU unless something edits the logits first."""
+def _plain(entry) -> bool:
+    """Token choice from the logits as they are: no edits first (bans, bias, penalties), no logprobs."""
     p = entry.sampling_params
-    return bool(p.logit_bias or p.min_tokens > len(entry.output_token_ids) or p.repetition_penalty != 1.0
-                or p.presence_penalty or p.frequency_penalty)
+    return not (p.logit_bias or p.min_tokens > len(entry.output_token_ids) or p.repetition_penalty != 1.0
+                or p.presence_penalty or p.frequency_penalty or p.logprobs is not None)
+
+
+class GraphSampler:
+    """Temperature / top-k / top-p / min-p sampling of a decode batch from the executor's logits,
+    captured in one CUDA graph per batch size (a dozen kernels, a sort among them, and no host
+    work); greedy rows of the batch keep the graph's argmax. Per-step parameters arrive in one
+    pinned copy. The noise comes from torch's default CUDA generator (graph-safe), which the
+    executor seeds; seeded requests and edited logits go through executor/sampler.py instead."""
+
+    def __init__(self, logits: torch.Tensor, greedy_tokens: torch.Tensor):
+        self.logits, self.greedy_tokens = logits, greedy_tokens
+        rows, vocab = logits.shape
+        self.vocab = vocab
+        self.params = torch.zeros(5, rows, dtype=torch.float32, device=logits.device)
+        self.params_host = torch.zeros_like(self.params, device="cpu", pin_memory=True)
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=logits.device)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+
+    def __call__(self, entries) -> list[int]:
+        b, host = len(entries), self.params_host.numpy()
+        for row, e in enumerate(entries):
+            p = e.sampling_params
+            host[:, row] = (1.0 if p.is_greedy else p.temperature, p.top_k if 0 < p.top_k < self.vocab else self.vocab,
+                            p.top_p, p.min_p, p.is_greedy)
+        self.params.copy_(self.params_host, non_blocking=True)
+        # Masks no row needs stay out of the graph (pure temperature sampling sorts nothing).
+        key = (b, bool((host[1, :b] < self.vocab).any()), bool((host[2, :b] < 1.0).any()), bool(host[3, :b].any()))
+        graph = self.graphs.get(key)
+        if graph is None:
+            self._sample(*key)                       # warm-up outside the capture (sort workspace, kernels)
+            graph = self.graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._sample(*key)
+        graph.replay()
+        return self.tokens[:b].tolist()
+
+    def _sample(self, b: int, use_top_k: bool, use_top_p: bool, use_min_p: bool) -> None:
+        temperature, top_k, top_p, min_p, greedy = self.params[:, :b]
+        logits = filter_rows(self.logits[:b].float(), temperature, top_k, top_p, min_p, use_top_k, use_top_p,
+                             use_min_p)
+        self.tokens[:b] = torch.where(greedy > 0, self.greedy_tokens[:b], draw(torch.softmax(logits, dim=-1)))

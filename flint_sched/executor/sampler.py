@@ -62,28 +62,40 @@ def edit_logits(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_t
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (removed tokens get -inf), row by row of
     logits [n, V] with each row's own parameters, in a few batched operations."""
-    n, vocab = logits.shape
-    dev = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
-    logits = logits / temperature[:, None]
+    vocab, dev = logits.shape[1], logits.device
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = [p.top_p for p in params]
-    if min(top_k) < vocab or min(top_p) < 1.0:
-        values, order = torch.sort(logits, dim=-1, descending=True)
-        if min(top_k) < vocab:       # keep every value >= the k-th largest (its ties too)
-            kth = values.gather(1, torch.tensor(top_k, device=dev)[:, None] - 1)
+    top_p, min_p = [p.top_p for p in params], [p.min_p for p in params]
+    rows = torch.tensor([[p.temperature for p in params], top_k, top_p, min_p], dtype=torch.float32, device=dev)
+    return filter_rows(logits, *rows, use_top_k=min(top_k) < vocab, use_top_p=min(top_p) < 1.0,
+                       use_min_p=max(min_p) > 0.0)
+
+
+def filter_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, use_top_k: bool = True, use_top_p: bool = True,
+                use_min_p: bool = True) -> torch.Tensor:
+    """`filter_logits` on parameter tensors [n] (fp32; top_k V, top_p 1 and min_p 0 keep every
+    token), with no host work: a CUDA graph can hold it. The use_ flags skip masks no row needs."""
+    logits = logits / temperature[:, None]
+    if use_top_k or use_top_p:
+        # Stable: ties keep vocabulary order, so the top-p boundary does not depend on the batch.
+        values, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        if use_top_k:                # keep every value >= the k-th largest (its ties too)
+            kth = values.gather(1, top_k.long()[:, None] - 1)
             values = values.masked_fill(values < kth, float("-inf"))
-        if min(top_p) < 1.0:         # keep the tokens before the cumulative mass reaches p, and that one
+        if use_top_p:                # keep the tokens before the cumulative mass reaches p, and that one
             probs = torch.softmax(values, dim=-1)
-            drop = (torch.cumsum(probs, dim=-1) - probs) >= torch.tensor(top_p, dtype=probs.dtype, device=dev)[:, None]
-            values = values.masked_fill(drop, float("-inf"))
+            limit = torch.where(top_p < 1.0, top_p, float("inf"))[:, None]
+            values = values.masked_fill(torch.cumsum(probs, dim=-1) - probs >= limit, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, values)
-    min_p = [p.min_p for p in params]
-    if max(min_p) > 0.0:
+    if use_min_p:
         probs = torch.softmax(logits, dim=-1)
-        floor = torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < floor, float("-inf"))
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return logits
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of probs [n, V]: argmax of probs / Exp(1) noise (the exponential race)."""
+    return torch.argmax(probs / torch.empty_like(probs).exponential_(generator=generator), dim=-1)
 
 
 def sample_batch(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_token_ids: Collection[int],
@@ -101,14 +113,9 @@ def sample_batch(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_
             continue
         index = torch.tensor(rows, device=logits.device)
         probs = torch.softmax(filter_logits(logits[index], [entries[r].sampling_params for r in rows]), dim=-1)
-        noise = torch.empty_like(probs)
         p = entries[rows[0]].sampling_params
-        if p.seed is not None:
-            noise.exponential_(generator=_seeded_generator(p.seed, len(entries[rows[0]].output_token_ids),
-                                                           logits.device))
-        else:
-            noise.exponential_(generator=generator)
-        chosen[index] = torch.argmax(probs / noise, dim=-1)
+        chosen[index] = draw(probs, generator if p.seed is None else
+                             _seeded_generator(p.seed, len(entries[rows[0]].output_token_ids), logits.device))
     want = [row for row, e in enumerate(entries) if e.sampling_params.logprobs is not None]
     if not want:
         return [(token, None) for token in chosen.tolist()]

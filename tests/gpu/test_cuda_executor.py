@@ -156,3 +156,37 @@ def test_graphs_with_pdl_replay_the_eager_step_exactly(ckpt, first_graph_layers)
     assert out_eager == out_graphed
     for (r1, p1, a), (r2, p2, b) in zip(eager, graphed):
         assert (r1, p1) == (r2, p2) and torch.equal(a, b)
+
+
+def test_graph_sampler_keeps_each_rows_filters_and_greedy_rows():
+    """The CUDA-graph sampler over a batch of mixed rows: every token in the set its row's own
+    top-k / top-p / min-p allow (filter_logits), greedy rows the argmax, and a two-token row drawn
+    in proportion to its probabilities."""
+    from flint_sched.core.plan import ScheduledRequest
+    from flint_sched.executor.cuda_executor import GraphSampler
+    from flint_sched.executor.sampler import filter_logits
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    torch.cuda.manual_seed(0)                                 # the sampler's noise
+    logits = (3 * torch.randn(8, 1000, device="cuda", generator=gen)).bfloat16()
+    greedy = logits.float().argmax(-1)
+    params = [SamplingParams(temperature=0.8, top_k=5), SamplingParams(temperature=0), SamplingParams(top_p=0.6),
+              SamplingParams(min_p=0.2, temperature=1.5), SamplingParams(temperature=0.7, top_k=2),
+              SamplingParams(top_k=50, top_p=0.9, min_p=0.05), SamplingParams(), SamplingParams(temperature=0)]
+    entries = [ScheduledRequest(f"r{n}", [0], 0, [], n, True, p, [0], [], False) for n, p in enumerate(params)]
+    allowed = [{int(greedy[r])} if p.is_greedy else
+               set(torch.isfinite(filter_logits(logits[r: r + 1].float(), [p])[0]).nonzero().flatten().tolist())
+               for r, p in enumerate(params)]
+    sampler = GraphSampler(logits, greedy)
+    counts = [dict() for _ in params]
+    for _ in range(400):
+        for r, token in enumerate(sampler(entries)):
+            assert token in allowed[r], f"row {r}: token {token} outside {sorted(allowed[r])[:10]}"
+            counts[r][token] = counts[r].get(token, 0) + 1
+    assert counts[1] == {int(greedy[1]): 400} and counts[7] == {int(greedy[7]): 400}
+    assert set(counts[0]) == allowed[0] and len(allowed[0]) >= 5          # bf16 ties at the 5th are kept
+    kept = sorted(allowed[4])
+    expected = torch.softmax(logits[4, kept].float() / 0.7, -1)
+    drawn = torch.tensor([counts[4].get(t, 0) / 400 for t in kept])
+    assert (drawn - expected.cpu()).abs().max() < 0.08, (drawn, expected)
+    assert sampler(entries[6:7]) and len(sampler.graphs) == 2      # a graph per (batch, masks in use)
