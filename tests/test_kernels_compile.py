@@ -83,3 +83,25 @@ def test_importing_the_package_needs_no_gpu():
     import flint_sched.kernels as kernels
 
     assert callable(kernels.linear) and callable(kernels.greedy)
+
+
+def test_every_launch_shape_of_flint_uses_a_compiled_variant():
+    """The warps each launcher picks for Flint's shapes, at every decode batch size, are among the
+    variants CI compiles; BF16 q/k/v stays at 4 warps (one wave of CTAs, see gemv_warps)."""
+    import importlib
+
+    from flint_sched.kernels import VARIANTS
+    linear_mod = importlib.import_module("flint_sched.kernels.linear")
+    moe_mod = importlib.import_module("flint_sched.kernels.moe")
+    shapes = [(5120, 2048), (2048, 4096), (2048, 10240), (151552, 2048)]        # q/k/v, o_proj, down, LM head
+    for fmt in ("bf16", "nvfp4"):
+        for n, k in shapes + [(2 * 10240 // 2, 2048)]:                        # + dense gate/up (8-row tiles)
+            tiles = n // 16
+            picked = {"GEMV_WARPS": linear_mod.gemv_warps(tiles, k, fmt), "X_BATCH": linear_mod.x_batch(fmt)}
+            assert picked in VARIANTS["gemv.cu"], (fmt, n, k, picked)
+        for tokens in range(1, 9):
+            picked = {"MOE_GATE_UP_WARPS": moe_mod.gate_up_warps(fmt, tokens), "X_BATCH": linear_mod.x_batch(fmt)}
+            assert picked in VARIANTS["moe.cu"], (fmt, tokens, picked)
+    assert linear_mod.gemv_warps(5120 // 16, 2048, "bf16") == 4
+    assert linear_mod.gemv_warps(5120 // 16, 2048, "nvfp4") == 8
+    assert [moe_mod.gate_up_warps("bf16", t) for t in (1, 3, 4, 8)] == [8, 8, 4, 4]

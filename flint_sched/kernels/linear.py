@@ -23,7 +23,9 @@ K_STEP = {"bf16": 32, "nvfp4": 128}  # weights per row per warp k-step (cuda/gem
 UNROLL = {"bf16": 8, "nvfp4": 4}     # k-steps a warp loads at once (cuda/gemv.cu)
 # NOTE: ~32 KB of loads in flight per SM keep HBM busy; one warp has 4-8 KB in flight, so aim
 # for ~16 resident warps per SM over the grid.
-TARGET_WARPS = 132 * 16
+SMS = 132
+TARGET_WARPS = SMS * 16
+REGISTERS = {"bf16": 120, "nvfp4": 80}  # per thread, cuda/gemv.cu (cuobjdump --dump-resource-usage)
 
 Weight = torch.Tensor | NVFP4Tensor
 
@@ -41,13 +43,22 @@ def _kernel(name: str, warps: int, batch_x: int) -> Kernel:
     return compile_kernel("gemv.cu", name, {"GEMV_WARPS": warps, "X_BATCH": batch_x})
 
 
+def resident_ctas(warps: int, fmt: str) -> int:
+    """CTAs of `warps` warps that fit on the H200 at once, by registers (~REGISTERS[fmt] a thread)."""
+    return SMS * max(1, 65536 // (32 * warps * REGISTERS[fmt]))
+
+
 def gemv_warps(tiles: int, k: int, fmt: str) -> int:
     """Warps per CTA (4, 8 or 16): more while the grid is small or a warp would need a second
-    round of loads, never more than the k-steps (measured on the H200: benchmarks/bench_kernels.py)."""
+    round of loads, never more than the k-steps, and never so many that a grid fitting one wave
+    of CTAs would need two (measured on the H200: benchmarks/bench_kernels.py). The last rule
+    keeps BF16 q/k/v (320 tiles, K = 2048) at 4 warps: with 8 (2 CTAs per SM) it spanned 1.2
+    waves and the step was 0.04 ms slower at batch 1, 0.2 ms at batch 8 (benchmarks/RESULTS.md)."""
     steps = cdiv(k, K_STEP[fmt])
     warps = 4
     while (warps < 16 and 2 * warps <= steps
-           and (tiles * warps < TARGET_WARPS or steps > warps * UNROLL[fmt])):
+           and (tiles * warps < TARGET_WARPS or steps > warps * UNROLL[fmt])
+           and not resident_ctas(2 * warps, fmt) < tiles <= resident_ctas(warps, fmt)):
         warps *= 2
     return warps
 

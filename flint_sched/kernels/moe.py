@@ -27,7 +27,6 @@ MAX_ROUTER_SPLITS = 8
 ROUTER_THREADS = 256
 CLUSTER_CTAS = 8                   # cuda/router.cu RC_CTAS: the cluster router's one cluster
 CLUSTER_MAX_SHARED = 200 * 1024    # its dynamic shared memory at most (the H200 allows 227 KiB)
-GATE_UP_WARPS = {"bf16": 8, "nvfp4": 4}  # K = 2048: 8 resp. 4 k-steps per warp, one round of loads
 DOWN_THREADS = 512
 
 
@@ -36,10 +35,19 @@ def _kernel(source: str, name: str, defines: tuple = ()) -> Kernel:
     return compile_kernel(source, name, dict(defines))
 
 
-def _moe_kernel(name: str, fmt: str) -> Kernel:
-    """moe_gate_up_* or moe_down_* of cuda/moe.cu; both come from the one compiled variant per
-    format (MOE_GATE_UP_WARPS shapes gate/up only, X_BATCH both)."""
-    return _kernel("moe.cu", f"{name}_{fmt}", (("MOE_GATE_UP_WARPS", GATE_UP_WARPS[fmt]), ("X_BATCH", x_batch(fmt))))
+def gate_up_warps(fmt: str, tokens: int) -> int:
+    """Warps per MoE gate/up CTA. NVFP4: 4 (K = 2048: 4 k-steps of 128 each, one round of loads).
+    BF16: 8 (8 k-steps of 32 each, one round) below 4 tokens; 4 from 4 tokens on, where the grid
+    spans several waves anyway and 4 CTAs per SM hide more latency than a single round does
+    (H200, Flint BF16 at 1K: batch 1 2.67 ms/step with 8, 2.76 with 4; batch 8 6.51 with 8, 6.23
+    with 4; benchmarks/RESULTS.md)."""
+    return 8 if fmt == "bf16" and tokens < 4 else 4
+
+
+def _moe_kernel(name: str, fmt: str, warps: int) -> Kernel:
+    """moe_gate_up_* or moe_down_* of cuda/moe.cu, both from one compiled variant per (format,
+    gate/up warps) (MOE_GATE_UP_WARPS shapes gate/up only, X_BATCH both)."""
+    return _kernel("moe.cu", f"{name}_{fmt}", (("MOE_GATE_UP_WARPS", warps), ("X_BATCH", x_batch(fmt))))
 
 
 def router_workspace(num_experts: int, device: torch.device | str, max_tokens: int = MAX_TOKENS) -> torch.Tensor:
@@ -130,8 +138,9 @@ def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: Weight, up: Weight,
     else:
         args += [None] * (6 if fmt == "nvfp4" else 2)
     h = output(out, "out", (t, a + 1, i), x)
-    _moe_kernel("moe_gate_up", fmt).launch(
-        (cdiv(i, 8), t * a + int(has_shared)), (32 * GATE_UP_WARPS[fmt],),
+    warps = gate_up_warps(fmt, t)
+    _moe_kernel("moe_gate_up", fmt, warps).launch(
+        (cdiv(i, 8), t * a + int(has_shared)), (32 * warps,),
         [h, x, ids, *args, I32(t), I32(a), I32(i), I32(k), I32(num_experts)], pdl=pdl, device=x.device.index)
     return h
 
@@ -157,7 +166,7 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor, 
     if residual is not None:
         check_tensor(residual, "residual", torch.bfloat16, (t, n), h.device, 2)
     y = output(out, "out", (t, n), h)
-    _moe_kernel("moe_down", fmt).launch(
+    _moe_kernel("moe_down", fmt, gate_up_warps(fmt, t)).launch(
         (cdiv(n, 16),), (DOWN_THREADS,),
         [y, h, ids, routing_weights, *args, I32(int(has_shared)), residual, I32(t), I32(a), I32(n), I32(i),
          I32(num_experts)], pdl=pdl, device=h.device.index)
