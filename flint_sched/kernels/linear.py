@@ -53,7 +53,8 @@ def gemv_warps(tiles: int, k: int, fmt: str) -> int:
     round of loads, never more than the k-steps, and never so many that a grid fitting one wave
     of CTAs would need two (measured on the H200: benchmarks/bench_kernels.py). The last rule
     keeps BF16 q/k/v (320 tiles, K = 2048) at 4 warps: with 8 (2 CTAs per SM) it spanned 1.2
-    waves and the step was 0.04 ms slower at batch 1, 0.2 ms at batch 8 (benchmarks/RESULTS.md)."""
+    waves; batch 8 at 1K went from ~6.5 to ~6.35 ms per step, batch 1 did not move
+    (benchmarks/RESULTS.md)."""
     steps = cdiv(k, K_STEP[fmt])
     warps = 4
     while (warps < 16 and 2 * warps <= steps

@@ -39,8 +39,8 @@ def gate_up_warps(fmt: str, tokens: int) -> int:
     """Warps per MoE gate/up CTA. NVFP4: 4 (K = 2048: 4 k-steps of 128 each, one round of loads).
     BF16: 8 (8 k-steps of 32 each, one round) below 4 tokens; 4 from 4 tokens on, where the grid
     spans several waves anyway and 4 CTAs per SM hide more latency than a single round does
-    (H200, Flint BF16 at 1K: batch 1 2.67 ms/step with 8, 2.76 with 4; batch 8 6.51 with 8, 6.23
-    with 4; benchmarks/RESULTS.md)."""
+    (H200, Flint BF16 at 1K, one process: batch 1 2.67 ms/step with 8, 2.76 with 4; batch 8 6.47-6.56
+    with 8, 6.23 with 4; benchmarks/RESULTS.md)."""
     return 8 if fmt == "bf16" and tokens < 4 else 4
 
 
