@@ -1,5 +1,6 @@
 """Where a decode step's GPU time goes: the kernels of a few steps, traced by torch's profiler
-(CUPTI sees kernels launched through cuda-python and inside CUDA graphs alike), summed by name."""
+(CUPTI sees kernels launched through cuda-python and inside CUDA graphs alike), summed by name:
+their durations (`kernel_breakdown`), or how far each moves the step's end (`critical_path`)."""
 
 from __future__ import annotations
 
@@ -11,26 +12,35 @@ import torch
 
 def kernel_breakdown(step: Callable[[], object], num_steps: int = 5) -> list[tuple[str, float, float]]:
     """(kernel name, µs per step, launches per step), longest first."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in _traced(step, num_steps).events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals[event.name]
+            entry[0] += event.device_time
+            entry[1] += 1
+    return _per_step(totals, num_steps)
+
+
+def _traced(step: Callable[[], object], num_steps: int) -> torch.profiler.profile:
+    """The CUDA trace of `num_steps` steps (after one untraced), each waited for."""
     step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):
             step()
-        torch.cuda.synchronize()
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals[event.name]
-            entry[0] += event.device_time
-            entry[1] += 1
+            torch.cuda.synchronize()
+    return prof
+
+
+def _per_step(totals: dict[str, list[float]], num_steps: int) -> list[tuple[str, float, float]]:
     rows = [(name, us / num_steps, count / num_steps) for name, (us, count) in totals.items()]
     return sorted(rows, key=lambda row: -row[1])
 
 
 def format_breakdown(rows: list[tuple[str, float, float]], step_ms: float, top: int = 15) -> str:
     busy_us = sum(us for _, us, _ in rows)
-    lines = [f"  GPU busy {busy_us / 1e3:.3f} ms of a {step_ms:.3f} ms step "
-             f"({100 * busy_us / 1e3 / step_ms:.0f} %), {sum(n for *_, n in rows):.0f} kernels per step"]
+    lines = [(f"  GPU busy {busy_us / 1e3:.3f} ms of a {step_ms:.3f} ms step "
+             f"({100 * busy_us / 1e3 / step_ms:.0f} %), {sum(n for *_, n in rows):.0f} kernels per step")]
     for name, us, count in rows[:top]:
         lines.append(f"  {us:9.1f} µs  {count:5.0f}x  {name[:90]}")
     return "\n".join(lines)
@@ -45,12 +55,7 @@ def critical_path(step: Callable[[], object], num_steps: int = 5) -> list[tuple[
     time from the first kernel's start to the last one's end, and a kernel that finishes in the
     shadow of an earlier one costs nothing.
     """
-    step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(num_steps):
-            step()
-            torch.cuda.synchronize()
+    prof = _traced(step, num_steps)
     kernels = sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
                      if e.device_type() == torch.autograd.DeviceType.CUDA
                      and not e.name().startswith(("Memcpy", "Memset")))
@@ -63,5 +68,4 @@ def critical_path(step: Callable[[], object], num_steps: int = 5) -> list[tuple[
         entry[0] += max(0, end - frontier) / 1e3
         entry[1] += 1
         frontier = max(frontier, end)
-    rows = [(name, us / num_steps, count / num_steps) for name, (us, count) in totals.items()]
-    return sorted(rows, key=lambda row: -row[1])
+    return _per_step(totals, num_steps)
