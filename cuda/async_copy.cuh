@@ -1,5 +1,6 @@
-// Shared-memory staging on sm_90: ldmatrix, and bulk copies (the copy engine, no registers)
-// completing on an mbarrier. Used by decode attention (KV tiles) and the cluster router (weights).
+// Shared-memory staging and exchange on sm_90: ldmatrix, bulk copies (the copy engine, no
+// registers) completing on an mbarrier, and thread block clusters (barriers, distributed shared
+// memory). Used by decode attention (KV tiles, the split merge) and the cluster router.
 #pragma once
 #include "common.cuh"
 
@@ -57,3 +58,38 @@ __device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 byte
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+
+// ---- thread block clusters (sm_90) -------------------------------------------------------------
+// Barriers are .aligned: every thread of the CTA executes them, arrive and wait alternating. A CTA
+// may write another CTA's shared memory (mapa + st.shared::cluster) only after a barrier phase
+// that every CTA of the cluster has arrived at (all have started), and that CTA reads it after
+// the next one (release / acquire).
+
+__device__ __forceinline__ u32 cluster_ctarank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The address of this shared-memory location in CTA `rank` of the cluster.
+__device__ __forceinline__ u32 cluster_map(u32 addr, u32 rank) {
+  u32 r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void st_cluster_f32(u32 addr, float v) {
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ void st_cluster_f32x4(u32 addr, float a, float b, float c, float d) {
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+}
+

@@ -144,29 +144,6 @@ router_topk(int* ids, float* weights, const u16* x, const u16* gate, const float
 #define RC_WARPS 8
 #define RC_MAX_TILES 2  // 16-row tiles per CTA: E <= RC_CTAS * 32
 
-__device__ __forceinline__ u32 cluster_ctarank() {
-  u32 r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_arrive_release() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait_acquire() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The address of this shared-memory location in CTA `rank` of the cluster.
-__device__ __forceinline__ u32 cluster_map(u32 addr, u32 rank) {
-  u32 r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
-__device__ __forceinline__ void st_cluster_f32(u32 addr, float v) {
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
-}
 __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
   u32 v;
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
