@@ -28,7 +28,6 @@
 #define MAX_GROUPS 8                                   // 128 splits at most (attention.py MAX_SPLITS)
 #define TICKETS_PER_LAUNCH 512                         // final tickets, one per (request, kv head)
 #define COMBINE_STRIDE (HEAD_DIM + 8)                  // padded o rows: conflict-free float2 stores
-#define ATTN_CLUSTER 8  // splits of the cluster variant (attention.py CLUSTER_SPLITS), portable size
 
 constexpr int ROW_BYTES = HEAD_DIM * 2;                    // one key (or value) row of one head
 // NOTE: rows sit 272 B apart in shared memory (256 + 16 pad): bulk copies cannot swizzle, and
@@ -191,20 +190,10 @@ __device__ __forceinline__ bool take_ticket(u32* ticket, int arrivals, int* flag
   return *flag;
 }
 
-// The cluster variant's exchange after the splits' own work: every CTA of the cluster takes part
-// in both barrier phases (arrive / wait alternate), active or not.
-//   phase 1 (arrived at the top): every CTA has started, so CTA 0's shared memory may be written
-//   phase 2 (release / acquire): every active split's partial is in CTA 0's merge area
-__device__ __forceinline__ void cluster_leave() {
-  cluster_wait_acquire();
-  cluster_arrive_release();
-}
-
-template <bool CLUSTER>
-__device__ __forceinline__ void decode_attention(u16* out, const u16* q, const u16* k_cache, const u16* v_cache,
-                                                 const int* block_tables, int table_stride, const int* ring_slots,
-                                                 int page_rows, int window, const int* seq_lens, const void* sinks,
-                                                 int sinks_bf16, float scale_log2, u32* tickets, float* partials) {
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+decode_attention_bf16(u16* out, const u16* q, const u16* k_cache, const u16* v_cache, const int* block_tables,
+                      int table_stride, const int* ring_slots, int page_rows, int window, const int* seq_lens,
+                      const void* sinks, int sinks_bf16, float scale_log2, u32* tickets, float* partials) {
   extern __shared__ uint4 smem[];
   __shared__ u64 stage_bars[ATTN_WARPS][ATTN_STAGES];
   __shared__ int is_last;
@@ -213,7 +202,6 @@ __device__ __forceinline__ void decode_attention(u16* out, const u16* q, const u
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3, row = lane >> 2;
   u16* out_group = out + ((long long)b * G + g) * GROUP * HEAD_DIM;
   pdl_launch_dependents();
-  if (CLUSTER) cluster_arrive_relaxed();
 
   // Before the wait: the step's inputs (lengths, ring slots, block tables: written before the
   // step's first kernel, which did not use PDL) and the keys of positions < L - 1 (earlier steps).
@@ -228,13 +216,9 @@ __device__ __forceinline__ void decode_attention(u16* out, const u16* q, const u
     if (split == 0)
       for (int i = threadIdx.x; i < GROUP * HEAD_DIM / 8; i += ATTN_THREADS)
         reinterpret_cast<uint4*>(out_group)[i] = make_uint4(0u, 0u, 0u, 0u);
-    if (CLUSTER) cluster_leave();
     return;
   }
-  if (split >= active) {
-    if (CLUSTER) cluster_leave();
-    return;
-  }
+  if (split >= active) return;
   const int begin = L - n_keys + split * chunk, end = min(L, begin + chunk);
 
   // Each warp streams tiles warp, warp + W, ... through its own ATTN_STAGES-deep cp.async ring.
@@ -318,37 +302,6 @@ __device__ __forceinline__ void decode_attention(u16* out, const u16* q, const u
   }
   if (active == 1) {
     store_final(out_group + h * HEAD_DIM + d, o, m, l, sink2);
-    if (CLUSTER) cluster_leave();
-    return;
-  }
-  if (CLUSTER) {
-    // Partials into CTA 0's merge area (after the stages), slot = split; CTA 0 merges in split order.
-    float* merge = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(smem) + ATTN_WARPS * WARP_SMEM_BYTES);
-    cluster_wait_acquire();
-    const u32 slot = cluster_map(smem_addr(merge + split * PARTIAL_FLOATS), 0);
-    st_cluster_f32x4(slot + 4 * (h * HEAD_DIM + d), o[0], o[1], o[2], o[3]);
-    st_cluster_f32x4(slot + 4 * (h * HEAD_DIM + d + 4), o[4], o[5], o[6], o[7]);
-    if (d == 0) {
-      st_cluster_f32(slot + 4 * (GROUP * HEAD_DIM + h), m);
-      st_cluster_f32(slot + 4 * (GROUP * HEAD_DIM + GROUP + h), l);
-    }
-    cluster_arrive_release();
-    cluster_wait_acquire();
-    if (split != 0) return;
-    m = sink2, l = sink2 == NEG_INF ? 0.0f : 1.0f;  // the sink: a logit whose value vector is zero
-#pragma unroll
-    for (int e = 0; e < 8; ++e) o[e] = 0.0f;
-    for (int s = 0; s < active; ++s) {
-      const float* part = merge + s * PARTIAL_FLOATS;
-      float4 lo, hi;
-      memcpy(&lo, part + h * HEAD_DIM + d, 16);
-      memcpy(&hi, part + h * HEAD_DIM + d + 4, 16);
-      merge_into(m, l, o, part[GROUP * HEAD_DIM + h], part[GROUP * HEAD_DIM + GROUP + h], lo, hi);
-    }
-    const float inv = 1.0f / l;
-    *reinterpret_cast<uint4*>(out_group + h * HEAD_DIM + d) =
-        make_uint4(pack_bf16x2(o[0] * inv, o[1] * inv), pack_bf16x2(o[2] * inv, o[3] * inv),
-                   pack_bf16x2(o[4] * inv, o[5] * inv), pack_bf16x2(o[6] * inv, o[7] * inv));
     return;
   }
 
@@ -383,23 +336,4 @@ __device__ __forceinline__ void decode_attention(u16* out, const u16* q, const u
   *reinterpret_cast<uint4*>(out_group + h * HEAD_DIM + d) =
       make_uint4(pack_bf16x2(o[0] * inv, o[1] * inv), pack_bf16x2(o[2] * inv, o[3] * inv),
                  pack_bf16x2(o[4] * inv, o[5] * inv), pack_bf16x2(o[6] * inv, o[7] * inv));
-}
-
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-decode_attention_bf16(u16* out, const u16* q, const u16* k_cache, const u16* v_cache, const int* block_tables,
-                      int table_stride, const int* ring_slots, int page_rows, int window, const int* seq_lens,
-                      const void* sinks, int sinks_bf16, float scale_log2, u32* tickets, float* partials) {
-  decode_attention<false>(out, q, k_cache, v_cache, block_tables, table_stride, ring_slots, page_rows, window,
-                          seq_lens, sinks, sinks_bf16, scale_log2, tickets, partials);
-}
-
-// One cluster of ATTN_CLUSTER splits per (KV head, request): partials merge in CTA 0's shared
-// memory instead of through global memory and tickets (tickets and partials are unused).
-extern "C" __global__ void __cluster_dims__(ATTN_CLUSTER, 1, 1) __launch_bounds__(ATTN_THREADS)
-decode_attention_cluster_bf16(u16* out, const u16* q, const u16* k_cache, const u16* v_cache,
-                              const int* block_tables, int table_stride, const int* ring_slots, int page_rows,
-                              int window, const int* seq_lens, const void* sinks, int sinks_bf16,
-                              float scale_log2, u32* tickets, float* partials) {
-  decode_attention<true>(out, q, k_cache, v_cache, block_tables, table_stride, ring_slots, page_rows, window,
-                         seq_lens, sinks, sinks_bf16, scale_log2, tickets, partials);
 }

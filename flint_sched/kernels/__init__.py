@@ -26,7 +26,6 @@ ENTRY_POINTS = (
     ("moe.cu", "moe_down_bf16"), ("moe.cu", "moe_down_nvfp4"),
     ("argmax.cu", "argmax_bf16"), ("argmax.cu", "argmax_f32"),
     ("qk_norm_rope_kv.cu", "qk_norm_rope_kv_bf16"), ("decode_attention.cu", "decode_attention_bf16"),
-    ("decode_attention.cu", "decode_attention_cluster_bf16"),
 )
 
 __all__ = [

@@ -31,13 +31,10 @@ MAX_SPLITS = 128
 # three CTAs of 2 stages beat two of 3 stages: the per-warp tile loop is latency-bound.
 TARGET_CTAS = 132 * 3
 MERGE_GROUP = 16             # cuda/decode_attention.cu: splits per first-level merge
-CLUSTER_SPLITS = 8           # cuda/decode_attention.cu ATTN_CLUSTER: the cluster variant's splits
-CLUSTER_MAX_WINDOW = 1024    # sliding windows up to this use it (<= 128 keys per split)
 # u32 tickets at the start of the workspace: one final ticket per (request, kv head), then one
 # per merge group of each (MAX_SPLITS / MERGE_GROUP = 8)
 TICKET_SLOTS = MAX_BATCH * MAX_KV_HEADS * (1 + MAX_SPLITS // MERGE_GROUP)
 PARTIAL_FLOATS = GROUP * HEAD_DIM + 2 * GROUP    # o[8][128], m[8], l[8] per (request, kv head, split)
-CLUSTER_MERGE_BYTES = CLUSTER_SPLITS * PARTIAL_FLOATS * 4   # the cluster variant's merge area, after the stages
 LOG2E = 1.4426950408889634
 
 
@@ -163,26 +160,17 @@ def decode_attention_full(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def decode_attention_sliding(q: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor, ring_slots: torch.Tensor,
                              seq_lens: torch.Tensor, sinks: torch.Tensor, workspace: torch.Tensor,
                              out: torch.Tensor | None = None, num_splits: int | None = None,
-                             softmax_scale: float | None = None, pdl: bool = False,
-                             cluster: bool | None = None) -> torch.Tensor:
-    """out = attention over the last min(seq_lens[b], window) positions, window = ring rows.
-
-    cluster: CLUSTER_SPLITS splits per (request, KV head) in one thread block cluster, merged in
-    shared memory; None: whenever num_splits is not forced and window <= CLUSTER_MAX_WINDOW.
-    """
+                             softmax_scale: float | None = None, pdl: bool = False) -> torch.Tensor:
+    """out = attention over the last min(seq_lens[b], window) positions, window = ring rows."""
     b = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else -1
     check_tensor(ring_slots, "ring_slots", torch.int32, (b,), q.device, 4)
     window = k_ring.shape[1]
-    if cluster is None:
-        cluster = num_splits is None and window <= CLUSTER_MAX_WINDOW
-    if cluster and num_splits not in (None, CLUSTER_SPLITS):
-        raise ValueError(f"the cluster kernel runs {CLUSTER_SPLITS} splits, not {num_splits}")
     return _attention(q, k_ring, v_ring, None, 0, ring_slots, window, seq_lens, sinks, workspace, window, out,
-                      CLUSTER_SPLITS if cluster else num_splits, softmax_scale, pdl, b, cluster)
+                      num_splits, softmax_scale, pdl, b)
 
 
 def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window, seq_lens, sinks, workspace,
-               max_keys, out, num_splits, softmax_scale, pdl, b, cluster=False) -> torch.Tensor:
+               max_keys, out, num_splits, softmax_scale, pdl, b) -> torch.Tensor:
     g = _check_pools(k_pool, v_pool)
     h = GROUP * g
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or not q.is_cuda:
@@ -200,7 +188,7 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
     splits = decode_splits(b, max_keys, g) if num_splits is None else num_splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits {splits} outside 1..{MAX_SPLITS}")
-    need = TICKET_SLOTS + (0 if cluster else b * g * splits * PARTIAL_FLOATS)   # the cluster merges in shared memory
+    need = TICKET_SLOTS + b * g * splits * PARTIAL_FLOATS
     if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32 or workspace.numel() < need:
         raise ValueError(f"workspace must be fp32 with >= {need} elements (attention_workspace)")
     check_tensor(workspace, "workspace", torch.float32, tuple(workspace.shape), dev)
@@ -208,13 +196,12 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
         out = torch.empty(b, h, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     check_tensor(out, "out", torch.bfloat16, (b, h, HEAD_DIM), dev)
     scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else softmax_scale
-    name = "decode_attention_cluster_bf16" if cluster else "decode_attention_bf16"
-    _kernel("decode_attention.cu", name, (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS),)).launch(
+    _kernel("decode_attention.cu", "decode_attention_bf16", (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS),)).launch(
         (splits, g, b), (ATTN_THREADS,),
         [out, q, k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window),
          seq_lens, sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E), workspace,
          workspace[TICKET_SLOTS:]],
-        shared_bytes=ATTN_SMEM_BYTES + (CLUSTER_MERGE_BYTES if cluster else 0), pdl=pdl, device=dev.index)
+        shared_bytes=ATTN_SMEM_BYTES, pdl=pdl, device=dev.index)
     return out
 
 

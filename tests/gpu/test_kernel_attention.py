@@ -170,17 +170,16 @@ def ring_case(lens, seed=0):
     return q, k, v, slots, kv
 
 
-def run_sliding(lens, num_splits=None, seed=0, cluster=None):
+def run_sliding(lens, num_splits=None, seed=0):
     q, k, v, slots, kv = ring_case(lens, seed)
     sinks = mixed_sinks(seed + 1)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
     ws = attention_workspace("cuda", max_splits=num_splits)
     ws[TICKET_SLOTS:] = float("nan")
-    decode_attention_sliding(q, k, v, slots, seq_lens, sinks, ws, out=out, num_splits=num_splits, cluster=cluster)
+    decode_attention_sliding(q, k, v, slots, seq_lens, sinks, ws, out=out, num_splits=num_splits)
     ref = torch.stack([attention_with_sinks(q[b:b + 1].float(), kb.float(), vb.float(), sinks.float(), pos[-1:], pos,
-                                            WINDOW)[0] if pos.numel() else torch.zeros_like(q[b], dtype=torch.float32)
-                       for b, (pos, kb, vb) in enumerate(kv)])       # no keys (padding): zeros
+                                            WINDOW)[0] for b, (pos, kb, vb) in enumerate(kv)])
     splits = num_splits or decode_splits(len(lens), WINDOW)
     assert_attention_close(out, ref, f"sliding B={len(lens)} splits={splits}", lens)
 
@@ -193,14 +192,6 @@ def test_sliding_batch1(context):
 @pytest.mark.parametrize("batch", [3, 8, 19])
 def test_sliding_mixed_lengths(batch):
     run_sliding([CONTEXTS[(5 * i + batch) % len(CONTEXTS)] + 1000 * (i % 3) for i in range(batch)], seed=batch)
-
-
-@pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "ticket"])
-def test_sliding_cluster_and_ticket_kernels(cluster):
-    """Both sliding kernels on lengths where the cluster variant has 1 active split (<= 80 keys),
-    several, all 7 (the full window), and a padding request (0 keys: zeros)."""
-    lens = [0, 1, 80, 81, 300, 513, 514, 5000]
-    run_sliding(lens, seed=31, cluster=cluster)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 9, 64])
