@@ -88,8 +88,3 @@ __device__ __forceinline__ u32 cluster_map(u32 addr, u32 rank) {
 __device__ __forceinline__ void st_cluster_f32(u32 addr, float v) {
   asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
-__device__ __forceinline__ void st_cluster_f32x4(u32 addr, float a, float b, float c, float d) {
-  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d)
-               : "memory");
-}
-
