@@ -24,6 +24,21 @@ def tiny_short_window(tiny_config):
     return dataclasses.replace(tiny_config, sliding_window=8)
 
 
+@pytest.fixture(scope="module")
+def fake_openai_server():
+    """The fake OpenAI-compatible server (tests/fake_openai_server.py) on loopback, one per module."""
+    from fake_openai_server import running_fake_server
+    with running_fake_server() as server:
+        yield server
+
+
+@pytest.fixture
+def fake(fake_openai_server):
+    """That server, reset to its defaults for each test."""
+    fake_openai_server.reset()
+    return fake_openai_server
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -6,24 +6,17 @@ import importlib.util
 import json
 
 import pytest
-from fake_openai_server import running_fake_server
 
 from flint_sched.benchmarks.serve import main
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None  # the `bench` extra, not the `test` one
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_fake_server() as fake:
-        yield fake
-
-
 @pytest.fixture
-def fake(server):
-    server.reset()
-    server.token_delay_s = 0.001
-    return server
+def fake(fake):
+    """conftest's fake server, answering a token every millisecond."""
+    fake.token_delay_s = 0.001
+    return fake
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -8,7 +8,7 @@ import socket
 import httpx
 import msgspec
 import pytest
-from fake_openai_server import Script, running_fake_server
+from fake_openai_server import Script
 
 from flint_sched.api.client import AsyncFlintClient, split_base_url
 from flint_sched.api.client_stream import SSEDecoder, accumulate_chat
@@ -30,18 +30,6 @@ TIME_ARGS = json.dumps({"zone": "Asia/Shanghai", "note": "naïve \"quoted\""}, e
 AGENT_SCRIPT = Script(reasoning="Need two tools: weather and time.", content="Let me check.",
                       tool_calls=[("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)])
 MESSAGES = [{"role": "user", "content": "Weather and time in Beijing?"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    with running_fake_server() as fake:
-        yield fake
-
-
-@pytest.fixture
-def fake(server):
-    server.reset()
-    return server
 
 
 def client_for(fake, **kwargs) -> AsyncFlintClient:
