@@ -28,7 +28,7 @@ from flint_sched.kernels.sampling import argmax_workspace, greedy
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 MAX_DECODE_BATCH = 8
-# Launching one graph of ~450 kernels takes 0.15-0.3 ms of host time on the H200 machine, and the
+# Launching one graph of ~450 kernels takes 0.14-0.38 ms of host time on the H200 machine, and the
 # GPU starts on a graph only once its launch returns; a small first graph lets it start early
 # (benchmarks/RESULTS.md). Each graph boundary costs a few µs (no PDL overlap across it).
 FIRST_GRAPH_LAYERS = 3
@@ -288,8 +288,8 @@ def _plain(entry) -> bool:
 
 class GraphSampler:
     """Temperature / top-k / top-p / min-p sampling of a decode batch from the executor's logits,
-    captured in one CUDA graph per batch size (a dozen kernels, a sort among them, and no host
-    work); greedy rows of the batch keep the graph's argmax. Per-step parameters arrive in one
+    captured in one CUDA graph per (batch size, masks in use) (a dozen kernels, a sort unless only
+    temperature is set, and no host work); greedy rows of the batch keep the graph's argmax. Per-step parameters arrive in one
     pinned copy. The noise comes from torch's default CUDA generator (graph-safe), which the
     executor seeds; seeded requests and edited logits go through executor/sampler.py instead."""
 
