@@ -49,6 +49,12 @@ class StreamOptions(Schema, kw_only=True):
     include_usage: bool = False
 
 
+class ResponseFormat(Schema, kw_only=True):
+    """OpenAI's `response_format`: only "text" is served (no guided decoding yet)."""
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
 class ContentPart(Schema, kw_only=True):
     """One part of a list `content`; only text parts reach the prompt."""
 

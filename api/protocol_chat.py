@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from flint_sched.api.protocol import ChatMessage, ChatTool, Reply, Schema, StreamOptions, Usage
+from flint_sched.api.protocol import ChatMessage, ChatTool, Reply, ResponseFormat, Schema, StreamOptions, Usage
 
 
 class NamedFunction(Schema, kw_only=True):
@@ -36,6 +36,7 @@ class ChatCompletionRequest(Schema, kw_only=True):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     temperature: float | None = None
     top_p: float | None = None
     tools: list[ChatTool] | None = None

@@ -103,6 +103,10 @@ def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> Prepare
     policy = tool_policy(request, ctx.config.tool_flags)
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
+    if request.response_format is not None and request.response_format.type != "text":
+        raise bad_request(f"response_format {request.response_format.type!r} is not supported: structured output "
+                          "(JSON mode, JSON schemas) needs guided decoding, which this server does not do yet; "
+                          "ask for text", "response_format")
     if request.top_logprobs is not None:
         if not request.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")

@@ -223,6 +223,9 @@ BAD_CHAT = [
     ("stream options without stream", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("unknown model", {"model": "gpt-9", "messages": MESSAGES}, 400, "model"),
+    ("json mode", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("json schema", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     400, "response_format"),
 ]
 
 
@@ -234,6 +237,13 @@ def test_bad_chat_input_is_a_clean_4xx(http, case, body, status, param):
     error = error_of(response)
     if param is not None:
         assert error["param"] == param
+
+
+def test_plain_text_response_format_is_served(http):
+    body = {"messages": MESSAGES, "max_tokens": 2, "response_format": {"type": "text"}}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["role"] == "assistant"
 
 
 def test_bad_completions_input_and_routes(http):
