@@ -24,11 +24,14 @@ def _seeded_generator(seed: int, step: int, device: torch.device) -> torch.Gener
     return torch.Generator(device=device).manual_seed((seed * 1_000_003 + step) % 2**63)
 
 
+def _index(logits: torch.Tensor, rows: list[int], cols: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)
+
+
 def _index_put(logits: torch.Tensor, rows: list[int], cols: list[int], values, accumulate: bool = False) -> None:
     if rows:
-        dev = logits.device
-        index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
-        logits.index_put_(index, torch.as_tensor(values, dtype=logits.dtype, device=dev), accumulate=accumulate)
+        values = torch.as_tensor(values, dtype=logits.dtype, device=logits.device)
+        logits.index_put_(_index(logits, rows, cols), values, accumulate=accumulate)
 
 
 def edit_logits(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_token_ids: Collection[int]) -> None:
@@ -53,7 +56,7 @@ def edit_logits(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_t
     _index_put(logits, *ban, float("-inf"))
     _index_put(logits, *bias, accumulate=True)
     if rep[0]:
-        index = (torch.tensor(rep[0], device=logits.device), torch.tensor(rep[1], device=logits.device))
+        index = _index(logits, rep[0], rep[1])
         values, penalty = logits[index], torch.tensor(rep[2], dtype=logits.dtype, device=logits.device)
         logits.index_put_(index, torch.where(values > 0, values / penalty, values * penalty))
     _index_put(logits, *freq, accumulate=True)
