@@ -26,7 +26,7 @@
 #define PARTIAL_FLOATS (GROUP * HEAD_DIM + 2 * GROUP)  // o[8][128], m[8], l[8]
 #define MERGE_GROUP 16                                 // splits per first-level merge
 #define MAX_GROUPS 8                                   // 128 splits at most (attention.py MAX_SPLITS)
-#define TICKETS_PER_LAUNCH 512                         // final tickets, one per (request, kv head)
+#define TICKETS_PER_LAUNCH 8192                        // final tickets, one per (request, kv head)
 #define COMBINE_STRIDE (HEAD_DIM + 8)                  // padded o rows: conflict-free float2 stores
 
 constexpr int ROW_BYTES = HEAD_DIM * 2;                    // one key (or value) row of one head

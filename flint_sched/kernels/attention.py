@@ -1,6 +1,6 @@
 """Decode attention on the paged KV layout: Q/K norm + RoPE + KV write, then split-KV attention with sinks.
 
-One new token per request, B <= 64; head dim 128 and 8 query heads per KV head (H = 8 G) are
+One new token per request, B <= 1024 (the grouped path's batches); head dim 128 and 8 query heads per KV head (H = 8 G) are
 fixed by cuda/qk_norm_rope_kv.cu and cuda/decode_attention.cu. Pools are one layer's K or V view
 of executor/kv_cache.py, bf16 contiguous: `full[i, 0]` [num_blocks, block_size, G, 128] or
 `ring[i, 0]` [num_slots, window, G, 128]. Splits depend only on (batch, a host-side bound on the
@@ -15,11 +15,12 @@ import math
 import torch
 
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
+from flint_sched.kernels.hardware import sm_count
 from flint_sched.kernels.linear import check_tensor
 
 HEAD_DIM = 128
 GROUP = 8                    # query heads per KV head
-MAX_BATCH = 64
+MAX_BATCH = 1024
 MAX_KV_HEADS = 8
 NORM_WARPS = 8               # cuda/qk_norm_rope_kv.cu QKN_WARPS: heads per CTA
 ATTN_THREADS = 128           # cuda/decode_attention.cu: 4 warps ...
@@ -27,9 +28,9 @@ ATTN_SMEM_BYTES = 4 * 2 * 2 * 16 * (HEAD_DIM * 2 + 16)   # ... x 2 stages x (K +
 MIN_SPLIT_KEYS = 64          # cuda/decode_attention.cu ATTN_MIN_SPLIT_KEYS (a define from here)
 MAX_SPLITS = 128
 # NOTE: 68 KiB of shared memory and 142 registers per thread let three CTAs share an SM
-# (228 KiB, 64 K registers): a grid of 132 x 3 CTAs is one full wave. Measured on the H200,
+# (228 KiB, 64 K registers): a grid of 3 CTAs per SM is one full wave. Measured on the H200,
 # three CTAs of 2 stages beat two of 3 stages: the per-warp tile loop is latency-bound.
-TARGET_CTAS = 132 * 3
+CTAS_PER_SM = 3
 MERGE_GROUP = 16             # cuda/decode_attention.cu: splits per first-level merge
 # u32 tickets at the start of the workspace: one final ticket per (request, kv head), then one
 # per merge group of each (MAX_SPLITS / MERGE_GROUP = 8)
@@ -44,26 +45,31 @@ def _kernel(source: str, name: str, defines: tuple = ()) -> Kernel:
 
 
 def decode_splits(batch: int, max_keys: int, kv_heads: int = 4) -> int:
-    """Splits per (request, KV head): fill one wave of TARGET_CTAS, >= MIN_SPLIT_KEYS keys each.
+    """Splits per (request, KV head): fill one wave (CTAS_PER_SM per SM), >= MIN_SPLIT_KEYS keys each.
 
     max_keys is a host-side bound (the longest context the launch, or graph, must serve; the
     window for sliding layers); shorter requests use fewer splits on the device.
     """
-    by_grid = max(1, TARGET_CTAS // (batch * kv_heads))
+    by_grid = max(1, target_ctas() // (batch * kv_heads))
     by_keys = max(1, -(-max_keys // MIN_SPLIT_KEYS))
     return min(by_grid, by_keys, MAX_SPLITS)
 
 
+def target_ctas() -> int:
+    """CTAs of one full wave of the attention kernel on the current GPU."""
+    return sm_count() * CTAS_PER_SM
+
+
 def workspace_partials(max_batch: int = MAX_BATCH, kv_heads: int = 4) -> int:
     """Partial slots any `decode_splits` choice needs: batch * kv_heads * splits <= this."""
-    return max(TARGET_CTAS, max_batch * kv_heads)
+    return max(target_ctas(), max_batch * kv_heads)
 
 
 def attention_workspace(device: torch.device | str, max_batch: int = MAX_BATCH, kv_heads: int = 4,
                         max_splits: int | None = None) -> torch.Tensor:
     """fp32 scratch, zeroed: TICKET_SLOTS u32 tickets (kept zero between launches), then partials.
 
-    Size: 4 * (4608 + workspace_partials * 1040) bytes (1.7 MB for Flint); `max_splits` makes room
+    Size: 4 * (73728 + workspace_partials * 1040) bytes (2 MB for Flint at batch 8); `max_splits` makes room
     for forced `num_splits` up to it. One workspace per stream.
     """
     slots = workspace_partials(max_batch, kv_heads)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
+from flint_sched.kernels.hardware import sm_count
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 MAX_TOKENS = 8
@@ -23,8 +24,7 @@ K_STEP = {"bf16": 32, "nvfp4": 128}  # weights per row per warp k-step (cuda/gem
 UNROLL = {"bf16": 8, "nvfp4": 4}     # k-steps a warp loads at once (cuda/gemv.cu)
 # NOTE: ~32 KB of loads in flight per SM keep HBM busy; one warp has 4-8 KB in flight, so aim
 # for ~16 resident warps per SM over the grid.
-SMS = 132
-TARGET_WARPS = SMS * 16
+WARPS_PER_SM = 16
 REGISTERS = {"bf16": 120, "nvfp4": 80}  # per thread, cuda/gemv.cu (cuobjdump --dump-resource-usage)
 
 Weight = torch.Tensor | NVFP4Tensor
@@ -44,8 +44,8 @@ def _kernel(name: str, warps: int, batch_x: int) -> Kernel:
 
 
 def resident_ctas(warps: int, fmt: str) -> int:
-    """CTAs of `warps` warps that fit on the H200 at once, by registers (~REGISTERS[fmt] a thread)."""
-    return SMS * max(1, 65536 // (32 * warps * REGISTERS[fmt]))
+    """CTAs of `warps` warps that fit on the GPU at once, by registers (~REGISTERS[fmt] a thread)."""
+    return sm_count() * max(1, 65536 // (32 * warps * REGISTERS[fmt]))
 
 
 def gemv_warps(tiles: int, k: int, fmt: str) -> int:
@@ -58,7 +58,7 @@ def gemv_warps(tiles: int, k: int, fmt: str) -> int:
     steps = cdiv(k, K_STEP[fmt])
     warps = 4
     while (warps < 16 and 2 * warps <= steps
-           and (tiles * warps < TARGET_WARPS or steps > warps * UNROLL[fmt])
+           and (tiles * warps < WARPS_PER_SM * sm_count() or steps > warps * UNROLL[fmt])
            and not resident_ctas(2 * warps, fmt) < tiles <= resident_ctas(warps, fmt)):
         warps *= 2
     return warps

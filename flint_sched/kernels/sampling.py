@@ -12,10 +12,11 @@ import functools
 import torch
 
 from flint_sched.kernels._runtime import I32, I64, Kernel, compile_kernel
+from flint_sched.kernels.hardware import sm_count
 from flint_sched.kernels.linear import check_tensor
 
 THREADS = 256
-TARGET_CTAS = 264          # two waves' worth of CTAs on 132 SMs, over all rows
+WAVES = 2                  # CTAs over all rows: two per SM
 MIN_CHUNK = 2048           # logits per CTA at least (one pass of 256 threads x 8 bf16)
 
 
@@ -26,7 +27,7 @@ def _kernel(name: str) -> Kernel:
 
 def argmax_splits(batch: int, vocab: int) -> tuple[int, int]:
     """(CTAs per row, logits per CTA, a multiple of 8)."""
-    splits = max(1, min(-(-TARGET_CTAS // batch), -(-vocab // MIN_CHUNK)))
+    splits = max(1, min(-(-WAVES * sm_count() // batch), -(-vocab // MIN_CHUNK)))
     chunk = -(-vocab // splits)
     chunk = -(-chunk // 8) * 8
     return -(-vocab // chunk), chunk
