@@ -5,6 +5,10 @@ Importing this package needs neither a GPU nor cuda.bindings; kernels compile on
 
 from flint_sched.kernels._runtime import (KernelCompileError, KernelError, KernelLaunchError,
                                           KernelRuntimeUnavailable, compile_kernel, compile_only)
+from flint_sched.kernels.grouped import grouped_gate_up, grouped_linear
+from flint_sched.kernels.grouped_moe import (MoeRoutingWorkspace, Routing, moe_down_sorted, moe_finalize,
+                                             moe_gate_up_sorted, moe_grouped, moe_routing_workspace,
+                                             route_and_sort)
 from flint_sched.kernels.linear import gate_up_silu, linear
 from flint_sched.kernels.moe import moe, moe_down, moe_gate_up, route, router_workspace
 from flint_sched.kernels.norm import fused_add_rms_norm, rms_norm
@@ -16,6 +20,8 @@ VARIANTS = {
     "gemv.cu": tuple({"GEMV_WARPS": w, "X_BATCH": x} for w in (4, 8, 16) for x in (0, 1)),
     "router.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),
     "moe.cu": tuple({"MOE_GATE_UP_WARPS": w, "X_BATCH": x} for w in (4, 8) for x in (0, 1)),
+    "grouped_gemm.cu": tuple({"GROUPED_CHUNK": c, "GROUPED_TILES": t} for c in (16, 64) for t in (1, 4)),
+    "moe_routing.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),
 }
 ENTRY_POINTS = (
     ("rmsnorm.cu", "rmsnorm_bf16"),
@@ -26,10 +32,17 @@ ENTRY_POINTS = (
     ("moe.cu", "moe_down_bf16"), ("moe.cu", "moe_down_nvfp4"),
     ("argmax.cu", "argmax_bf16"), ("argmax.cu", "argmax_f32"),
     ("qk_norm_rope_kv.cu", "qk_norm_rope_kv_bf16"), ("decode_attention.cu", "decode_attention_bf16"),
+    *(("grouped_gemm.cu", f"grouped_{op}_{fmt}") for op in ("linear", "gate_up", "moe_gate_up", "moe_down")
+      for fmt in ("bf16", "nvfp4")),
+    ("moe_routing.cu", "moe_topk"), ("moe_routing.cu", "moe_sort"), ("moe_routing.cu", "moe_route"),
+    ("moe_routing.cu", "moe_finalize"),
 )
 
 __all__ = [
     "ENTRY_POINTS", "VARIANTS", "KernelCompileError", "KernelError", "KernelLaunchError", "KernelRuntimeUnavailable",
+    "MoeRoutingWorkspace", "Routing",
     "argmax_workspace", "compile_kernel", "compile_only", "fused_add_rms_norm", "gate_up_silu", "greedy",
-    "linear", "moe", "moe_down", "moe_gate_up", "rms_norm", "route", "router_workspace",
+    "grouped_gate_up", "grouped_linear", "linear", "moe", "moe_down", "moe_down_sorted", "moe_finalize",
+    "moe_gate_up", "moe_gate_up_sorted", "moe_grouped", "moe_routing_workspace", "rms_norm", "route",
+    "route_and_sort", "router_workspace",
 ]

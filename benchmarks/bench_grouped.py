@@ -1,0 +1,180 @@
+"""Grouped-path benchmarks on the GPU: Flint's MoE layer and dense GEMMs at 16-8192 tokens.
+
+MoE layer (E=256, top-6 + shared, hidden 2048, I 512): moe_grouped (router logits, routing, gate/up,
+down, finalize: five launches) replayed in a CUDA graph over rotating weight sets larger than L2.
+Bytes = weights of the distinct experts touched (+ shared + router) + activations in and out;
+FLOPs = 2 * (routed + shared rows) * 3 * I * H + router. Peers: torch._grouped_mm (BF16, same
+routing, sorted rows prepared outside the timing) and cuBLAS (torch.matmul) for the dense shapes.
+Run on the GPU machine: python3 benchmarks/bench_grouped.py [--pdl] [--tokens ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from flint_sched.benchmarks.graph_timing import num_sets, reps_for, time_graph  # noqa: E402
+from flint_sched.kernels import grouped_linear, moe_grouped, moe_routing_workspace  # noqa: E402
+from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize  # noqa: E402
+
+HIDDEN, EXPERTS, TOP_K, INTER, SCALING = 2048, 256, 6, 512, 2.5
+DENSE = [("q/k/v 2048->5120", 5120, 2048), ("o_proj 4096->2048", 2048, 4096), ("LM head 2048->151552", 151552, 2048)]
+MAX_SETS = 8
+
+
+@dataclass
+class Row:
+    name: str
+    impl: str
+    fmt: str
+    tokens: int
+    us: float
+    bytes: int
+    flops: int
+
+    def line(self) -> str:
+        tbs, tflops = self.bytes / self.us / 1e6, self.flops / self.us / 1e6
+        return (f"| {self.name:<22} | {self.impl:<16} | {self.fmt:<5} | {self.tokens:>5} | {self.us:9.1f} | "
+                f"{self.bytes / 1e6:9.1f} | {tbs:5.2f} | {tflops:7.1f} |")
+
+
+def nbytes(w) -> int:
+    if isinstance(w, NVFP4Tensor):
+        return w.codes.numel() + w.block_scales.numel() + 4 * w.tensor_scale.numel()
+    return w.numel() * w.element_size()
+
+
+def weight(fmt: str, *shape: int):
+    w = torch.randn(*shape, device="cuda") / shape[-1] ** 0.5
+    return quantize(w, per_leading_scale=len(shape) == 3) if fmt == "nvfp4" else w.bfloat16()
+
+
+def moe_set(fmt: str) -> dict:
+    return dict(router=weight("bf16", EXPERTS, HIDDEN), bias=0.1 * torch.randn(EXPERTS, device="cuda"),
+                gate=weight(fmt, EXPERTS, INTER, HIDDEN), up=weight(fmt, EXPERTS, INTER, HIDDEN),
+                down=weight(fmt, EXPERTS, HIDDEN, INTER), shared_gate=weight(fmt, INTER, HIDDEN),
+                shared_up=weight(fmt, INTER, HIDDEN), shared_down=weight(fmt, HIDDEN, INTER))
+
+
+def bench_moe(fmt: str, sets: list[dict], m: int, pdl: bool) -> list[Row]:
+    x = torch.randn(m, HIDDEN, device="cuda").bfloat16()
+    residual = torch.randn_like(x)
+    out = torch.empty_like(x)
+    ws = moe_routing_workspace(m, EXPERTS, TOP_K, "cuda", hidden_size=HIDDEN, intermediate_size=INTER)
+
+    def run(s):
+        return moe_grouped(x, s["router"], s["bias"], TOP_K, SCALING, s["gate"], s["up"], s["down"],
+                           s["shared_gate"], s["shared_up"], s["shared_down"], residual, ws, out=out, pdl=pdl)
+
+    run(sets[0])
+    ids = ws.ids[:m].clone()
+    distinct = len(torch.unique(ids))
+    s = sets[0]
+    per_expert = (nbytes(s["gate"]) + nbytes(s["up"]) + nbytes(s["down"])) // EXPERTS
+    pairs = m * (TOP_K + 1)
+    moved = ((distinct + 1) * per_expert + nbytes(s["router"]) + 3 * x.numel() * 2
+             + pairs * (INTER + HIDDEN) * 2 * 2 + m * EXPERTS * 4 * 2)
+    flops = 2 * pairs * 3 * INTER * HIDDEN + 2 * m * EXPERTS * HIDDEN
+    us = time_graph([lambda s=s: run(s) for s in sets], reps_for(len(sets), 10 if m >= 1024 else 40), replays=5)
+    rows = [Row(f"MoE layer ({distinct} exp)", "moe_grouped", fmt, m, us, moved, flops)]
+    if fmt == "bf16":
+        rows += bench_grouped_mm(x, ids, m, moved, flops)
+    return rows
+
+
+def bench_grouped_mm(x: torch.Tensor, ids: torch.Tensor, m: int, moved: int, flops: int) -> list[Row]:
+    """torch._grouped_mm with the same routing: rows pre-sorted by expert (257 groups, the shared
+    expert last); gate/up as one [2I] matrix, silu*mul, down, then the weighted combine."""
+    if not hasattr(torch, "_grouped_mm"):
+        return []
+    try:
+        groups = EXPERTS + 1
+        expert = torch.cat([ids.long(), torch.full((m, 1), EXPERTS, device="cuda")], 1).flatten()
+        order = torch.argsort(expert, stable=True)
+        token = order // (TOP_K + 1)
+        offs = torch.cumsum(torch.bincount(expert, minlength=groups), 0).int()
+        combine = torch.rand(m * (TOP_K + 1), 1, device="cuda")
+        w13 = (torch.randn(groups, 2 * INTER, HIDDEN, device="cuda") / HIDDEN**0.5).bfloat16().transpose(1, 2)
+        w2 = (torch.randn(groups, HIDDEN, INTER, device="cuda") / INTER**0.5).bfloat16().transpose(1, 2)
+        xs = x[token]
+        y = torch.zeros(m, HIDDEN, device="cuda", dtype=torch.float32)
+
+        def run():
+            gu = torch._grouped_mm(xs, w13, offs=offs)
+            h = F.silu(gu[:, :INTER]) * gu[:, INTER:]
+            yd = torch._grouped_mm(h, w2, offs=offs)
+            y.index_add_(0, token, yd.float() * combine)
+
+        us = time_graph([run], reps_for(1, 10 if m >= 1024 else 40), replays=5)
+        return [Row("MoE experts, no router", "torch._grouped_mm", "bf16", m, us, moved, flops)]
+    except Exception as exc:  # noqa: BLE001 - a peer that does not run here is reported, not fatal
+        print(f"torch._grouped_mm at {m} tokens failed: {type(exc).__name__}: {exc}", flush=True)
+        return []
+
+
+def bench_dense(name: str, n: int, k: int, m: int, formats: list[str]) -> list[Row]:
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    rows = []
+    for fmt in formats:
+        probe = weight(fmt, n, k)
+        sets = [probe] + [weight(fmt, n, k) for _ in range(num_sets(nbytes(probe), MAX_SETS) - 1)]
+        y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        moved, flops = nbytes(probe) + (x.numel() + y.numel()) * 2, 2 * m * n * k
+        us = time_graph([lambda w=w: grouped_linear(x, w, out=y) for w in sets], reps_for(len(sets)), replays=5)
+        rows.append(Row(name, "grouped_linear", fmt, m, us, moved, flops))
+        if fmt == "bf16":
+            us = time_graph([lambda w=w: torch.matmul(x, w.t(), out=y) for w in sets], reps_for(len(sets)),
+                            replays=5)
+            rows.append(Row(name, "cuBLAS", fmt, m, us, moved, flops))
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024, 8192])
+    parser.add_argument("--dense-tokens", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"])
+    parser.add_argument("--pdl", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, pdl={args.pdl}", flush=True)
+    rows: list[Row] = []
+    header = (f"| {'case':<22} | {'impl':<16} | {'fmt':<5} | {'M':>5} | {'us':>9} | {'MB moved':>9} | "
+              f"{'TB/s':>5} | {'TFLOP/s':>7} |")
+
+    def add(new: list[Row]) -> None:
+        for r in new:
+            rows.append(r)
+            print(r.line(), flush=True)
+
+    print(header)
+    for fmt in args.formats:
+        probe = moe_set(fmt)
+        per_set = sum(nbytes(probe[k]) for k in ("gate", "up", "down"))
+        sets = [probe] + [moe_set(fmt) for _ in range(num_sets(per_set, MAX_SETS) - 1)]
+        for m in args.tokens:
+            add(bench_moe(fmt, sets, m, args.pdl))
+        del sets, probe
+        torch.cuda.empty_cache()
+    for name, n, k in DENSE:
+        for m in args.dense_tokens:
+            add(bench_dense(name, n, k, m, args.formats))
+    print()
+    print(header)
+    print("|" + "|".join("-" * len(c) for c in header.strip("|").split("|")) + "|")
+    for r in rows:
+        print(r.line())
+
+
+if __name__ == "__main__":
+    main()

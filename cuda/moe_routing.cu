@@ -1,0 +1,224 @@
+// Routing metadata of the grouped MoE path (any number of tokens M), all on the GPU:
+//
+//   moe_topk:  logits fp32 [M, E] -> ids int32 [M, A], weights fp32 [M, A] (one warp per token,
+//              router.cu's sigmoid and selection; tokens t >= num_tokens are skipped)
+//   moe_sort:  one CTA; (token, slot) pairs p = t * (A + 1) + a, slot A = the shared expert
+//              (id E), counting-sorted by expert, stable (pair order within an expert):
+//
+//     offsets      [E + 2]      rows of expert e: offsets[e] .. offsets[e + 1] - 1
+//     sorted_token [P]          token of each sorted row (P = num_tokens * (A + 1) rows used)
+//     pair_row     [M, A + 1]   sorted row of each pair; -1 for padded tokens
+//     work list    items of <= chunk rows of one expert, an expert's items adjacent:
+//                  work_expert[i], work_row[i] (first sorted row), num_work[0] items
+//
+//   moe_route: both in one launch: every CTA selects for its tokens, the last CTA to take the
+//              ticket sorts and resets the ticket (so a CUDA graph replays it).
+//   moe_finalize: out[t] = bf16(residual[t] + sum_{a<A} w[t,a] y[pair_row[t,a]] + y[pair_row[t,A]])
+//              in fp32, slots in order then the shared expert; padded tokens copy residual.
+#include "topk.cuh"
+
+#define ROUTING_WARPS 16  // kernels/grouped.py ROUTING_THREADS / 32
+
+__device__ __forceinline__ int num_real(const int* num_tokens, int M) {
+  return num_tokens ? min(M, *num_tokens) : M;
+}
+
+// Warp `warp` of this CTA: token blockIdx.x * ROUTING_WARPS + warp. scores: [ROUTING_WARPS][E].
+__device__ __forceinline__ void topk_tokens(int* ids, float* weights, const float* logits,
+                                            const float* bias, float* scores, int ntok, int E,
+                                            int A, float scaling) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t = blockIdx.x * ROUTING_WARPS + warp;
+  if (t >= ntok) return;
+  float* sc = scores + warp * E;
+  for (int e = lane; e < E; e += 32) sc[e] = 1.0f / (1.0f + expf(-logits[(size_t)t * E + e]));
+  __syncwarp();
+  router_select(ids + t * A, weights + t * A, sc, bias, E, A, scaling);
+}
+
+// In-place exclusive scan of v[0..n) (v[n] <- total) by the whole CTA; n + 1 <= blockDim * 4.
+__device__ __forceinline__ void block_exclusive_scan(u64* v, int n, u64* warp_total) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int per = (n + blockDim.x - 1) / blockDim.x, first = tid * per;
+  u64 mine = 0;
+  for (int i = first; i < min(n, first + per); ++i) mine += v[i];
+  u64 incl = mine;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const u64 up = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+    if (lane >= d) incl += up;
+  }
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  u64 before = incl - mine;
+  for (int w = 0; w < warp; ++w) before += warp_total[w];
+  u64 total = 0;
+  for (int w = 0; w < nwarps; ++w) total += warp_total[w];
+  __syncthreads();  // every thread has read v's partial sums through `mine`; now overwrite
+  for (int i = first; i < min(n, first + per); ++i) {
+    const u64 x = v[i];
+    v[i] = before;
+    before += x;
+  }
+  if (tid == 0) v[n] = total;
+  __syncthreads();
+}
+
+struct Sorted {
+  int* offsets;
+  int* sorted_token;
+  int* pair_row;
+  int* work_expert;
+  int* work_row;
+  int* num_work;
+};
+
+// The whole CTA (ROUTING_WARPS warps). ids were written by another CTA or kernel: read from L2.
+// smem: hist [ROUTING_WARPS][E + 1] int, then scan [E + 2] u64, then warp totals [32] u64.
+__device__ __forceinline__ void sort_pairs(const Sorted& out, const int* ids, int ntok, int M,
+                                           int A, int E, int chunk, unsigned char* smem) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, bins = E + 1;
+  int* hist = reinterpret_cast<int*>(smem);
+  u64* scan = reinterpret_cast<u64*>(smem + ((ROUTING_WARPS * bins * 4 + 15) & ~15));
+  u64* warp_total = scan + bins + 1;
+  const int slots = A + 1, P = ntok * slots;
+  // Warp w owns pairs [p_begin, p_end), in order.
+  const int p_begin = (int)((long long)P * warp / ROUTING_WARPS);
+  const int p_end = (int)((long long)P * (warp + 1) / ROUTING_WARPS);
+  for (int i = tid; i < ROUTING_WARPS * bins; i += blockDim.x) hist[i] = 0;
+  __syncthreads();
+  for (int p = p_begin + lane; p < p_end; p += 32) {
+    const int t = p / slots, a = p - t * slots;
+    atomicAdd(&hist[warp * bins + (a < A ? __ldcg(ids + t * A + a) : E)], 1);
+  }
+  __syncthreads();
+  // Per expert: counts of warps -> exclusive prefix over warps; scan value = items << 32 | count.
+  for (int e = tid; e < bins; e += blockDim.x) {
+    int count = 0;
+    for (int w = 0; w < ROUTING_WARPS; ++w) {
+      const int c = hist[w * bins + e];
+      hist[w * bins + e] = count;
+      count += c;
+    }
+    scan[e] = ((u64)((count + chunk - 1) / chunk) << 32) | (u64)count;
+  }
+  __syncthreads();
+  block_exclusive_scan(scan, bins, warp_total);
+  for (int e = tid; e <= bins; e += blockDim.x) out.offsets[e] = (int)(u32)scan[e];
+  if (tid == 0) *out.num_work = (int)(scan[bins] >> 32);
+  for (int e = tid; e < bins; e += blockDim.x) {
+    const int row = (int)(u32)scan[e], item = (int)(scan[e] >> 32);
+    const int items = (int)(scan[e + 1] >> 32) - item;
+    for (int w = 0; w < ROUTING_WARPS; ++w) hist[w * bins + e] += row;
+    for (int j = 0; j < items; ++j) {
+      out.work_expert[item + j] = e;
+      out.work_row[item + j] = row + j * chunk;
+    }
+  }
+  __syncthreads();
+  // Stable scatter: lanes naming the same expert take consecutive rows in lane order.
+  for (int p0 = p_begin; p0 < p_end; p0 += 32) {
+    const int p = p0 + lane;
+    const int t = p / slots, a = p - t * slots;
+    const int e = p < p_end ? (a < A ? __ldcg(ids + t * A + a) : E) : -1;
+    const u32 same = __match_any_sync(0xFFFFFFFFu, e);
+    const int rank = __popc(same & ((1u << lane) - 1u));
+    int row = 0;
+    if (e >= 0) row = hist[warp * bins + e] + rank;
+    __syncwarp();
+    if (e >= 0 && rank == 0) hist[warp * bins + e] += __popc(same);
+    __syncwarp();
+    if (e >= 0) {
+      out.sorted_token[row] = t;
+      out.pair_row[p] = row;
+    }
+  }
+  for (int i = P + tid; i < M * slots; i += blockDim.x) out.pair_row[i] = -1;
+}
+
+__device__ __forceinline__ Sorted sorted_of(int* offsets, int* sorted_token, int* pair_row,
+                                            int* work_expert, int* work_row, int* num_work) {
+  return {offsets, sorted_token, pair_row, work_expert, work_row, num_work};
+}
+
+// Dynamic shared memory: max(ROUTING_WARPS * E * 4, sort's) bytes (kernels/grouped.py).
+extern "C" __global__ void __launch_bounds__(ROUTING_WARPS * 32)
+moe_topk(int* ids, float* weights, const float* logits, const float* bias,
+         const int* num_tokens, int M, int E, int A, float scaling) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  pdl_launch_dependents();
+  pdl_wait();
+  topk_tokens(ids, weights, logits, bias, reinterpret_cast<float*>(smem), num_real(num_tokens, M), E,
+              A, scaling);
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTING_WARPS * 32)
+moe_sort(int* offsets, int* sorted_token, int* pair_row, int* work_expert, int* work_row,
+         int* num_work, const int* ids, const int* num_tokens, int M, int E, int A, int chunk) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  pdl_launch_dependents();
+  pdl_wait();
+  sort_pairs(sorted_of(offsets, sorted_token, pair_row, work_expert, work_row, num_work), ids,
+             num_real(num_tokens, M), M, A, E, chunk, smem);
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTING_WARPS * 32)
+moe_route(int* ids, float* weights, int* offsets, int* sorted_token, int* pair_row,
+          int* work_expert, int* work_row, int* num_work, u32* ticket, const float* logits,
+          const float* bias, const int* num_tokens, int M, int E, int A, float scaling, int chunk) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ u32 is_last;
+  pdl_launch_dependents();
+  pdl_wait();
+  const int ntok = num_real(num_tokens, M);
+  topk_tokens(ids, weights, logits, bias, reinterpret_cast<float*>(smem), ntok, E, A, scaling);
+  // Last-block pattern (router.cu): barrier, fence, ticket; the last CTA fences before reading.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    is_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  sort_pairs(sorted_of(offsets, sorted_token, pair_row, work_expert, work_row, num_work), ids, ntok,
+             M, A, E, chunk, smem);
+  if (threadIdx.x == 0) *ticket = 0u;
+}
+
+// One thread per 8 outputs (16 bytes) of one token; N % 8 == 0. out may alias residual.
+extern "C" __global__ void __launch_bounds__(256)
+moe_finalize(u16* out, const u16* residual, const u16* y_sorted, const int* pair_row,
+             const float* weights, const int* num_tokens, int M, int N, int A) {
+  pdl_launch_dependents();
+  pdl_wait();
+  const int per_row = N / 8;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)M * per_row) return;
+  const int t = (int)(i / per_row), c = (int)(i - (long long)t * per_row) * 8;
+  const uint4 r = ld_act_v4(residual + (size_t)t * N + c);
+  if (t >= num_real(num_tokens, M)) {
+    *reinterpret_cast<uint4*>(out + (size_t)t * N + c) = r;
+    return;
+  }
+  float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 7
+  for (int a = 0; a <= A; ++a) {
+    const int row = pair_row[t * (A + 1) + a];
+    const float w = a < A ? weights[t * A + a] : 1.0f;
+    const uint4 y = ld_act_v4(y_sorted + (size_t)row * N + c);
+    const u32 v[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      sum[2 * j] = fmaf(w, bf16x2_lo(v[j]), sum[2 * j]);
+      sum[2 * j + 1] = fmaf(w, bf16x2_hi(v[j]), sum[2 * j + 1]);
+    }
+  }
+  const u32 rv[4] = {r.x, r.y, r.z, r.w};
+  uint4 o;
+  o.x = pack_bf16x2(bf16x2_lo(rv[0]) + sum[0], bf16x2_hi(rv[0]) + sum[1]);
+  o.y = pack_bf16x2(bf16x2_lo(rv[1]) + sum[2], bf16x2_hi(rv[1]) + sum[3]);
+  o.z = pack_bf16x2(bf16x2_lo(rv[2]) + sum[4], bf16x2_hi(rv[2]) + sum[5]);
+  o.w = pack_bf16x2(bf16x2_lo(rv[3]) + sum[6], bf16x2_hi(rv[3]) + sum[7]);
+  *reinterpret_cast<uint4*>(out + (size_t)t * N + c) = o;
+}

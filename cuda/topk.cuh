@@ -1,0 +1,75 @@
+// Sigmoid-router selection shared by router.cu and moe_routing.cu: top-A of (score + bias) per
+// token, ties to the lower expert id, weights = chosen scores / their sum * scaling, ids in
+// descending order of score + bias (as torch.topk in model/reference.py route()).
+// ROUTER_MAX_EXPERTS (256 or 1024) is a compile-time define: 32 experts per lane at most.
+#pragma once
+#include "common.cuh"
+
+#ifndef ROUTER_MAX_EXPERTS
+#define ROUTER_MAX_EXPERTS 256
+#endif
+#define ROUTER_PER_LANE (ROUTER_MAX_EXPERTS / 32)
+
+// Order-preserving map of a float to an unsigned key (larger float, larger key); -0.0 sorts just
+// below +0.0, the only pair of equal floats it tells apart.
+__device__ __forceinline__ u32 order_key(float f) {
+  const u32 u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ u32 warp_max_u32(u32 v) {
+  u32 r;
+  asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+  return r;
+}
+
+__device__ __forceinline__ u32 warp_min_u32(u32 v) {
+  u32 r;
+  asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+  return r;
+}
+
+// One warp: top-A of scores[e] + bias[e] over E <= ROUTER_MAX_EXPERTS experts; lane owns experts
+// lane + 32 i, held in registers (unrolled loops: no local memory). Each round takes the warp's
+// largest key, then the lowest expert id holding it (two redux.sync instead of a shuffle tree);
+// taken ones become -inf.
+__device__ __forceinline__ void router_select(int* ids, float* weights, const float* scores,
+                                              const float* bias, int E, int A, float scaling) {
+  const float neg_inf = -__int_as_float(0x7F800000);
+  const int lane = threadIdx.x & 31;
+  float sel[ROUTER_PER_LANE];
+#pragma unroll
+  for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+    const int e = lane + 32 * i;
+    sel[i] = e < E ? scores[e] + bias[e] : neg_inf;
+  }
+  int my_id = 0;
+  float my_weight = 0.0f;
+  for (int j = 0; j < A; ++j) {
+    float best = neg_inf;
+    int best_i = 0;
+#pragma unroll
+    for (int i = 0; i < ROUTER_PER_LANE; ++i)
+      if (sel[i] > best) {  // strict: the lowest i (lowest expert id of this lane) wins ties
+        best = sel[i];
+        best_i = i;
+      }
+    const u32 key = best > neg_inf ? order_key(best) : 0u;
+    const u32 top = warp_max_u32(key);
+    const int best_e = (int)warp_min_u32(key == top && best > neg_inf ? (u32)(lane + 32 * best_i) : 0xFFFFFFFFu);
+    if ((best_e & 31) == lane) {
+#pragma unroll
+      for (int i = 0; i < ROUTER_PER_LANE; ++i)
+        if (i == (best_e >> 5)) sel[i] = neg_inf;
+    }
+    if (lane == j) {
+      my_id = best_e;
+      my_weight = scores[best_e];
+    }
+  }
+  const float total = warp_sum(lane < A ? my_weight : 0.0f);
+  if (lane < A) {
+    ids[lane] = my_id;
+    weights[lane] = my_weight / total * scaling;
+  }
+}

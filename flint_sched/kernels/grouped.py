@@ -1,0 +1,150 @@
+"""Grouped skinny GEMMs for any number of tokens (cuda/grouped_gemm.cu): planning and dense launchers.
+
+Rows are cut into items of CHUNK rows (16 or 64, a compile-time define); a CTA applies each weight
+fragment of its 16-row tiles to every 8-row group of one item, so a weight is read from HBM once
+per call and from L2 by the other items. The planning functions here are pure Python (CPU tests):
+`dense_chunk` / `moe_chunk` pick CHUNK, `work_bound` sizes MoE grids for CUDA graphs (the real
+item count stays on the GPU), `tiles_per_cta` picks GROUPED_TILES. MoE launchers: grouped_moe.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
+from flint_sched.kernels.hardware import sm_count
+from flint_sched.kernels.linear import Weight, cdiv, check_tensor, weight_args, weight_format
+
+CHUNKS = (16, 64)          # rows per item (cuda/grouped_gemm.cu GROUPED_CHUNK)
+TILES_PER_CTA = (1, 4)     # 16-row weight tiles per CTA (GROUPED_TILES)
+WARPS = 4                  # GG_WARPS
+TILE_ROWS = 16
+MAX_GRID_Y = 65535
+
+
+@functools.cache
+def _kernel(name: str, chunk: int, tiles: int) -> Kernel:
+    return compile_kernel("grouped_gemm.cu", name, {"GROUPED_CHUNK": chunk, "GROUPED_TILES": tiles})
+
+
+def gemm_kernel(name: str, fmt: str, chunk: int, tiles: int) -> Kernel:
+    """grouped_<name>_<fmt> of cuda/grouped_gemm.cu in the (chunk, tiles) variant."""
+    if chunk not in CHUNKS or tiles not in TILES_PER_CTA:
+        raise ValueError(f"no compiled variant for chunk {chunk}, tiles {tiles}")
+    return _kernel(f"grouped_{name}_{fmt}", chunk, tiles)
+
+
+# ---- planning (pure Python) ------------------------------------------------------------------
+
+
+def dense_chunk(num_rows: int) -> int:
+    """16 rows per item up to 16 rows (2 groups of 8: fewer registers), else 64."""
+    return CHUNKS[0] if num_rows <= CHUNKS[0] else CHUNKS[1]
+
+
+def moe_chunk(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """By the mean rows per touched routed expert (num_tokens * top_k pairs over at most
+    num_experts experts): 16 while it is <= 16 (decode: 1-6 at 16-256 tokens), else 64."""
+    pairs = num_tokens * top_k
+    mean_rows = pairs / max(1, min(num_experts, pairs))
+    return CHUNKS[0] if mean_rows <= CHUNKS[0] else CHUNKS[1]
+
+
+def work_bound(num_pairs: int, num_bins: int, chunk: int) -> int:
+    """Most items a work list of num_pairs rows over num_bins experts can hold: expert e with c_e
+    rows has ceil(c_e / chunk) <= c_e / chunk + 1 items, and at most min(bins, pairs) experts
+    have rows, so sum <= ceil(pairs / chunk) + min(bins, pairs)."""
+    return cdiv(num_pairs, chunk) + min(num_bins, num_pairs)
+
+
+def tiles_per_cta(num_items: int, num_tiles: int, chunk: int, sms: int) -> int:
+    """4 tiles per CTA (one per warp: its x rows are shared by the 4 warps in L1, 4x less L2
+    traffic) where items are large and the grid still has >= 4 CTAs per SM; else 1 (the warps
+    split K: more CTAs for small grids)."""
+    if chunk == CHUNKS[1] and num_items * cdiv(num_tiles, 4) >= 4 * sms:
+        return TILES_PER_CTA[1]
+    return TILES_PER_CTA[0]
+
+
+def grid(num_items: int, num_tiles: int, tiles: int) -> tuple[int, int]:
+    """(items, tile groups): blockIdx.x = item, so the items of one expert run side by side."""
+    y = cdiv(num_tiles, tiles)
+    if y > MAX_GRID_Y:
+        raise ValueError(f"{num_tiles} row tiles need {y} > {MAX_GRID_Y} CTAs in grid y")
+    return num_items, y
+
+
+# ---- checks ----------------------------------------------------------------------------------
+
+
+def check_rows(x: torch.Tensor, name: str = "x") -> tuple[int, int]:
+    """x bf16 [M, K], M >= 1, on a CUDA device, contiguous, fewer than 2^32 elements (u32 offsets)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor [tokens, features]")
+    if not x.is_cuda:
+        raise ValueError(f"{name} must be on a CUDA device, got {x.device}")
+    if x.shape[0] < 1:
+        raise ValueError(f"{name} needs at least one row")
+    if x.numel() >= 1 << 32:
+        raise ValueError(f"{name} has {x.numel()} elements; the kernels index it with 32 bits")
+    check_tensor(x, name, torch.bfloat16, tuple(x.shape), x.device)
+    return x.shape[0], x.shape[1]
+
+
+def out_buffer(out: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+               like: torch.Tensor) -> torch.Tensor:
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{name} must be bf16 or fp32, got {dtype}")
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    check_tensor(out, name, dtype, shape, like.device, 4 if dtype == torch.float32 else 2)
+    return out
+
+
+# ---- dense launchers -------------------------------------------------------------------------
+
+
+def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                   pdl: bool = False) -> torch.Tensor:
+    """y[M, N] = x @ W^T (+ residual) for any M >= 1: fp32 sums, one rounding to out_dtype
+    (bf16, or fp32 for router logits). W: bf16 [N, K] (K % 8 == 0) or NVFP4Tensor (K % 64 == 0)."""
+    m, k = check_rows(x)
+    n = weight.shape[0]
+    if tuple(weight.shape) != (n, k):
+        raise ValueError(f"weight must be [N, {k}], got {tuple(weight.shape)}")
+    fmt = weight_format(weight)
+    w_args = weight_args(weight, "weight", (n, k), x.device)
+    if residual is not None:
+        check_tensor(residual, "residual", torch.bfloat16, (m, n), x.device, 2)
+    y = out_buffer(out, "out", (m, n), out_dtype, x)
+    chunk = dense_chunk(m)
+    items, tiles = cdiv(m, chunk), cdiv(n, TILE_ROWS)
+    per_cta = tiles_per_cta(items, tiles, chunk, sm_count(x.device))
+    gemm_kernel("linear", fmt, chunk, per_cta).launch(
+        grid(items, tiles, per_cta), (32 * WARPS,),
+        [y, I32(int(out_dtype == torch.float32)), x, *w_args, residual, I32(m), I32(n), I32(k)],
+        pdl=pdl, device=x.device.index)
+    return y
+
+
+def grouped_gate_up(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor | None = None,
+                    pdl: bool = False) -> torch.Tensor:
+    """h[M, I] = silu(x @ gate^T) * (x @ up^T) for any M >= 1; gate and up [I, K], one format."""
+    m, k = check_rows(x)
+    i = gate.shape[0]
+    for name, w in (("gate", gate), ("up", up)):
+        if tuple(w.shape) != (i, k):
+            raise ValueError(f"{name} must be [{i}, {k}], got {tuple(w.shape)}")
+    fmt = weight_format(gate, up)
+    args = weight_args(gate, "gate", (i, k), x.device) + weight_args(up, "up", (i, k), x.device)
+    h = out_buffer(out, "out", (m, i), torch.bfloat16, x)
+    chunk = dense_chunk(m)
+    items, tiles = cdiv(m, chunk), cdiv(i, TILE_ROWS // 2)
+    per_cta = tiles_per_cta(items, tiles, chunk, sm_count(x.device))
+    gemm_kernel("gate_up", fmt, chunk, per_cta).launch(
+        grid(items, tiles, per_cta), (32 * WARPS,), [h, x, *args, I32(m), I32(i), I32(k)], pdl=pdl,
+        device=x.device.index)
+    return h

@@ -1,0 +1,256 @@
+"""Grouped MoE for any number of tokens (cuda/moe_routing.cu, cuda/grouped_gemm.cu), five launches:
+
+    logits [M, E] fp32 = x @ router_gate^T                         grouped_linear
+    ids, weights, sorted rows, work list                           route_and_sort (one launch)
+    h_sorted [P, I]  = silu(x[tok] @ Wg_e^T) * (x[tok] @ Wu_e^T)   moe_gate_up_sorted
+    y_sorted [P, H]  = h_sorted @ Wd_e^T                           moe_down_sorted
+    out [M, H] = residual + sum_a w * y_sorted[pair_row] + shared  moe_finalize
+
+P = M * (A + 1) rows at most (slot A: the shared expert, expert id E, weight 1). Nothing leaves the
+GPU: item counts stay in the workspace and grids are sized by `work_bound`. All buffers live in
+one `MoeRoutingWorkspace`, so a call allocates nothing and can be captured in a CUDA graph; the
+workspace's ticket resets itself. Tokens t >= num_tokens (a device int32 [1]; padding of a graph
+bucket) are not routed and copy their residual. With pdl=True, moe_down_sorted reads the work list
+before waiting on its predecessor: launch it right after moe_gate_up_sorted (moe_grouped does).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
+from flint_sched.kernels.grouped import (CHUNKS, TILE_ROWS, WARPS, check_rows, gemm_kernel, grid,
+                                         grouped_linear, moe_chunk, out_buffer, tiles_per_cta, work_bound)
+from flint_sched.kernels.hardware import sm_count
+from flint_sched.kernels.linear import Weight, cdiv, check_tensor, weight_args, weight_format
+
+ROUTING_THREADS = 512       # cuda/moe_routing.cu ROUTING_WARPS * 32
+ROUTING_WARPS = ROUTING_THREADS // 32
+MAX_EXPERTS = 1024          # router_select: 32 experts per lane
+MAX_TOP_K = 32
+FINALIZE_THREADS = 256
+
+
+@functools.cache
+def _routing_kernel(name: str, max_experts: int) -> Kernel:
+    return compile_kernel("moe_routing.cu", name, {"ROUTER_MAX_EXPERTS": max_experts})
+
+
+def routing_kernel(name: str, num_experts: int) -> Kernel:
+    return _routing_kernel(name, 256 if num_experts <= 256 else MAX_EXPERTS)
+
+
+def routing_shared_bytes(num_experts: int) -> int:
+    """Dynamic shared memory of the routing kernels: the top-k scores [warps][E] fp32, or the
+    sort's histograms [warps][E + 1] int32 + scan [E + 2] u64 + warp totals [32] u64."""
+    scores = ROUTING_WARPS * num_experts * 4
+    sort = -(-ROUTING_WARPS * (num_experts + 1) * 4 // 16) * 16 + (num_experts + 2) * 8 + 32 * 8
+    return max(scores, sort)
+
+
+@dataclass
+class MoeRoutingWorkspace:
+    """Every buffer of the grouped MoE for up to max_tokens tokens (see the module docstring)."""
+
+    max_tokens: int
+    num_experts: int
+    top_k: int
+    logits: torch.Tensor        # fp32 [max_tokens, E]
+    ids: torch.Tensor           # int32 [max_tokens, A]
+    weights: torch.Tensor       # fp32 [max_tokens, A]
+    offsets: torch.Tensor       # int32 [E + 2]
+    sorted_token: torch.Tensor  # int32 [P_max]
+    pair_row: torch.Tensor      # int32 [max_tokens, A + 1]
+    work_expert: torch.Tensor   # int32 [work bound at CHUNKS[0]]
+    work_row: torch.Tensor      # int32 [same]
+    num_work: torch.Tensor      # int32 [1]
+    ticket: torch.Tensor        # int32 [1], zero between calls
+    h_sorted: torch.Tensor | None = None  # bf16 [P_max, I]
+    y_sorted: torch.Tensor | None = None  # bf16 [P_max, H]
+
+
+def moe_routing_workspace(max_tokens: int, num_experts: int, top_k: int, device: torch.device | str,
+                          hidden_size: int | None = None, intermediate_size: int | None = None
+                          ) -> MoeRoutingWorkspace:
+    """Allocate once, reuse every call. hidden_size and intermediate_size add the h/y buffers that
+    `moe_grouped` needs (route_and_sort alone does not)."""
+    if max_tokens < 1 or not 1 <= num_experts <= MAX_EXPERTS or not 1 <= top_k <= min(num_experts, MAX_TOP_K):
+        raise ValueError(f"need max_tokens >= 1, 1 <= num_experts <= {MAX_EXPERTS}, 1 <= top_k <= "
+                         f"min(num_experts, {MAX_TOP_K}); got {max_tokens}, {num_experts}, {top_k}")
+    pairs = max_tokens * (top_k + 1)
+    items = work_bound(pairs, num_experts + 1, min(CHUNKS))
+
+    def ints(*shape):
+        return torch.zeros(shape, dtype=torch.int32, device=device)
+
+    def rows(width):
+        return None if width is None else torch.empty(pairs, width, dtype=torch.bfloat16, device=device)
+
+    return MoeRoutingWorkspace(
+        max_tokens, num_experts, top_k,
+        logits=torch.empty(max_tokens, num_experts, dtype=torch.float32, device=device),
+        ids=ints(max_tokens, top_k), weights=torch.zeros(max_tokens, top_k, dtype=torch.float32, device=device),
+        offsets=ints(num_experts + 2), sorted_token=ints(pairs), pair_row=ints(max_tokens, top_k + 1),
+        work_expert=ints(items), work_row=ints(items), num_work=ints(1), ticket=ints(1),
+        h_sorted=rows(intermediate_size), y_sorted=rows(hidden_size))
+
+
+@dataclass
+class Routing:
+    """Views of a workspace for one call of M tokens; chunk: rows per work item."""
+
+    ids: torch.Tensor           # int32 [M, A]
+    weights: torch.Tensor       # fp32 [M, A]
+    offsets: torch.Tensor       # int32 [E + 2]
+    sorted_token: torch.Tensor  # int32 [M * (A + 1)]
+    pair_row: torch.Tensor      # int32 [M, A + 1]
+    work_expert: torch.Tensor   # int32 [max_items]
+    work_row: torch.Tensor
+    num_work: torch.Tensor      # int32 [1]
+    num_experts: int
+    chunk: int
+    max_items: int              # work_bound: grid x of the expert GEMMs
+
+    @property
+    def work_args(self) -> list:
+        return [self.offsets, self.work_expert, self.work_row, self.num_work]
+
+
+def route_and_sort(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
+                   workspace: MoeRoutingWorkspace, num_tokens: torch.Tensor | None = None, pdl: bool = False,
+                   chunk: int | None = None, fused: bool = True) -> Routing:
+    """Sigmoid top-k of fp32 logits [M, E] (as route() in model/reference.py), then the counting sort
+    by expert; fused: one launch (the last CTA sorts), else moe_topk + moe_sort."""
+    ws = workspace
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError("logits must be fp32 [tokens, experts]")
+    m, e = logits.shape
+    if not 1 <= m <= ws.max_tokens or e != ws.num_experts or top_k != ws.top_k:
+        raise ValueError(f"logits [{m}, {e}] with top_k {top_k} do not fit a workspace for "
+                         f"{ws.max_tokens} tokens, {ws.num_experts} experts, top_k {ws.top_k}")
+    check_tensor(logits, "logits", torch.float32, (m, e), logits.device, 4)
+    check_tensor(bias, "bias", torch.float32, (e,), logits.device, 4)
+    if num_tokens is not None:
+        check_tensor(num_tokens, "num_tokens", torch.int32, (1,), logits.device, 4)
+    chunk = moe_chunk(m, top_k, e) if chunk is None else chunk
+    if chunk not in CHUNKS:
+        raise ValueError(f"chunk must be one of {CHUNKS}, got {chunk}")
+    pairs = m * (top_k + 1)
+    r = Routing(ws.ids[:m], ws.weights[:m], ws.offsets, ws.sorted_token[:pairs], ws.pair_row[:m],
+                ws.work_expert, ws.work_row, ws.num_work, e, chunk, work_bound(pairs, e + 1, chunk))
+    shared = routing_shared_bytes(e)
+    sort_args = [r.offsets, r.sorted_token, r.pair_row, r.work_expert, r.work_row, r.num_work]
+    dev = logits.device.index
+    if fused:
+        routing_kernel("moe_route", e).launch(
+            (cdiv(m, ROUTING_WARPS),), (ROUTING_THREADS,),
+            [r.ids, r.weights, *sort_args, ws.ticket, logits, bias, num_tokens, I32(m), I32(e), I32(top_k),
+             F32(scaling), I32(chunk)], shared_bytes=shared, pdl=pdl, device=dev)
+    else:
+        routing_kernel("moe_topk", e).launch(
+            (cdiv(m, ROUTING_WARPS),), (ROUTING_THREADS,),
+            [r.ids, r.weights, logits, bias, num_tokens, I32(m), I32(e), I32(top_k), F32(scaling)],
+            shared_bytes=shared, pdl=pdl, device=dev)
+        routing_kernel("moe_sort", e).launch(
+            (1,), (ROUTING_THREADS,), [*sort_args, r.ids, num_tokens, I32(m), I32(e), I32(top_k), I32(chunk)],
+            shared_bytes=shared, pdl=pdl, device=dev)
+    return r
+
+
+def _expert_args(stack: Weight, shared: Weight, names: tuple[str, str], rows: int, k: int,
+                 num_experts: int, device: torch.device) -> list:
+    return (weight_args(stack, names[0], (num_experts, rows, k), device, num_experts)
+            + weight_args(shared, names[1], (rows, k), device))
+
+
+def _plan(routing: Routing, num_tiles: int, device: torch.device) -> tuple[tuple[int, int], int]:
+    estimate = min(routing.max_items, routing.num_experts + 1)   # items with rows, roughly
+    per_cta = tiles_per_cta(estimate, num_tiles, routing.chunk, sm_count(device))
+    return grid(routing.max_items, num_tiles, per_cta), per_cta
+
+
+def moe_gate_up_sorted(x: torch.Tensor, routing: Routing, gate: Weight, up: Weight, shared_gate: Weight,
+                       shared_up: Weight, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """h_sorted [M * (A + 1), I]: row r = silu(x[t] @ Wg_e^T) * (x[t] @ Wu_e^T), t = sorted_token[r];
+    rows past the routed count are not written."""
+    m, k = check_rows(x)
+    e, i = gate.shape[0], gate.shape[1]
+    if e != routing.num_experts or m != routing.pair_row.shape[0]:
+        raise ValueError(f"gate has {e} experts / x {m} tokens; routing has {routing.num_experts} / "
+                         f"{routing.pair_row.shape[0]}")
+    fmt = weight_format(gate, up, shared_gate, shared_up)
+    args = (_expert_args(gate, shared_gate, ("gate", "shared_gate"), i, k, e, x.device)
+            + _expert_args(up, shared_up, ("up", "shared_up"), i, k, e, x.device))
+    if fmt == "bf16":   # kernel order: gate, up, shared_gate, shared_up
+        args = [args[0], args[2], args[1], args[3]]
+    else:
+        args = args[0:3] + args[6:9] + args[3:6] + args[9:12]
+    h = out_buffer(out, "out", (routing.sorted_token.numel(), i), torch.bfloat16, x)
+    grid_xy, per_cta = _plan(routing, cdiv(i, TILE_ROWS // 2), x.device)
+    gemm_kernel("moe_gate_up", fmt, routing.chunk, per_cta).launch(
+        grid_xy, (32 * WARPS,), [h, x, routing.sorted_token, *args, *routing.work_args, I32(i), I32(k), I32(e)],
+        pdl=pdl, device=x.device.index)
+    return h
+
+
+def moe_down_sorted(h: torch.Tensor, routing: Routing, down: Weight, shared_down: Weight,
+                    out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """y_sorted [P, H]: row r = h_sorted[r] @ Wd_e^T (e: the expert of row r, E the shared one)."""
+    p, i = check_rows(h, "h")
+    e, n = down.shape[0], down.shape[1]
+    if e != routing.num_experts or p != routing.sorted_token.numel():
+        raise ValueError(f"down has {e} experts / h {p} rows; routing has {routing.num_experts} / "
+                         f"{routing.sorted_token.numel()}")
+    fmt = weight_format(down, shared_down)
+    args = _expert_args(down, shared_down, ("down", "shared_down"), n, i, e, h.device)
+    y = out_buffer(out, "out", (p, n), torch.bfloat16, h)
+    grid_xy, per_cta = _plan(routing, cdiv(n, TILE_ROWS), h.device)
+    gemm_kernel("moe_down", fmt, routing.chunk, per_cta).launch(
+        grid_xy, (32 * WARPS,), [y, h, *args, *routing.work_args, I32(n), I32(i), I32(e)], pdl=pdl,
+        device=h.device.index)
+    return y
+
+
+def moe_finalize(y_sorted: torch.Tensor, routing: Routing, residual: torch.Tensor,
+                 num_tokens: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 pdl: bool = False) -> torch.Tensor:
+    """out [M, H] = bf16(residual + sum_a w[:, a] * y_sorted[pair_row[:, a]] + y_sorted[pair_row[:, A]]);
+    tokens t >= num_tokens: residual. out may be residual (in place)."""
+    m, n = check_rows(residual, "residual")
+    if n % 8 or m != routing.pair_row.shape[0]:
+        raise ValueError(f"residual must be [{routing.pair_row.shape[0]}, H] with H % 8 == 0, got [{m}, {n}]")
+    check_tensor(y_sorted, "y_sorted", torch.bfloat16, (routing.sorted_token.numel(), n), residual.device)
+    a = routing.ids.shape[1]
+    y = out_buffer(out, "out", (m, n), torch.bfloat16, residual)
+    if y.data_ptr() % 16:
+        raise ValueError("out must be 16-byte aligned")
+    routing_kernel("moe_finalize", routing.num_experts).launch(
+        (cdiv(m * n // 8, FINALIZE_THREADS),), (FINALIZE_THREADS,),
+        [y, residual, y_sorted, routing.pair_row, routing.weights, num_tokens, I32(m), I32(n), I32(a)], pdl=pdl,
+        device=residual.device.index)
+    return y
+
+
+def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
+                gate: Weight, up: Weight, down: Weight, shared_gate: Weight, shared_up: Weight,
+                shared_down: Weight, residual: torch.Tensor, workspace: MoeRoutingWorkspace,
+                out: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None,
+                pdl: bool = False) -> torch.Tensor:
+    """The MoE block plus residual for x bf16 [M, H]: five launches, no host sync. The workspace
+    needs hidden_size and intermediate_size (its h/y buffers)."""
+    ws = workspace
+    m, hidden = check_rows(x)
+    inter = gate.shape[1]
+    if ws.h_sorted is None or ws.y_sorted is None or ws.h_sorted.shape[1] != inter or ws.y_sorted.shape[1] != hidden:
+        raise ValueError(f"the workspace needs h/y buffers for intermediate {inter}, hidden {hidden}: "
+                         "moe_routing_workspace(..., hidden_size=, intermediate_size=)")
+    check_tensor(router_gate, "router_gate", torch.bfloat16, (ws.num_experts, hidden), x.device)
+    pairs = m * (top_k + 1)
+    logits = grouped_linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl)
+    routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl)
+    h = moe_gate_up_sorted(x, routing, gate, up, shared_gate, shared_up, out=ws.h_sorted[:pairs], pdl=pdl)
+    y = moe_down_sorted(h, routing, down, shared_down, out=ws.y_sorted[:pairs], pdl=pdl)
+    return moe_finalize(y, routing, residual, num_tokens=num_tokens, out=out, pdl=pdl)

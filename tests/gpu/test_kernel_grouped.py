@@ -1,0 +1,302 @@
+"""Grouped path (cuda/moe_routing.cu, cuda/grouped_gemm.cu) against plain torch, any token count.
+
+Expert GEMMs are checked against an fp32 per-expert loop from the same bf16 inputs, dequantized
+weights and the kernel's own ids/weights (router near-ties cannot blur a GEMM failure); the
+routing is checked on its own against route()'s formula. Outputs start as NaN, so an element the
+kernels skip fails.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flint_sched.kernels import (grouped_gate_up, grouped_linear, moe_grouped, moe_routing_workspace,
+                                 route_and_sort)
+from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize
+from gpu_checks import assert_close_bf16, gen, poisoned
+
+pytestmark = pytest.mark.gpu
+
+SCALING = 2.5
+FLINT = dict(experts=256, top_k=6, hidden=2048, inter=512)
+SMALL = dict(experts=32, top_k=6, hidden=512, inter=256)
+TOKENS = [1, 7, 9, 63, 257, 4099]
+
+
+def close_moe(out, ref, what):
+    """bf16 output of a sum of up to 7 bf16-rounded expert outputs plus the residual: the kernel and
+    the reference round h and y to bf16 at the same points but sum in other orders, so a few
+    elements land one bf16 ulp apart before the weighted sum (2^-8 relative each); 2^-6 relative
+    plus 1 % of the largest magnitude covers a handful of such ulps, far below a wrong row."""
+    assert_close_bf16(out, ref, what, rtol=2.0**-6, abs_frac=1e-2, rel_l2=1e-2)
+
+
+def make_weight(fmt, *shape, g):
+    w = torch.randn(*shape, device="cuda", generator=g) / shape[-1] ** 0.5
+    return w.bfloat16() if fmt == "bf16" else quantize(w, per_leading_scale=len(shape) == 3)
+
+
+def make_moe(fmt, shape, seed=0):
+    g = gen(seed)
+    e, h, i = shape["experts"], shape["hidden"], shape["inter"]
+    return dict(router=(torch.randn(e, h, device="cuda", generator=g) / h**0.5).bfloat16(),
+                bias=0.1 * torch.randn(e, device="cuda", generator=g),
+                gate=make_weight(fmt, e, i, h, g=g), up=make_weight(fmt, e, i, h, g=g),
+                down=make_weight(fmt, e, h, i, g=g), shared_gate=make_weight(fmt, i, h, g=g),
+                shared_up=make_weight(fmt, i, h, g=g), shared_down=make_weight(fmt, h, i, g=g))
+
+
+def dense(w, e=None):
+    """fp32 weight (expert e of a stack): exactly the values the kernels multiply."""
+    if isinstance(w, NVFP4Tensor):
+        if e is not None:
+            w = NVFP4Tensor(w.codes[e], w.block_scales[e], w.tensor_scale[e:e + 1])
+        return w.dequantize(torch.float32)
+    return (w if e is None else w[e]).float()
+
+
+def moe_reference(x, ids, weights, p, residual, ntok):
+    """fp32 per-expert loop; h and each expert's output rounded to bf16 as the kernels store them."""
+    xf, out = x.float(), residual.float().clone()
+    y = torch.zeros_like(out[:ntok])
+
+    def expert(rows, g, u, d):
+        h = (F.silu(xf[rows] @ g.t()) * (xf[rows] @ u.t())).bfloat16().float()
+        return (h @ d.t()).bfloat16().float()
+
+    ids = ids[:ntok].long()
+    for e in torch.unique(ids).tolist():
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        y.index_add_(0, rows, expert(rows, dense(p["gate"], e), dense(p["up"], e), dense(p["down"], e))
+                     * weights[rows, slot, None])
+    all_rows = torch.arange(ntok, device="cuda")
+    y += expert(all_rows, dense(p["shared_gate"]), dense(p["shared_up"]), dense(p["shared_down"]))
+    out[:ntok] += y
+    return out
+
+
+def run_moe(p, x, residual, ws, top_k, num_tokens=None, pdl=False):
+    out = poisoned(*x.shape)
+    moe_grouped(x, p["router"], p["bias"], top_k, SCALING, p["gate"], p["up"], p["down"], p["shared_gate"],
+                p["shared_up"], p["shared_down"], residual, ws, out=out, num_tokens=num_tokens, pdl=pdl)
+    return out
+
+
+# ---- routing ---------------------------------------------------------------------------------
+
+
+def reference_topk(logits, bias, top_k):
+    scores = torch.sigmoid(logits)
+    chosen = torch.topk(scores + bias, top_k, dim=-1).indices
+    w = scores.gather(1, chosen)
+    return chosen.int(), w / w.sum(dim=-1, keepdim=True) * SCALING
+
+
+def check_metadata(r, ids, ntok, m, top_k, experts):
+    """Every real pair once, counts and offsets, pair_row <-> sorted_token, stable order, and the
+    work list covering every sorted row exactly once in items of one expert."""
+    a1, big = top_k + 1, experts
+    offsets, st, pr = r.offsets.cpu().long(), r.sorted_token.cpu().long(), r.pair_row.cpu().long()
+    ids = ids[:ntok].cpu().long()
+    pairs = ntok * a1
+    counts = torch.bincount(ids.flatten(), minlength=experts + 1)
+    counts[big] += ntok
+    assert offsets[0] == 0 and torch.equal(offsets.diff(), counts), "offsets are not the per-expert counts"
+    assert (pr[ntok:] == -1).all(), "padded tokens have sorted rows"
+    rows = pr[:ntok].flatten()
+    assert torch.equal(rows.sort().values, torch.arange(pairs)), "pair_row is not a permutation of the rows"
+    assert torch.equal(st[rows], torch.arange(ntok).repeat_interleave(a1)), "sorted_token != token of pair"
+    expert_of_row = torch.searchsorted(offsets, torch.arange(pairs), right=True) - 1
+    slot_expert = torch.cat([ids, torch.full((ntok, 1), big)], dim=1).flatten()
+    assert torch.equal(expert_of_row[rows], slot_expert), "a pair sits in another expert's rows"
+    for e in range(experts + 1):   # stable: tokens ascending within an expert
+        seg = st[offsets[e]:offsets[e + 1]]
+        assert (seg.diff() > 0).all(), f"expert {e}: rows not in token order"
+    n = int(r.num_work)
+    assert n <= r.max_items, f"{n} items > bound {r.max_items}"
+    we, wr = r.work_expert[:n].cpu().long(), r.work_row[:n].cpu().long()
+    assert (we.diff() >= 0).all(), "an expert's items are not adjacent"
+    covered = torch.zeros(pairs, dtype=torch.int64)
+    for e, row in zip(we.tolist(), wr.tolist()):
+        end = min(row + r.chunk, int(offsets[e + 1]))
+        assert offsets[e] <= row < end, f"item ({e}, {row}) outside its expert"
+        covered[row:end] += 1
+    assert (covered == 1).all(), "work items do not cover every row exactly once"
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernels"])
+@pytest.mark.parametrize("experts", [32, 256])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_route_and_sort(tokens, experts, fused):
+    top_k = 6
+    g = gen(tokens + experts)
+    logits = 2 * torch.randn(tokens, experts, device="cuda", generator=g)
+    bias = 0.1 * torch.randn(experts, device="cuda", generator=g)
+    ws = moe_routing_workspace(tokens, experts, top_k, "cuda")
+    for ntok in sorted({tokens, max(0, tokens - 5)}):
+        num_tokens = torch.tensor([ntok], dtype=torch.int32, device="cuda")
+        ws.ids.fill_(-7)
+        r = route_and_sort(logits, bias, top_k, SCALING, ws, num_tokens=num_tokens, fused=fused)
+        ref_ids, ref_w = reference_topk(logits, bias, top_k)
+        assert torch.equal(r.ids[:ntok], ref_ids[:ntok]), "ids differ from route()"
+        torch.testing.assert_close(r.weights[:ntok], ref_w[:ntok], rtol=2e-6, atol=1e-7)
+        assert (r.ids[ntok:] == -7).all(), "padded tokens were routed"
+        check_metadata(r, r.ids, ntok, tokens, top_k, experts)
+        assert int(ws.ticket) == 0, "ticket not reset"
+
+
+# ---- the whole MoE block ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["bf16", "nvfp4"])
+def flint_moe(request):
+    return request.param, make_moe(request.param, FLINT, seed=1)
+
+
+@pytest.fixture(scope="module", params=["bf16", "nvfp4"])
+def small_moe(request):
+    return request.param, make_moe(request.param, SMALL, seed=2)
+
+
+def check_moe(fmt, p, shape, tokens, what, ntok=None, bias=None):
+    if bias is not None:
+        p = dict(p, bias=bias)
+    ntok = tokens if ntok is None else ntok
+    g = gen(1000 + tokens)
+    x = torch.randn(tokens, shape["hidden"], device="cuda", generator=g).bfloat16()
+    residual = torch.randn(tokens, shape["hidden"], device="cuda", generator=g).bfloat16()
+    ws = moe_routing_workspace(tokens, shape["experts"], shape["top_k"], "cuda", hidden_size=shape["hidden"],
+                               intermediate_size=shape["inter"])
+    num_tokens = torch.tensor([ntok], dtype=torch.int32, device="cuda")
+    out = run_moe(p, x, residual, ws, shape["top_k"], num_tokens)
+    ref = moe_reference(x, ws.ids[:tokens], ws.weights[:tokens], p, residual, ntok)
+    close_moe(out, ref, f"{fmt} {what} T={tokens} real={ntok}")
+    assert torch.equal(out[ntok:], residual[ntok:]), "padded rows differ from the residual"
+    again = run_moe(p, x, residual, ws, shape["top_k"], num_tokens)
+    assert torch.equal(out, again), "two runs differ"
+    return ws
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_moe_grouped_flint_shapes(flint_moe, tokens):
+    fmt, p = flint_moe
+    check_moe(fmt, p, FLINT, tokens, "flint")
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_moe_grouped_small_shapes(small_moe, tokens):
+    fmt, p = small_moe
+    check_moe(fmt, p, SMALL, tokens, "small")
+
+
+@pytest.mark.parametrize("tokens", [9, 257, 4099])
+def test_moe_grouped_all_tokens_on_one_expert(small_moe, tokens):
+    """A huge bias puts every token on expert 3 (many items of one expert); the 6 biased experts
+    take everything, so 26 experts get no token."""
+    fmt, p = small_moe
+    bias = torch.zeros(SMALL["experts"], device="cuda")
+    bias[[3, 5, 8, 13, 21, 31]] = torch.tensor([100.0, 90, 80, 70, 60, 50], device="cuda")
+    ws = check_moe(fmt, p, SMALL, tokens, "one expert", bias=bias)
+    counts = ws.offsets.diff().cpu()
+    assert counts[3] == tokens and int((counts[:SMALL["experts"]] == 0).sum()) == SMALL["experts"] - 6
+
+
+@pytest.mark.parametrize("tokens,ntok", [(16, 9), (64, 1), (257, 200), (8, 0)])
+def test_moe_grouped_padded_tokens(flint_moe, tokens, ntok):
+    fmt, p = flint_moe
+    ws = check_moe(fmt, p, FLINT, tokens, "padded", ntok=ntok)
+    assert int(ws.offsets[-1]) == ntok * (FLINT["top_k"] + 1), "padded tokens reached an expert"
+
+
+def test_moe_grouped_cuda_graph_with_pdl(small_moe):
+    """Captured with PDL and a device token count; replayed on new inputs it equals eager runs."""
+    fmt, p = small_moe
+    tokens, shape = 100, SMALL
+    ws = moe_routing_workspace(tokens, shape["experts"], shape["top_k"], "cuda", hidden_size=shape["hidden"],
+                               intermediate_size=shape["inter"])
+    x = torch.randn(tokens, shape["hidden"], device="cuda", generator=gen(7)).bfloat16()
+    residual = torch.randn_like(x)
+    num_tokens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
+    out = poisoned(tokens, shape["hidden"])
+
+    def step():
+        moe_grouped(x, p["router"], p["bias"], shape["top_k"], SCALING, p["gate"], p["up"], p["down"],
+                    p["shared_gate"], p["shared_up"], p["shared_down"], residual, ws, out=out,
+                    num_tokens=num_tokens, pdl=True)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed, ntok in ((8, tokens), (9, 37), (10, tokens)):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen(seed)).bfloat16())
+        num_tokens.fill_(ntok)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = run_moe(p, x, residual, ws, shape["top_k"], num_tokens)
+        assert torch.equal(out, eager), f"graph replay (seed {seed}, {ntok} tokens) differs from eager"
+
+
+# ---- dense -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("n,k", [(200, 512), (2056, 2048), (256, 2048)])
+@pytest.mark.parametrize("m", [1, 9, 100, 256, 1000])
+def test_grouped_linear(m, n, k, fmt):
+    g = gen(m * 7 + n)
+    w = make_weight(fmt, n, k, g=g)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    residual = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+    ref = x.float() @ dense(w).t()
+    y = grouped_linear(x, w, out=poisoned(m, n))
+    assert_close_bf16(y, ref, f"{fmt} grouped_linear M={m} N={n}")
+    y = grouped_linear(x, w, residual=residual, out=poisoned(m, n))
+    assert_close_bf16(y, ref + residual.float(), f"{fmt} grouped_linear+residual M={m} N={n}")
+    y32 = grouped_linear(x, w, out=poisoned(m, n, dtype=torch.float32), out_dtype=torch.float32)
+    # fp32 out: only the summation order differs from the reference (K <= 2048 products).
+    torch.testing.assert_close(y32, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    again = grouped_linear(x, w, out_dtype=torch.float32)
+    assert torch.equal(y32, again), "two runs differ"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 9, 100, 1000])
+def test_grouped_gate_up(m, fmt):
+    g = gen(m + 3)
+    i, k = 264, 512
+    gate, up = make_weight(fmt, i, k, g=g), make_weight(fmt, i, k, g=g)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    ref = F.silu(x.float() @ dense(gate).t()) * (x.float() @ dense(up).t())
+    h = grouped_gate_up(x, gate, up, out=poisoned(m, i))
+    assert_close_bf16(h, ref, f"{fmt} grouped_gate_up M={m}")
+
+
+def test_grouped_linear_in_a_cuda_graph():
+    m, n, k = 33, 520, 2048
+    w = make_weight("nvfp4", n, k, g=gen(1))
+    x = torch.randn(m, k, device="cuda", generator=gen(2)).bfloat16()
+    out = poisoned(m, n)
+    grouped_linear(x, w, out=out, pdl=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_linear(x, w, out=out, pdl=True)
+    x.copy_(torch.randn(m, k, device="cuda", generator=gen(3)).bfloat16())
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, grouped_linear(x, w)), "graph replay differs from eager"
+
+
+def test_clear_errors():
+    x = torch.randn(4, 100, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="K % 8"):
+        grouped_linear(x, torch.randn(16, 100, device="cuda").bfloat16())
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        grouped_linear(x[:, :96].contiguous(), torch.randn(16, 96, device="cuda").bfloat16(), out_dtype=torch.float16)
+    ws = moe_routing_workspace(4, 32, 6, "cuda")
+    with pytest.raises(ValueError, match="do not fit"):
+        route_and_sort(torch.randn(5, 32, device="cuda"), torch.zeros(32, device="cuda"), 6, SCALING, ws)

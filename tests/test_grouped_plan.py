@@ -1,0 +1,76 @@
+"""Planning of the grouped GEMMs (kernels/grouped.py, grouped_moe.py): pure Python, no GPU."""
+
+import itertools
+import random
+
+import pytest
+
+from flint_sched import kernels
+from flint_sched.kernels import grouped, grouped_moe
+
+
+def items_of(counts: list[int], chunk: int) -> int:
+    return sum(-(-c // chunk) for c in counts)
+
+
+@pytest.mark.parametrize("chunk", grouped.CHUNKS)
+def test_work_bound_covers_every_distribution(chunk):
+    rng = random.Random(chunk)
+    for tokens, experts, top_k in itertools.product((1, 7, 9, 63, 257, 4099), (4, 32, 256), (1, 6)):
+        top_k = min(top_k, experts)
+        pairs = tokens * (top_k + 1)
+        bound = grouped.work_bound(pairs, experts + 1, chunk)
+        # worst cases: every pair alone-ish, all on one expert, random
+        spread = [pairs // (experts + 1) + (e < pairs % (experts + 1)) for e in range(experts + 1)]
+        one = [tokens * top_k] + [0] * (experts - 1) + [tokens]
+        rand = [0] * (experts + 1)
+        for _ in range(tokens * top_k):
+            rand[rng.randrange(experts)] += 1
+        rand[experts] = tokens
+        for counts in (spread, one, rand):
+            assert sum(counts) == pairs
+            assert items_of(counts, chunk) <= bound, (tokens, experts, top_k, chunk)
+
+
+def test_work_bound_values():
+    assert grouped.work_bound(448, 257, 16) == 28 + 257      # 64 tokens, top-6 + shared
+    assert grouped.work_bound(7, 257, 16) == 1 + 7           # one token: at most 7 experts
+    assert grouped.work_bound(0, 257, 64) == 0
+
+
+def test_chunk_choice():
+    assert grouped.dense_chunk(1) == grouped.dense_chunk(16) == 16
+    assert grouped.dense_chunk(17) == grouped.dense_chunk(8192) == 64
+    # Flint: 256 experts, top-6. Decode (<= 6 rows per expert on average) takes 16-row items.
+    assert [grouped.moe_chunk(m, 6, 256) for m in (1, 16, 64, 256, 682, 683, 1024, 8192)] == \
+        [16, 16, 16, 16, 16, 64, 64, 64]
+
+
+def test_tiles_per_cta_and_grid():
+    assert grouped.tiles_per_cta(1, 9472, 16, 132) == 1        # LM head, 16 tokens: split K
+    assert grouped.tiles_per_cta(128, 9472, 64, 132) == 4      # LM head, 8192 tokens
+    assert grouped.tiles_per_cta(1, 64, 64, 132) == 1          # too few CTAs with 4 tiles each
+    assert grouped.grid(5, 130, 4) == (5, 33)
+    with pytest.raises(ValueError, match="grid y"):
+        grouped.grid(1, 70000 * 4 + 1, 4)
+
+
+def test_every_plan_uses_a_compiled_variant():
+    for m in (1, 9, 64, 256, 1024, 8192):
+        for chunk in (grouped.dense_chunk(m), grouped_moe.moe_chunk(m, 6, 256)):
+            for tiles in (16, 64, 128, 320, 9472):
+                picked = {"GROUPED_CHUNK": chunk,
+                          "GROUPED_TILES": grouped.tiles_per_cta(grouped.cdiv(m, chunk), tiles, chunk, 132)}
+                assert picked in kernels.VARIANTS["grouped_gemm.cu"]
+
+
+def test_routing_shared_memory_and_workspace_checks():
+    assert grouped_moe.routing_shared_bytes(256) == max(16 * 256 * 4, 16 * 257 * 4 + 258 * 8 + 256)
+    assert grouped_moe.routing_shared_bytes(1024) < 227 * 1024
+    with pytest.raises(ValueError, match="top_k"):
+        grouped_moe.moe_routing_workspace(8, 4, 5, "cpu")
+    ws = grouped_moe.moe_routing_workspace(9, 32, 6, "cpu", hidden_size=64, intermediate_size=32)
+    assert ws.sorted_token.numel() == 9 * 7 and ws.pair_row.shape == (9, 7)
+    assert ws.work_expert.numel() == grouped.work_bound(63, 33, 16)
+    assert ws.h_sorted.shape == (63, 32) and ws.y_sorted.shape == (63, 64)
+    assert int(ws.ticket) == 0
