@@ -25,7 +25,8 @@ import torch
 
 from flint_sched.benchmarks import latency
 from flint_sched.benchmarks.kernel_breakdown import critical_path, format_breakdown
-from flint_sched.executor import cuda_executor as ce
+from flint_sched.executor import graphs as step_graphs
+from flint_sched.executor import kernel_ops as ko
 from flint_sched.kernels import attention
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
@@ -46,16 +47,17 @@ def _linear_class(executor) -> dict[int, str]:
             kinds[_key(w)] = "dense_mlp"
         elif name == "lm_head.weight":
             kinds[_key(w)] = "lm_head+argmax"
-    for fused, _ in executor.qkv.values():
+    for fused, _ in executor.weights.qkv.values():
         kinds[_key(fused)] = "qkv"
     return kinds
 
 
 @contextmanager
 def without(executor, removed: set[str]):
-    """Patch the executor module so that launches of the removed classes do nothing."""
+    """Patch executor/kernel_ops.py so that launches of the removed classes do nothing (the fused
+    path's kernels: batches of at most 8)."""
     kinds = _linear_class(executor)
-    real = {name: getattr(ce, name) for name in ("rms_norm", "linear", "gate_up_silu", "route", "moe_gate_up",
+    real = {name: getattr(ko, name) for name in ("rms_norm", "linear", "gate_up_silu", "route", "moe_gate_up",
                                                  "moe_down", "greedy", "attn")}
 
     def keep(kind, fn, result):
@@ -66,51 +68,54 @@ def without(executor, removed: set[str]):
 
     attn = types.SimpleNamespace(**{n: getattr(real["attn"], n) for n in dir(real["attn"]) if not n.startswith("_")})
     for n in ("qk_norm_rope_kv_sliding", "qk_norm_rope_kv_full"):
-        setattr(attn, n, keep("qk_norm_rope_kv", getattr(attn, n), lambda *a, **k: None))
+        setattr(attn, n, keep("qk_norm_rope_kv", getattr(attn, n), lambda *a, **k: k["q_out"]))
     for n in ("decode_attention_sliding", "decode_attention_full"):
         setattr(attn, n, keep("attention", getattr(attn, n), lambda *a, **k: k["out"]))
     patched = {
         "rms_norm": keep("rmsnorm", real["rms_norm"], lambda *a, **k: k["out"]),
         "linear": linear,
         "gate_up_silu": keep("dense_mlp", real["gate_up_silu"], lambda *a, **k: k["out"]),
-        "route": keep("router", real["route"], lambda *a, **k: (k["ids"], k["weights"])),
+        "route": keep("router", real["route"], lambda x, gate, bias, top_k, *a, **k: (
+            torch.zeros(x.shape[0], top_k, dtype=torch.int32, device=x.device),
+            torch.zeros(x.shape[0], top_k, dtype=torch.float32, device=x.device))),
         "moe_gate_up": keep("moe_gate_up", real["moe_gate_up"], lambda *a, **k: k["out"]),
         "moe_down": keep("moe_down", real["moe_down"], lambda *a, **k: k["out"]),
         "greedy": keep("lm_head+argmax", real["greedy"], lambda *a, **k: k["out"]),
         "attn": attn}
     for name, fn in patched.items():
-        setattr(ce, name, fn)
-    executor.graphs.clear()
+        setattr(ko, name, fn)
+    executor.graphs.graphs.clear()
     try:
         yield
     finally:
         for name, fn in real.items():
-            setattr(ce, name, fn)
-        executor.graphs.clear()
+            setattr(ko, name, fn)
+        executor.graphs.graphs.clear()
 
 
 def segments_text(executor) -> str:
-    return " ".join(f"{first}-{last - 1}" for first, last in executor.segments)
+    return " ".join(f"{first}-{last - 1}" for first, last in executor.graphs.segments)
 
 
 def host_times(executor, plan, steps: int = 50) -> str:
     """Median µs of the step's host parts: input fill, graph launch call, wait for the GPU, the
     GPU's own time between events recorded around the launch, and the whole step."""
     b = len(plan.scheduled_requests)
-    graphs = executor._graphs(b)
+    executor.execute(plan)                       # captures the graphs of this batch if needed
+    graphs = executor.graphs.graphs[("fused", b)]
     rows = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        executor._fill_inputs(plan)
+        executor.inputs.fill(plan)
         t1 = time.perf_counter()
         start.record()
         for graph in graphs:
             graph.replay()
         end.record()
         t2 = time.perf_counter()
-        executor.buf.next_tokens[:b].tolist()
+        executor.ws.next_tokens[:b].tolist()
         t3 = time.perf_counter()
         rows.append((t1 - t0, t2 - t1, t3 - t2, start.elapsed_time(end) / 1e3, t3 - t0))
     torch.cuda.synchronize()
@@ -142,25 +147,26 @@ def main() -> int:
         for batch in latency._ints(args.batch_sizes):
             full = latency.run_decode(executor, args, batch, context, bandwidth).step_ms
             print(f"B={batch} C={context}: full step {full:.3f} ms", flush=True)
-            plan = latency.decode_plan(batch, context, math.ceil((context + 1) / args.block_size))
+            plan = latency.decode_plan(batch, context, math.ceil((context + 1) / args.block_size),
+                                       fused_max_batch=executor.limits.fused_max_batch)
             print("  charged to each kernel: how far it moves the step's end (graph replay, traced)")
             print(format_breakdown(critical_path(lambda plan=plan: executor.execute(plan)), full, top=20), flush=True)
             print("  host: " + host_times(executor, plan), flush=True)
             for layers in latency._ints(args.first_graph_layers):
-                default, executor.segments = executor.segments, ce.graph_segments(executor.config.num_hidden_layers,
-                                                                                    layers)
-                executor.graphs.clear()
+                default = executor.graphs.segments
+                executor.graphs.segments = step_graphs.graph_segments(executor.config.num_hidden_layers, layers)
+                executor.graphs.graphs.clear()
                 step = latency.run_decode(executor, args, batch, context, bandwidth).step_ms
                 print(f"  graphs {segments_text(executor)}: {step:7.3f} ms; host: {host_times(executor, plan)}",
                       flush=True)
-                executor.segments = default
-                executor.graphs.clear()
+                executor.graphs.segments = default
+                executor.graphs.graphs.clear()
             for keys in latency._ints(args.min_split_keys):
                 default, attention.MIN_SPLIT_KEYS = attention.MIN_SPLIT_KEYS, keys
-                executor.graphs.clear()
+                executor.graphs.graphs.clear()
                 step = latency.run_decode(executor, args, batch, context, bandwidth).step_ms
                 attention.MIN_SPLIT_KEYS = default
-                executor.graphs.clear()
+                executor.graphs.graphs.clear()
                 print(f"  attention MIN_SPLIT_KEYS {keys:4d}: {step:7.3f} ms", flush=True)
             if args.no_ablation:
                 continue

@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-format", default="bf16", choices=("nvfp4", "bf16"))
     p.add_argument("--device", default="auto")
     p.add_argument("--executor", default="torch", choices=("torch", "cuda"),
-                   help="cuda: our kernels from CUDA graphs for decode of <= 8 requests (torch for the rest)")
+                   help="cuda: our kernels (fused path for <= 8 decodes, grouped above, from CUDA graphs)")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,64,256")
     p.add_argument("--contexts", default="1024,32768,102400")
     p.add_argument("--prefill-lens", default="1024,8192,102400")
@@ -95,10 +95,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def decode_plan(batch: int, context: int, blocks_per_request: int, params: SamplingParams = GREEDY) -> StepPlan:
+def decode_plan(batch: int, context: int, blocks_per_request: int, params: SamplingParams = GREEDY,
+                fused_max_batch: int = 0) -> StepPlan:
+    """B one-token decodes at position `context`; the path as the scheduler names it."""
     entries = [ScheduledRequest(f"r{b}", [b + 1], context, list(range(b * blocks_per_request, (b + 1) * blocks_per_request)),
                                 b, True, params, [1], [], False) for b in range(batch)]
-    return StepPlan(entries, batch, "low_latency" if batch <= 8 else "grouped", [], [])
+    return StepPlan(entries, batch, "fused" if batch <= fused_max_batch else "grouped", [], [])
 
 
 def sampling_params(args) -> SamplingParams:
@@ -106,7 +108,8 @@ def sampling_params(args) -> SamplingParams:
 
 
 def run_decode(executor, args, batch: int, context: int, bandwidth: float) -> DecodeResult:
-    plan = decode_plan(batch, context, math.ceil((context + 1) / args.block_size), sampling_params(args))
+    plan = decode_plan(batch, context, math.ceil((context + 1) / args.block_size), sampling_params(args),
+                       executor.limits.fused_max_batch)
     executor.execute(plan)                                          # warm-up
     times, deadline = [], time.perf_counter() + args.max_case_seconds
     for _ in range(args.num_steps):
@@ -125,7 +128,8 @@ def run_decode(executor, args, batch: int, context: int, bandwidth: float) -> De
 
 def _breakdown(executor, args, batch: int, context: int) -> list[tuple[str, float, float]]:
     """Kernel times of a few eager steps (graphs off: each kernel shows under its own name)."""
-    plan = decode_plan(batch, context, math.ceil((context + 1) / args.block_size))
+    plan = decode_plan(batch, context, math.ceil((context + 1) / args.block_size),
+                       fused_max_batch=executor.limits.fused_max_batch)
     graphs = getattr(executor, "use_graphs", None)
     if graphs is not None:
         executor.use_graphs = False
@@ -183,8 +187,6 @@ def build(args: argparse.Namespace):
     kv.full.normal_()
     kv.ring.normal_()
     executor.kv = kv                           # the sized cache replaces the placeholder
-    if isinstance(executor, CudaExecutor):
-        executor.fallback.kv = kv
     return executor, device, bandwidth, num_blocks
 
 

@@ -97,12 +97,14 @@ __device__ __forceinline__ float partial_sum(const float* red, int tl, int grp, 
 
 // wa/wb: the weight (dense), gate/up (dense gate/up) or the expert stacks (MoE; wb unused for
 // down); sa/sb: the shared expert's. N: output columns (I for gate/up). gather: x row of each
-// output row (MoE gate/up) or nullptr (row r reads x row r).
+// output row (MoE gate/up) or nullptr (row r reads x row r). Dense NVFP4 W may be up to three
+// weights stacked by rows (q/k/v), each with its tensor scale: rows [split1, split2) use
+// tensor_scale[1], rows from split2 on tensor_scale[2] (as gemv.cu).
 template <class Wt, int U, Kind KIND>
 __device__ __forceinline__ void grouped(void* out, int out_f32, const u16* x, const int* gather,
                                         const Wt& wa, const Wt& wb, const Wt& sa, const Wt& sb,
                                         const u16* residual, const WorkList& work, int M, int N,
-                                        int K, int E) {
+                                        int K, int E, int split1 = 0x7FFFFFFF, int split2 = 0x7FFFFFFF) {
   constexpr bool GATE_UP = KIND == DENSE_GATE_UP || KIND == MOE_GATE_UP;
   constexpr bool MOE = KIND == MOE_GATE_UP || KIND == MOE_DOWN;
   constexpr int R = GATE_UP ? 8 : 16;  // outputs per tile
@@ -211,7 +213,8 @@ __device__ __forceinline__ void grouped(void* out, int out_f32, const u16* x, co
       const float up = partial_sum(red, tj, c >> 3, j + 8, c & 7) * scale_b;
       v = silu(gate) * up;
     } else {
-      v = partial_sum(red, tj, c >> 3, j, c & 7) * scale_a;
+      v = partial_sum(red, tj, c >> 3, j, c & 7) * (KIND == DENSE ? a.sum_scale((n >= split1) + (n >= split2))
+                                                                   : scale_a);
     }
     const size_t o = (size_t)(row0 + c) * N + n;
     if (residual) v += bf16_to_f32(residual[o]);
@@ -235,10 +238,10 @@ GG_KERNEL grouped_linear_bf16(void* out, int out_f32, const u16* x, const u16* w
 }
 
 GG_KERNEL grouped_linear_nvfp4(void* out, int out_f32, const u16* x, NVFP4_ARGS(w), const u16* residual,
-                               int M, int N, int K) {
+                               int M, int N, int K, int split1, int split2) {
   const Nvfp4Weights wt = NVFP4(w);
   grouped<Nvfp4Weights, NVFP4_UNROLL, DENSE>(out, out_f32, x, nullptr, wt, wt, wt, wt, residual, NO_WORK, M,
-                                             N, K, 0);
+                                             N, K, 0, split1, split2);
 }
 
 GG_KERNEL grouped_gate_up_bf16(u16* h, const u16* x, const u16* wg, const u16* wu, int M, int I, int K) {

@@ -152,7 +152,7 @@ def test_scripted_executor_follows_the_longest_key():
 
     def step(request_id, prompt, produced):
         entry = ScheduledRequest(request_id, [1], 0, [], 0, True, params, [ord(c) for c in prompt], produced, False)
-        return executor.execute(StepPlan([entry], 1, "low_latency", [], []))
+        return executor.execute(StepPlan([entry], 1, "fused", [], []))
 
     assert step("r1", "xxabxx", []).sampled_token_ids == {"r1": [ord("x")]}
     assert step("r1", "xxabxx", [1]).sampled_token_ids == {"r1": [7]}

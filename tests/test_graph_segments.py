@@ -2,7 +2,7 @@
 
 import pytest
 
-from flint_sched.executor.cuda_executor import FIRST_GRAPH_LAYERS, graph_segments
+from flint_sched.executor.graphs import FIRST_GRAPH_LAYERS, graph_segments
 
 
 @pytest.mark.parametrize("layers", [1, 2, 7, 49])

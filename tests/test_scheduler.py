@@ -17,7 +17,8 @@ TOKEN = 100
 
 def make_scheduler(**overrides):
     config = dict(
-        max_num_seqs=4, max_num_batched_tokens=32, num_blocks=64, max_model_len=256, block_size=4
+        max_num_seqs=4, max_num_batched_tokens=32, num_blocks=64, max_model_len=256, block_size=4,
+        fused_max_seqs=8,
     )
     config.update(overrides)
     return Scheduler(SchedulerConfig(**config))
@@ -52,7 +53,7 @@ def prompt(n, start=10):
 BAD_CONFIGS = [
     ("max_num_seqs", 0), ("max_num_seqs", 2.0), ("max_num_batched_tokens", 0),
     ("num_blocks", 0), ("max_model_len", 1), ("block_size", 0), ("block_size", True),
-    ("sliding_window", 0), ("low_latency_max_seqs", -1), ("max_num_batched_tokens", 3),
+    ("sliding_window", 0), ("fused_max_seqs", -1), ("max_num_batched_tokens", 3),
 ]
 
 
@@ -66,7 +67,7 @@ def test_config_defaults():
     config = SchedulerConfig(
         max_num_seqs=8, max_num_batched_tokens=64, num_blocks=10, max_model_len=100
     )
-    assert (config.block_size, config.sliding_window, config.low_latency_max_seqs) == (16, 513, 8)
+    assert (config.block_size, config.sliding_window, config.fused_max_seqs) == (16, 513, 0)
     scheduler = Scheduler(config)
     assert scheduler.kv_allocator.num_total_ring_slots == 8
     assert scheduler.kv_allocator.sliding_window == 513
@@ -115,7 +116,7 @@ def test_prefill_then_decodes_feed_the_right_tokens_at_the_right_positions():
         (entry,) = plan.scheduled_requests
         assert entry.start_position == position and len(entry.block_table) == num_blocks
         assert entry.token_ids == [request.all_token_ids[position]]
-        assert plan.path == "low_latency" and plan.num_tokens == 1
+        assert plan.path == "fused" and plan.num_tokens == 1
     assert request.output_token_ids == [7, 8, 9, 5]
     assert request.all_token_ids == prompt(10) + [7, 8, 9, 5]
     assert request.num_computed_tokens == 13 and request.status is RequestStatus.RUNNING
@@ -181,8 +182,8 @@ def test_waiting_head_blocks_later_requests_until_it_fits():
     assert ids(plan) == ["a"], "big needs 3 blocks, 2 are free; small must not overtake it"
 
 
-@pytest.mark.parametrize("num_requests, path", [(1, "low_latency"), (8, "low_latency"), (9, "grouped")])
-def test_path_is_low_latency_only_for_at_most_eight_decodes(num_requests, path):
+@pytest.mark.parametrize("num_requests, path", [(1, "fused"), (8, "fused"), (9, "grouped")])
+def test_path_is_fused_only_for_at_most_eight_decodes(num_requests, path):
     scheduler = make_scheduler(max_num_seqs=16, max_num_batched_tokens=64)
     for i in range(num_requests):
         scheduler.add_request(f"r{i}", prompt(2), params())

@@ -57,7 +57,7 @@ def configs(draw):
         max_model_len=max_model_len,
         block_size=block_size,
         sliding_window=draw(st.sampled_from([5, 513])),
-        low_latency_max_seqs=draw(st.integers(0, 8)),
+        fused_max_seqs=draw(st.integers(0, 8)),
     )
 
 
@@ -186,8 +186,8 @@ class Harness:
             assert entry.output_token_ids == shadow.output and entry.sampling_params is shadow.params
         assert len({e.ring_slot for e in entries}) == len(entries)
         is_decode_only = all(len(e.token_ids) == 1 and e.samples for e in entries)
-        expected_path = is_decode_only and len(entries) <= config.low_latency_max_seqs
-        assert plan.path == ("low_latency" if expected_path else "grouped")
+        expected_path = is_decode_only and len(entries) <= config.fused_max_seqs
+        assert plan.path == ("fused" if expected_path else "grouped")
 
     def check_outputs(self, plan, sampled, outputs) -> None:
         expected_ids = [

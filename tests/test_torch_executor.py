@@ -37,7 +37,7 @@ class RecordingExecutor(TorchExecutor):
 def run_mix(config, weights, requests, num_blocks, block_size, budget, max_num_seqs, seed=0):
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                       num_blocks=num_blocks, max_model_len=1024, block_size=block_size,
-                                      sliding_window=config.sliding_window))
+                                      sliding_window=config.sliding_window, fused_max_seqs=8))
     kv = KVCache(config, num_blocks, block_size, max_num_seqs, torch.float32, "cpu")
     ex = RecordingExecutor(config, weights, kv, eos_token_ids=(), seed=seed)
     for rid, prompt, params in requests:
@@ -82,7 +82,7 @@ def test_random_mixes_match_the_reference(tiny_short_window, seed):
                              budget=rng.choice([5, 7, 13]), max_num_seqs=4)
     assert all(len(outputs[rid]) == p.max_tokens for rid, _, p in requests)
     assert check_against_reference(config, weights, ex, requests, outputs) == sum(p.max_tokens for *_, p in requests)
-    assert "low_latency" in ex.paths and "grouped" in ex.paths
+    assert "fused" in ex.paths and "grouped" in ex.paths
 
 
 def test_preemption_and_resume_match_the_reference(tiny_short_window):

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from flint_sched.core.request import FinishReason
 from flint_sched.sampling_params import SamplingParams
 
-ExecutionPath = Literal["low_latency", "grouped"]
+ExecutionPath = Literal["fused", "grouped"]
 
 
 @dataclass(slots=True)
@@ -45,8 +45,8 @@ class ScheduledRequest:
 class StepPlan:
     """What one step runs, in a stable order: running decodes, running prefills, new admissions.
 
-    path is "low_latency" when every entry is a one-token decode and there are at most
-    low_latency_max_seqs of them, else "grouped". preempted_request_ids and finished_request_ids
+    path is "fused" when every entry is a one-token decode and there are at most
+    fused_max_seqs of them, else "grouped". preempted_request_ids and finished_request_ids
     name requests whose executor-side state (ring slot contents, sampler state) must be dropped.
     """
 

@@ -162,8 +162,8 @@ class Scheduler:
 
         entries = list(step.entries.values())
         num_tokens = self.config.max_num_batched_tokens - step.budget
-        is_low_latency = (
-            len(entries) <= self.config.low_latency_max_seqs
+        is_fused = (
+            len(entries) <= self.config.fused_max_seqs
             and num_tokens == len(entries)
             and all(entry.samples for entry in entries)
         )
@@ -171,7 +171,7 @@ class Scheduler:
         return StepPlan(
             entries,
             num_tokens,
-            "low_latency" if is_low_latency else "grouped",
+            "fused" if is_fused else "grouped",
             step.preempted_request_ids,
             finished_request_ids,
         )

@@ -1,5 +1,8 @@
 """The scheduler's limits: a frozen struct, validated when built, no I/O.
 
+fused_max_seqs comes from the executor (`executor.limits.fused_max_batch`): decode steps of at most
+that many requests are planned on the fused path.
+
 max_num_seqs is also the number of ring slots, and max_num_batched_tokens >= max_num_seqs so that
 every running decode always fits one step.
 """
@@ -19,7 +22,7 @@ class SchedulerConfig:
     max_model_len: int
     block_size: int = 16
     sliding_window: int = 513
-    low_latency_max_seqs: int = 8
+    fused_max_seqs: int = 0      # the executor's limits.fused_max_batch (0: it has no fused path)
 
     def __post_init__(self) -> None:
         minimums = {
@@ -29,7 +32,7 @@ class SchedulerConfig:
             "max_model_len": 2,
             "block_size": 1,
             "sliding_window": 1,
-            "low_latency_max_seqs": 0,
+            "fused_max_seqs": 0,
         }
         for name, minimum in minimums.items():
             value = getattr(self, name)

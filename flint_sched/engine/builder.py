@@ -80,14 +80,6 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
     num_blocks = config.num_kv_blocks or _num_blocks(config, ckpt, device, dtype)
     max_model_len = min(config.max_model_len or ckpt.config.max_position_embeddings,
                         ckpt.config.max_position_embeddings, num_blocks * config.block_size)
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        num_blocks=num_blocks,
-        max_model_len=max_model_len,
-        block_size=config.block_size,
-        sliding_window=ckpt.config.sliding_window,
-    )
     kv = KVCache(ckpt.config, num_blocks, config.block_size, config.max_num_seqs, dtype, device)
     if _use_cuda_executor(config, ckpt, device, dtype):
         from flint_sched.executor.cuda_executor import CudaExecutor
@@ -96,14 +88,25 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
     else:
         executor = TorchExecutor(ckpt.config, ckpt.weights, kv, ckpt.tokenizer.eos_token_ids, dtype, device,
                                  config.seed)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        block_size=config.block_size,
+        sliding_window=ckpt.config.sliding_window,
+        fused_max_seqs=executor.limits.fused_max_batch,
+    )
     return EngineParts(ckpt, scheduler_config, executor, device)
 
 
 def _use_cuda_executor(config: EngineConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> bool:
     if config.executor == "torch":
         return False
-    from flint_sched.executor.cuda_executor import supports
-    possible = device.type == "cuda" and dtype == torch.bfloat16 and supports(ckpt.config)
+    possible = device.type == "cuda" and dtype == torch.bfloat16
+    if possible:                       # the CUDA executor's modules are imported on GPU machines only
+        from flint_sched.executor.cuda_executor import supports
+        possible = supports(ckpt.config)
     if config.executor == "cuda" and not possible:
         raise ValueError("the CUDA executor needs a GPU, bfloat16, head_dim 128 and 8 query heads per KV head")
     return possible

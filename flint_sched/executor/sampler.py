@@ -16,7 +16,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from flint_sched.core.plan import ScheduledRequest, TokenLogprobs
+from flint_sched.core.plan import ScheduledRequest, StepResult, TokenLogprobs
 from flint_sched.sampling_params import SamplingParams
 
 
@@ -134,6 +134,17 @@ def sample_batch(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_
         results[row] = (tokens[row], TokenLogprobs(tokens[row], picked[n], list(zip(top_ids[n][:k],
                                                                                      top_values[n][:k]))))
     return results
+
+
+def sampled_step(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_token_ids: Collection[int],
+                 generator: torch.Generator | None) -> StepResult:
+    """The StepResult of `sample_batch`: one token per entry, logprobs where asked for."""
+    tokens, logprobs = {}, {}
+    for entry, (token, lp) in zip(entries, sample_batch(logits, entries, eos_token_ids, generator), strict=True):
+        tokens[entry.request_id] = [token]
+        if lp is not None:
+            logprobs[entry.request_id] = [lp]
+    return StepResult(tokens, logprobs or None)
 
 
 def sample_one(logits: torch.Tensor, entry: ScheduledRequest, eos_token_ids: Collection[int],

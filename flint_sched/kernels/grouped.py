@@ -15,7 +15,7 @@ import torch
 
 from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
 from flint_sched.kernels.hardware import sm_count
-from flint_sched.kernels.linear import Weight, cdiv, check_tensor, weight_args, weight_format
+from flint_sched.kernels.linear import Weight, cdiv, check_row_splits, check_tensor, weight_args, weight_format
 
 CHUNKS = (16, 64)          # rows per item (cuda/grouped_gemm.cu GROUPED_CHUNK)
 TILES_PER_CTA = (1, 4)     # 16-row weight tiles per CTA (GROUPED_TILES)
@@ -108,15 +108,18 @@ def out_buffer(out: torch.Tensor | None, name: str, shape: tuple[int, ...], dtyp
 
 def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                   pdl: bool = False) -> torch.Tensor:
+                   pdl: bool = False, row_splits: tuple[int, ...] = ()) -> torch.Tensor:
     """y[M, N] = x @ W^T (+ residual) for any M >= 1: fp32 sums, one rounding to out_dtype
-    (bf16, or fp32 for router logits). W: bf16 [N, K] (K % 8 == 0) or NVFP4Tensor (K % 64 == 0)."""
+    (bf16, or fp32 for router logits). W: bf16 [N, K] (K % 8 == 0) or NVFP4Tensor (K % 64 == 0).
+    `row_splits`: from `concat_rows` (NVFP4 parts keep their tensor scales)."""
     m, k = check_rows(x)
     n = weight.shape[0]
     if tuple(weight.shape) != (n, k):
         raise ValueError(f"weight must be [N, {k}], got {tuple(weight.shape)}")
+    check_row_splits(row_splits, n)
     fmt = weight_format(weight)
-    w_args = weight_args(weight, "weight", (n, k), x.device)
+    w_args = weight_args(weight, "weight", (n, k), x.device, len(row_splits) + 1)
+    splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
     if residual is not None:
         check_tensor(residual, "residual", torch.bfloat16, (m, n), x.device, 2)
     y = out_buffer(out, "out", (m, n), out_dtype, x)
@@ -125,7 +128,7 @@ def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | Non
     per_cta = tiles_per_cta(items, tiles, chunk, sm_count(x.device))
     gemm_kernel("linear", fmt, chunk, per_cta).launch(
         grid(items, tiles, per_cta), (32 * WARPS,),
-        [y, I32(int(out_dtype == torch.float32)), x, *w_args, residual, I32(m), I32(n), I32(k)],
+        [y, I32(int(out_dtype == torch.float32)), x, *w_args, residual, I32(m), I32(n), I32(k), *splits],
         pdl=pdl, device=x.device.index)
     return y
 

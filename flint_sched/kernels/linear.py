@@ -147,6 +147,13 @@ def concat_rows(weights: Sequence[Weight]) -> tuple[Weight, tuple[int, ...]]:
                        torch.cat([w.tensor_scale.reshape(1) for w in weights])), tuple(starts)
 
 
+def check_row_splits(row_splits: tuple[int, ...], n: int) -> None:
+    if len(row_splits) >= MAX_ROW_PARTS or list(row_splits) != sorted(set(row_splits)) or any(
+            not 0 < r < n for r in row_splits):
+        raise ValueError(f"row_splits must be at most {MAX_ROW_PARTS - 1} increasing rows inside 1..{n - 1}, "
+                         f"got {row_splits}")
+
+
 def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
            out: torch.Tensor | None = None, pdl: bool = False, row_splits: tuple[int, ...] = ()) -> torch.Tensor:
     """y[B, N] = x @ W^T (+ residual), fp32 sums, one bf16 rounding. `row_splits`: from `concat_rows`."""
@@ -155,10 +162,7 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     n = weight.shape[0]
     if tuple(weight.shape) != (n, k):
         raise ValueError(f"weight must be [N, {k}], got {tuple(weight.shape)}")
-    if len(row_splits) >= MAX_ROW_PARTS or list(row_splits) != sorted(set(row_splits)) or any(
-            not 0 < r < n for r in row_splits):
-        raise ValueError(f"row_splits must be at most {MAX_ROW_PARTS - 1} increasing rows inside 1..{n - 1}, "
-                         f"got {row_splits}")
+    check_row_splits(row_splits, n)
     w_args = weight_args(weight, "weight", (n, k), x.device, len(row_splits) + 1)
     if residual is not None:
         check_tensor(residual, "residual", torch.bfloat16, (b, n), x.device, 2)

@@ -1,5 +1,6 @@
-"""CudaExecutor against the reference: decode logits after torch-path prefills, BF16 and NVFP4,
-graphs on and off, contexts past the 513 window, several requests at once."""
+"""CudaExecutor against the reference: the logits of every sampled row (fused and grouped decode
+steps, prompt steps), BF16 and NVFP4, graphs on and off, contexts past the 513 window, batches from
+1 to past the fused path's 8, mixed lengths in one batch."""
 
 import dataclasses
 
@@ -29,30 +30,36 @@ def ckpt(request):
     return dummy_checkpoint(CONFIGS[config](), fmt, seed=5, device="cuda")
 
 
-def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True, seqs=4, num_blocks=512, first_graph_layers=3):
-    """Greedy generation through the scheduler; max_tokens: one for all, or one per prompt."""
+def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True, seqs=4, num_blocks=512, first_graph_layers=3,
+        budget=256):
+    """Greedy generation through the scheduler; max_tokens: one for all, or one per prompt. Returns
+    (request, position, logits) of every sampled row, the outputs, the preemptions and the paths run."""
     config = ckpt.config
     block_size = 16
     kv = KVCache(config, num_blocks, block_size, seqs, torch.bfloat16, "cuda")
     ex = CudaExecutor(config, ckpt.weights, kv, (), MAX_MODEL_LEN, "cuda", use_graphs=use_graphs, pdl=pdl,
                       first_graph_layers=first_graph_layers)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=256, num_blocks=num_blocks,
+    sched = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, num_blocks=num_blocks,
                                       max_model_len=MAX_MODEL_LEN, block_size=block_size,
-                                      sliding_window=config.sliding_window))
+                                      sliding_window=config.sliding_window,
+                                      fused_max_seqs=ex.limits.fused_max_batch))
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     for n, (p, limit) in enumerate(zip(prompts, limits, strict=True)):
         sched.add_request(f"r{n}", p, SamplingParams(temperature=0, max_tokens=limit, ignore_eos=True))
     decode_logits, outputs = [], {f"r{n}": [] for n in range(len(prompts))}
-    preemptions = 0
+    preemptions, paths = 0, set()
     while sched.has_unfinished_requests():
         plan = sched.schedule()
         preemptions += len(plan.preempted_request_ids)
         result = ex.execute(plan)
-        if plan.path == "low_latency":
-            for e, row in zip(plan.scheduled_requests, ex.last_logits):
-                decode_logits.append((e.request_id, e.start_position, row.float().clone()))
+        sampling = [e for e in plan.scheduled_requests if e.samples]
+        paths.add(plan.path if plan.num_tokens == len(plan.scheduled_requests) else "prompt")
+        assert ex.last_logits.shape[0] == len(sampling)
+        for e, row in zip(sampling, ex.last_logits, strict=True):
+            decode_logits.append((e.request_id, e.end_position - 1, row.float().clone()))
         for out in sched.update(plan, result):
             outputs[out.request_id].extend(out.new_token_ids)
+    run.paths = paths
     return decode_logits, outputs, preemptions
 
 
@@ -60,7 +67,20 @@ def test_decode_logits_match_the_reference(ckpt):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (5, 600, 37)]
     decode_logits, outputs, _ = run(ckpt, prompts, max_tokens=6)
-    assert len(decode_logits) >= 3 * 3            # decodes alongside a prefill chunk run on torch
+    assert len(decode_logits) == 3 * 6
+    check_against_reference(ckpt, prompts, decode_logits, outputs)
+
+
+def test_grouped_decode_batches_match_the_reference(ckpt):
+    """40 requests decoding together (the grouped path, padded to a graph of 48), then fewer as
+    they finish (down through the fused sizes); prompts on both sides of the 513 window."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [int(n) for n in torch.randint(1, 700, (40,), generator=gen)]
+    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in lengths]
+    limits = [int(n) for n in torch.randint(2, 14, (40,), generator=gen)]
+    decode_logits, outputs, _ = run(ckpt, prompts, limits, seqs=40, num_blocks=2048, budget=4096)
+    assert {"grouped", "fused", "prompt"} <= run.paths
+    assert len(decode_logits) == sum(limits)
     check_against_reference(ckpt, prompts, decode_logits, outputs)
 
 
@@ -76,6 +96,7 @@ def test_block_tables_follow_rows_changes_torch_steps_and_preemption(ckpt, num_b
     decode_logits, outputs, preemptions = run(ckpt, prompts, limits, seqs=10, num_blocks=num_blocks)
     assert all(len(outputs[f"r{n}"]) == limit for n, limit in enumerate(limits))
     assert (preemptions > 0) == (num_blocks == 24)
+    assert "grouped" in run.paths
     check_against_reference(ckpt, prompts, decode_logits, outputs)
 
 
@@ -127,12 +148,12 @@ def check_layer_outputs(ckpt):
     ex = CudaExecutor(config, ckpt.weights, kv, (), MAX_MODEL_LEN, "cuda", use_graphs=False)
     sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256, num_blocks=64,
                                       max_model_len=MAX_MODEL_LEN, block_size=16,
-                                      sliding_window=config.sliding_window))
+                                      sliding_window=config.sliding_window, fused_max_seqs=8))
     sched.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     tokens = []
     while ex.layer_outputs is None or not ex.layer_outputs:
         plan = sched.schedule()
-        if plan.path == "low_latency":
+        if plan.path == "fused" and plan.num_tokens == 1:
             ex.layer_outputs = []
         for out in sched.update(plan, ex.execute(plan)):
             tokens.extend(out.new_token_ids)
@@ -163,7 +184,7 @@ def test_graph_sampler_keeps_each_rows_filters_and_greedy_rows():
     top-k / top-p / min-p allow (filter_logits), greedy rows the argmax, and a two-token row drawn
     in proportion to its probabilities."""
     from flint_sched.core.plan import ScheduledRequest
-    from flint_sched.executor.cuda_executor import GraphSampler
+    from flint_sched.executor.graph_sampler import GraphSampler
     from flint_sched.executor.sampler import filter_logits
 
     gen = torch.Generator(device="cuda").manual_seed(0)

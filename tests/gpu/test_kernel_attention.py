@@ -122,7 +122,7 @@ def test_full_batch1(context):
     run_full([context])
 
 
-@pytest.mark.parametrize("batch", [3, 8, 19])
+@pytest.mark.parametrize("batch", [3, 8, 19, 300])
 def test_full_mixed_lengths(batch):
     lens = [CONTEXTS[(3 * i + batch) % len(CONTEXTS)] for i in range(batch)]
     if batch == 3:
@@ -189,7 +189,7 @@ def test_sliding_batch1(context):
     run_sliding([context])
 
 
-@pytest.mark.parametrize("batch", [3, 8, 19])
+@pytest.mark.parametrize("batch", [3, 8, 19, 300])
 def test_sliding_mixed_lengths(batch):
     run_sliding([CONTEXTS[(5 * i + batch) % len(CONTEXTS)] + 1000 * (i % 3) for i in range(batch)], seed=batch)
 
@@ -261,7 +261,7 @@ def same_bits(a, b):
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8, 19])
+@pytest.mark.parametrize("batch", [1, 3, 8, 19, 300])
 def test_qk_norm_rope_kv_sliding(batch):
     qkv, q_w, k_w = qkv_case(batch, seed=40 + batch)
     special = [0, 1, 511, 512, 513, 70_000, 262_143]

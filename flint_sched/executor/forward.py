@@ -1,0 +1,80 @@
+"""The forward pass, written once: Flint's layer loop over a few operations (FLINT.md).
+
+Executors run a step by handing `forward` an implementation of these operations for the step's
+rows: torch ops (executor/torch_ops.py, any device) or our kernels (executor/kernel_ops.py: the
+fused path for <= 8 decodes, the grouped path for larger batches and prompt chunks). The loop is
+the model; the ops decide how each piece runs. model/reference.py stays the oracle, apart.
+
+    h = embed(tokens)
+    for layer i:                                          pre-norm residual blocks
+        q = qkv(i, rms_norm(h))                           projections, Q/K norm, RoPE, K/V write
+        h = linear(attention(i, q), o_proj, residual=h)
+        x = rms_norm(h)
+        h = moe(i, x, residual=h)                         or linear(gate_up(x), down, residual=h)
+    logits = lm_head(rms_norm(h))                         rows that sample only
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from flint_sched.config import FlintConfig
+
+
+class LayerOps(Protocol):
+    """One step's implementation of the model's operations; weights are named as in weights.py."""
+
+    def embed(self) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step's tokens."""
+
+    def resume(self) -> torch.Tensor:
+        """The hidden state where an earlier `forward(..., last=k)` of this step stopped."""
+
+    def rms_norm(self, x: torch.Tensor, weight: str) -> torch.Tensor: ...
+
+    def qkv(self, i: int, x: torch.Tensor) -> Any:
+        """Layer i's q/k/v projection, Q/K RMSNorm, RoPE (sliding layers) and the K/V write (the
+        write may be deferred into `attention`); returns what `attention` reads."""
+
+    def attention(self, i: int, qkv: Any) -> torch.Tensor:
+        """Attention with sinks over the layer's KV: [T, heads * head_dim]."""
+
+    def linear(self, x: torch.Tensor, weight: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ residual)."""
+
+    def gate_up(self, x: torch.Tensor, gate: str, up: str) -> torch.Tensor:
+        """silu(x @ gate^T) * (x @ up^T): the dense SwiGLU's front half."""
+
+    def moe(self, i: int, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + the layer's routed experts (router, top-k, weighted sum) + shared expert."""
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm and LM head of the rows that sample: [rows, vocab]."""
+
+
+def forward(ops: LayerOps, config: FlintConfig, first: int = 0, last: int | None = None,
+            layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Layers [first, last) of one step: from the embedding when first == 0, through the LM head
+    (the logits are returned) when last is the final layer, else the hidden state.
+
+    `layer_outputs`, when given, receives a copy of each layer's output hidden state.
+    """
+    last = config.num_hidden_layers if last is None else last
+    h = ops.embed() if first == 0 else ops.resume()
+    for i in range(first, last):
+        p = f"model.layers.{i}."
+        q = ops.qkv(i, ops.rms_norm(h, p + "input_layernorm.weight"))
+        h = ops.linear(ops.attention(i, q), p + "self_attn.o_proj.weight", residual=h)
+        x = ops.rms_norm(h, p + "post_attention_layernorm.weight")
+        if config.is_moe(i):
+            h = ops.moe(i, x, residual=h)
+        else:
+            up = ops.gate_up(x, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            h = ops.linear(up, p + "mlp.down_proj.weight", residual=h)
+        if layer_outputs is not None:
+            layer_outputs.append(h.clone())
+    if last < config.num_hidden_layers:
+        return h
+    return ops.logits(h)

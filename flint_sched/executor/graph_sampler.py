@@ -1,0 +1,58 @@
+"""Token choice of decode rows from CUDA graphs: greedy rows keep the step graph's argmax; rows that
+sample with temperature / top-k / top-p / min-p (no seed, no logit edits, no logprobs) draw in one
+graph per (batch size, masks in use). Everything else samples through executor/sampler.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flint_sched.executor.sampler import draw, filter_rows
+
+
+def plain(entry) -> bool:
+    """Token choice from the logits as they are: no edits first (bans, bias, penalties), no logprobs."""
+    p = entry.sampling_params
+    return not (p.logit_bias or p.min_tokens > len(entry.output_token_ids) or p.repetition_penalty != 1.0
+                or p.presence_penalty or p.frequency_penalty or p.logprobs is not None)
+
+
+class GraphSampler:
+    """Temperature / top-k / top-p / min-p sampling of a decode batch from the executor's logits,
+    captured in one CUDA graph per (batch size, masks in use) (a dozen kernels, a sort unless only
+    temperature is set, and no host work); greedy rows of the batch keep the graph's argmax. Per-step parameters arrive in one
+    pinned copy. The noise comes from torch's default CUDA generator (graph-safe), which the
+    executor seeds; seeded requests and edited logits go through executor/sampler.py instead."""
+
+    def __init__(self, logits: torch.Tensor, greedy_tokens: torch.Tensor):
+        self.logits, self.greedy_tokens = logits, greedy_tokens
+        rows, vocab = logits.shape
+        self.vocab = vocab
+        self.params = torch.zeros(5, rows, dtype=torch.float32, device=logits.device)
+        self.params_host = torch.zeros_like(self.params, device="cpu", pin_memory=True)
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=logits.device)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+
+    def __call__(self, entries) -> list[int]:
+        b, host = len(entries), self.params_host.numpy()
+        for row, e in enumerate(entries):
+            p = e.sampling_params
+            host[:, row] = (1.0 if p.is_greedy else p.temperature, p.top_k if 0 < p.top_k < self.vocab else self.vocab,
+                            p.top_p, p.min_p, p.is_greedy)
+        self.params.copy_(self.params_host, non_blocking=True)
+        # Masks no row needs stay out of the graph (pure temperature sampling sorts nothing).
+        key = (b, bool((host[1, :b] < self.vocab).any()), bool((host[2, :b] < 1.0).any()), bool(host[3, :b].any()))
+        graph = self.graphs.get(key)
+        if graph is None:
+            self._sample(*key)                       # warm-up outside the capture (sort workspace, kernels)
+            graph = self.graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._sample(*key)
+        graph.replay()
+        return self.tokens[:b].tolist()
+
+    def _sample(self, b: int, use_top_k: bool, use_top_p: bool, use_min_p: bool) -> None:
+        temperature, top_k, top_p, min_p, greedy = self.params[:, :b]
+        logits = filter_rows(self.logits[:b].float(), temperature, top_k, top_p, min_p, use_top_k, use_top_p,
+                             use_min_p)
+        self.tokens[:b] = torch.where(greedy > 0, self.greedy_tokens[:b], draw(torch.softmax(logits, dim=-1)))

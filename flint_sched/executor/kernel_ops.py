@@ -1,0 +1,170 @@
+"""Flint's operations on our kernels (cuda/, launched through cuda-python), for one step's rows.
+
+Three variants of the same operations, chosen per step by the CUDA executor:
+
+    fused     <= 8 decode rows: GEMVs and the small-batch MoE that reads only the chosen experts
+    grouped   decode batches above that: GEMMs over all rows, the grouped MoE (tokens sorted by
+              expert on the GPU, each chosen expert's weights read once per step), batched attention
+    prompt    steps with prompt chunks: the grouped GEMMs and MoE, attention in torch
+              (executor/torch_ops.py) until the prefill attention kernel exists
+
+Decode variants run from CUDA graphs: inputs live in `DecodeInputs` (padded rows: position -1, no
+KV write; length 0, zero attention; outside `num_rows`, no expert work), the hidden state stays in
+two static buffers, and every launch may use PDL. A layer starts and ends in `hidden[0]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flint_sched.config import FlintConfig
+from flint_sched.executor.kv_cache import KVCache
+from flint_sched.executor.step_inputs import DecodeInputs
+from flint_sched.executor.torch_ops import AttentionOps
+from flint_sched.kernels import attention as attn
+from flint_sched.kernels.grouped import grouped_gate_up, grouped_linear
+from flint_sched.kernels.grouped_moe import moe_grouped
+from flint_sched.kernels.linear import gate_up_silu, linear
+from flint_sched.kernels.moe import moe_down, moe_gate_up, route
+from flint_sched.kernels.norm import rms_norm
+from flint_sched.kernels.sampling import greedy
+
+
+@dataclass
+class KernelWeights:
+    """What every variant reads: the weights by name (bf16 or NVFP4Tensor on the GPU), q/k/v fused
+    per layer (one weight and its row splits), the KV cache, and the static workspaces."""
+
+    config: FlintConfig
+    w: dict
+    qkv: dict[int, tuple]
+    kv: KVCache
+    workspaces: object          # executor/workspace.py Workspaces
+    pdl: bool = True
+
+
+class KernelOps:
+    """The operations of executor/forward.py for `rows` rows of one step (see the module docstring).
+
+    hidden: two [rows, hidden] buffers (static for graphs); logits / next_tokens: where the LM head
+    and the greedy choice write. `inputs` feeds decode variants; `attention_ops` (torch) the prompt
+    variant, whose rows are given by `sample_rows` to the LM head.
+    """
+
+    def __init__(self, weights: KernelWeights, variant: str, rows: int, hidden: torch.Tensor,
+                 logits: torch.Tensor, next_tokens: torch.Tensor, inputs: DecodeInputs | None = None,
+                 token_ids: torch.Tensor | None = None, attention_ops: AttentionOps | None = None,
+                 sample_rows: torch.Tensor | None = None):
+        if variant not in ("fused", "grouped", "prompt"):
+            raise ValueError(f"unknown variant {variant!r}")
+        self.k, self.c, self.w, self.variant, self.rows = weights, weights.config, weights.w, variant, rows
+        self.ws = weights.workspaces
+        self.hidden = hidden[:, :rows]
+        self.logits_out, self.next_tokens = logits, next_tokens
+        self.inputs, self.token_ids, self.attention_ops, self.sample_rows = inputs, token_ids, attention_ops, sample_rows
+        self.eps, self.pdl = self.c.rms_norm_eps, weights.pdl
+        self.routing = self.ws.routing_for(rows) if variant != "fused" else None
+
+    def _other(self, h: torch.Tensor | None) -> torch.Tensor:
+        """The hidden buffer that `h` is not: where a residual op writes."""
+        return self.hidden[1] if h is not None and h.data_ptr() == self.hidden[0].data_ptr() else self.hidden[0]
+
+    # -- the operations ------------------------------------------------------------------------
+
+    def embed(self) -> torch.Tensor:
+        h = self.hidden[0]
+        if self.inputs is not None:
+            self.inputs.update_block_tables()
+            tokens = self.inputs.tokens[: self.rows]
+        else:
+            tokens = self.token_ids
+        return torch.index_select(self.w["model.embed_tokens.weight"], 0, tokens, out=h)
+
+    def resume(self) -> torch.Tensor:
+        return self.hidden[0]
+
+    def rms_norm(self, x: torch.Tensor, weight: str) -> torch.Tensor:
+        return rms_norm(x, self.w[weight], self.eps, out=torch.empty_like(x), pdl=self.pdl)
+
+    def qkv(self, i: int, x: torch.Tensor):
+        c, p = self.c, f"model.layers.{i}.self_attn."
+        weight, splits = self.k.qkv[i]
+        out = torch.empty(self.rows, c.q_size + 2 * c.kv_size, dtype=torch.bfloat16, device=x.device)
+        if self.variant == "fused":
+            qkv = linear(x, weight, out=out, pdl=self.pdl, row_splits=splits)
+        else:
+            qkv = grouped_linear(x, weight, out=out, pdl=self.pdl, row_splits=splits)
+        if self.variant == "prompt":
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            return self.attention_ops.norm_rope(i, q.reshape(self.rows, c.num_attention_heads, c.head_dim),
+                                                k.reshape(self.rows, c.num_key_value_heads, c.head_dim),
+                                                v.reshape(self.rows, c.num_key_value_heads, c.head_dim))
+        inp, q = self.inputs, torch.empty(self.rows, c.num_attention_heads, c.head_dim, dtype=torch.bfloat16,
+                                          device=x.device)
+        b = self.rows
+        if c.is_sliding(i):
+            ring = self.k.kv.ring[self.k.kv.ring_index[i]]
+            return attn.qk_norm_rope_kv_sliding(qkv, self.w[p + "q_norm.weight"], self.w[p + "k_norm.weight"],
+                                                inp.positions[:b], ring[0], ring[1], inp.ring_slots[:b], c.rms_norm_eps,
+                                                c.rope_theta, q_out=q, pdl=self.pdl)
+        full = self.k.kv.full[self.k.kv.full_index[i]]
+        return attn.qk_norm_rope_kv_full(qkv, self.w[p + "q_norm.weight"], self.w[p + "k_norm.weight"],
+                                         inp.positions[:b], full[0], full[1], inp.block_tables[:b], c.rms_norm_eps,
+                                         q_out=q, pdl=self.pdl)
+
+    def attention(self, i: int, q) -> torch.Tensor:
+        c, b = self.c, self.rows
+        if self.variant == "prompt":
+            return self.attention_ops.attention(i, q)
+        inp, sinks = self.inputs, self.w[f"model.layers.{i}.self_attn.sinks"]
+        out = torch.empty_like(q)
+        if c.is_sliding(i):
+            ring = self.k.kv.ring[self.k.kv.ring_index[i]]
+            attn.decode_attention_sliding(q, ring[0], ring[1], inp.ring_slots[:b], inp.seq_lens[:b], sinks,
+                                          self.ws.attention, out=out, pdl=self.pdl)
+        else:
+            full = self.k.kv.full[self.k.kv.full_index[i]]
+            attn.decode_attention_full(q, full[0], full[1], inp.block_tables[:b], inp.seq_lens[:b], sinks,
+                                       self.ws.attention, inp.max_model_len, out=out, pdl=self.pdl)
+        return out.view(b, c.q_size)
+
+    def linear(self, x: torch.Tensor, weight: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+        gemm = linear if self.variant == "fused" else grouped_linear
+        return gemm(x, self.w[weight], residual=residual, out=self._other(residual), pdl=self.pdl)
+
+    def gate_up(self, x: torch.Tensor, gate: str, up: str) -> torch.Tensor:
+        out = torch.empty(self.rows, self.w[gate].shape[0], dtype=torch.bfloat16, device=x.device)
+        gemm = gate_up_silu if self.variant == "fused" else grouped_gate_up
+        return gemm(x, self.w[gate], self.w[up], out=out, pdl=self.pdl)
+
+    def moe(self, i: int, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        c, w, p = self.c, self.w, f"model.layers.{i}.mlp."
+        shared = [w[p + f"shared_experts.{n}_proj.weight"] if c.n_shared_experts else None for n in ("gate", "up", "down")]
+        experts = [w[p + f"experts.{n}_proj.weight"] for n in ("gate", "up", "down")]
+        router, bias = w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"]
+        out = self._other(residual)
+        if self.variant != "fused":
+            num_rows = self.inputs.num_rows if self.inputs is not None else None
+            return moe_grouped(x, router, bias, c.num_experts_per_tok, c.routed_scaling_factor, *experts, *shared,
+                               residual=residual, workspace=self.routing, out=out,
+                               num_tokens=num_rows, pdl=self.pdl)
+        ids, weights = route(x, router, bias, c.num_experts_per_tok, c.routed_scaling_factor, pdl=self.pdl,
+                             workspace=self.ws.router)
+        hidden = torch.empty(self.rows, c.num_experts_per_tok + 1, c.moe_intermediate_size, dtype=torch.bfloat16,
+                             device=x.device)
+        hidden = moe_gate_up(x, ids, experts[0], experts[1], shared[0], shared[1], out=hidden, pdl=self.pdl)
+        return moe_down(hidden, ids, weights, experts[2], shared[2], residual=residual, out=out, pdl=self.pdl)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.sample_rows is not None:
+            h = h.index_select(0, self.sample_rows)
+        rows = h.shape[0]
+        if rows == 0:
+            return self.logits_out[:0]
+        normed = self.rms_norm(h, "model.norm.weight")
+        gemm = linear if self.variant == "fused" else grouped_linear
+        logits = gemm(normed, self.w["lm_head.weight"], out=self.logits_out[:rows], pdl=self.pdl)
+        greedy(logits, out=self.next_tokens[:rows], workspace=self.ws.argmax, pdl=self.pdl)
+        return logits

@@ -1,0 +1,74 @@
+"""A decode step's inputs on the device, in static buffers that CUDA graphs read.
+
+One pinned host-to-device copy per step carries, per row, the token, its position, the sequence
+length, the ring slot and one block-table entry to write (flat index, value), and the number of
+real rows. Rows past it pad a graph's batch size: position -1 (no K/V write), length 0 (zero
+attention output), and no expert work in the grouped MoE.
+
+The block tables stay on the device across steps: a row is rewritten when its request changes;
+otherwise only the entries the request gained since (one per block in steady decode) are written,
+by a scatter inside the graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flint_sched.core.plan import StepPlan
+
+FIELDS = ("tokens", "positions", "seq_lens", "ring_slots", "table_index", "table_value")
+
+
+class DecodeInputs:
+    def __init__(self, max_rows: int, max_model_len: int, block_size: int, device: torch.device):
+        self.max_rows, self.max_model_len = max_rows, max_model_len
+        n = len(FIELDS) * max_rows + 1
+        self.flat = torch.zeros(n, dtype=torch.int32, device=device)
+        self.flat_host = torch.zeros(n, dtype=torch.int32, pin_memory=device.type == "cuda")
+        fields = self.flat[:-1].view(len(FIELDS), max_rows)
+        self.tokens, self.positions, self.seq_lens, self.ring_slots, self.table_index, self.table_value = fields
+        self.num_rows = self.flat[-1:]
+        max_blocks = -(-max_model_len // block_size)
+        # The last element is where rows with no new block entry write.
+        self.block_tables_flat = torch.zeros(max_rows * max_blocks + 1, dtype=torch.int32, device=device)
+        self.block_tables = self.block_tables_flat[:-1].view(max_rows, max_blocks)
+        self._table_rows: list[tuple[str, int] | None] = [None] * max_rows   # (request, entries on device)
+
+    def fill(self, plan: StepPlan) -> None:
+        """The plan's decode entries in rows 0..b-1; every later row is padding (a graph of a larger
+        batch size computes it, and the block-table scatter reads all rows)."""
+        entries = plan.scheduled_requests
+        host = self.flat_host.numpy()
+        fields = host[:-1].reshape(len(FIELDS), self.max_rows)
+        width = self.block_tables.shape[1]
+        dummy = self.block_tables_flat.numel() - 1
+        for row, e in enumerate(entries):
+            table, known = e.block_table, self._table_rows[row]
+            index, value = dummy, 0
+            if known is None or known[0] != e.request_id or len(table) < known[1]:
+                self._copy_table(row, table, 0)
+            elif len(table) == known[1] + 1:
+                index, value = row * width + known[1], table[-1]
+            elif len(table) > known[1]:
+                self._copy_table(row, table, known[1])
+            self._table_rows[row] = (e.request_id, len(table))
+            fields[:, row] = (e.token_ids[0], e.start_position, e.start_position + 1, e.ring_slot, index, value)
+        fields[:, len(entries):] = [[0], [-1], [0], [0], [dummy], [0]]
+        host[-1] = len(entries)
+        self.flat.copy_(self.flat_host, non_blocking=True)
+
+    def update_block_tables(self) -> None:
+        """The step's new block-table entries (a scatter; the first operation of a decode graph)."""
+        self.block_tables_flat.index_put_((self.table_index,), self.table_value)
+
+    def _copy_table(self, row: int, table: list[int], start: int) -> None:
+        if len(table) > self.block_tables.shape[1]:
+            raise ValueError(f"block table of {len(table)} blocks exceeds max_model_len {self.max_model_len}")
+        self.block_tables[row, start: len(table)].copy_(torch.tensor(table[start:], dtype=torch.int32))
+
+    def forget(self, plan: StepPlan) -> None:
+        """Rows of preempted or finished requests are rewritten when next used (call for every plan,
+        also those that do not run through these buffers)."""
+        gone = set(plan.preempted_request_ids) | set(plan.finished_request_ids)
+        if gone:
+            self._table_rows = [None if k is not None and k[0] in gone else k for k in self._table_rows]

@@ -1,0 +1,43 @@
+"""Static device memory of the CUDA executor: what must outlive one launch or one graph segment.
+
+Intermediates (normed rows, q/k/v, expert activations) are allocated per step with torch.empty, from
+the graphs' private pool when captured. What stays: the hidden state handed between graph segments,
+the logits and greedy tokens the host reads, and the kernels' workspaces whose tickets reset
+themselves (zeroed once, then left to the kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flint_sched.config import FlintConfig
+from flint_sched.kernels import attention as attn
+from flint_sched.kernels.grouped_moe import moe_routing_workspace
+from flint_sched.kernels.moe import router_workspace
+from flint_sched.kernels.sampling import argmax_workspace
+
+
+class Workspaces:
+    """Sized for decode graphs of up to `max_rows` rows; `max_seqs` rows of logits may be sampled
+    in a prompt step (one per request)."""
+
+    def __init__(self, config: FlintConfig, max_rows: int, max_seqs: int, device: torch.device):
+        c = config
+        self.config, self.max_rows = config, max_rows
+        self.hidden = torch.zeros(2, max_rows, c.hidden_size, dtype=torch.bfloat16, device=device)
+        self.logits = torch.zeros(max_rows, c.vocab_size, dtype=torch.bfloat16, device=device)
+        self.next_tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.attention = attn.attention_workspace(device, max_rows, c.num_key_value_heads)
+        self.router = router_workspace(c.n_routed_experts, device)
+        self.argmax = argmax_workspace(max(max_rows, max_seqs), c.vocab_size, device)
+        self.moe_routing = self._routing(max_rows, device)
+
+    def routing_for(self, rows: int):
+        """The grouped MoE's routing workspace for `rows` tokens: the static one, or a new one for a
+        prompt step longer than any decode graph."""
+        return self.moe_routing if rows <= self.max_rows else self._routing(rows, self.hidden.device)
+
+    def _routing(self, rows: int, device: torch.device):
+        c = self.config
+        return moe_routing_workspace(rows, c.n_routed_experts, c.num_experts_per_tok, device, c.hidden_size,
+                                     c.moe_intermediate_size)
