@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from flint_sched.benchmarks.graph_timing import num_sets, reps_for, time_graph  # noqa: E402
-from flint_sched.kernels import grouped_linear, moe_grouped, moe_routing_workspace  # noqa: E402
+from flint_sched.kernels import grouped_linear, grouped_moe, moe_grouped, moe_routing_workspace  # noqa: E402
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize  # noqa: E402
 
 HIDDEN, EXPERTS, TOP_K, INTER, SCALING = 2048, 256, 6, 512, 2.5
@@ -63,7 +64,22 @@ def moe_set(fmt: str) -> dict:
                 shared_up=weight(fmt, INTER, HIDDEN), shared_down=weight(fmt, HIDDEN, INTER))
 
 
-def bench_moe(fmt: str, sets: list[dict], m: int, pdl: bool) -> list[Row]:
+PEERS = True
+
+
+@contextmanager
+def forced_tiles(tiles: int):
+    """The MoE GEMMs with `tiles` 16-row tiles per CTA (0: as the launcher picks)."""
+    real = grouped_moe.moe_tiles_per_cta
+    if tiles:
+        grouped_moe.moe_tiles_per_cta = lambda: tiles
+    try:
+        yield
+    finally:
+        grouped_moe.moe_tiles_per_cta = real
+
+
+def bench_moe(fmt: str, sets: list[dict], m: int, pdl: bool, impl: str = "moe_grouped") -> list[Row]:
     x = torch.randn(m, HIDDEN, device="cuda").bfloat16()
     residual = torch.randn_like(x)
     out = torch.empty_like(x)
@@ -83,8 +99,8 @@ def bench_moe(fmt: str, sets: list[dict], m: int, pdl: bool) -> list[Row]:
              + pairs * (INTER + HIDDEN) * 2 * 2 + m * EXPERTS * 4 * 2)
     flops = 2 * pairs * 3 * INTER * HIDDEN + 2 * m * EXPERTS * HIDDEN
     us = time_graph([lambda s=s: run(s) for s in sets], reps_for(len(sets), 10 if m >= 1024 else 40), replays=5)
-    rows = [Row(f"MoE layer ({distinct} exp)", "moe_grouped", fmt, m, us, moved, flops)]
-    if fmt == "bf16":
+    rows = [Row(f"MoE layer ({distinct} exp)", impl, fmt, m, us, moved, flops)]
+    if fmt == "bf16" and PEERS and impl == "moe_grouped":
         rows += bench_grouped_mm(x, ids, m, moved, flops)
     return rows
 
@@ -127,7 +143,8 @@ def bench_dense(name: str, n: int, k: int, m: int, formats: list[str]) -> list[R
         sets = [probe] + [weight(fmt, n, k) for _ in range(num_sets(nbytes(probe), MAX_SETS) - 1)]
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         moved, flops = nbytes(probe) + (x.numel() + y.numel()) * 2, 2 * m * n * k
-        us = time_graph([lambda w=w: grouped_linear(x, w, out=y) for w in sets], reps_for(len(sets)), replays=5)
+        us = time_graph([lambda w=w: grouped_linear(x, w, out=y, cublas=False) for w in sets], reps_for(len(sets)),
+                        replays=5)
         rows.append(Row(name, "grouped_linear", fmt, m, us, moved, flops))
         if fmt == "bf16":
             us = time_graph([lambda w=w: torch.matmul(x, w.t(), out=y) for w in sets], reps_for(len(sets)),
@@ -144,7 +161,12 @@ def main() -> None:
     parser.add_argument("--dense-tokens", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"])
     parser.add_argument("--pdl", action="store_true")
+    parser.add_argument("--moe-tiles", type=int, nargs="+", default=[0],
+                        help="16-row weight tiles per CTA of the MoE GEMMs to compare (1, 4; 0: the launcher's choice)")
+    parser.add_argument("--no-peers", action="store_true", help="skip torch._grouped_mm")
     args = parser.parse_args()
+    global PEERS
+    PEERS = not args.no_peers
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, pdl={args.pdl}", flush=True)
@@ -163,7 +185,9 @@ def main() -> None:
         per_set = sum(nbytes(probe[k]) for k in ("gate", "up", "down"))
         sets = [probe] + [moe_set(fmt) for _ in range(num_sets(per_set, MAX_SETS) - 1)]
         for m in args.tokens:
-            add(bench_moe(fmt, sets, m, args.pdl))
+            for tiles in args.moe_tiles:
+                with forced_tiles(tiles):
+                    add(bench_moe(fmt, sets, m, args.pdl, f"moe_grouped t{tiles}" if tiles else "moe_grouped"))
         del sets, probe
         torch.cuda.empty_cache()
     for name, n, k in DENSE:

@@ -108,10 +108,16 @@ def out_buffer(out: torch.Tensor | None, name: str, shape: tuple[int, ...], dtyp
 
 def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                   pdl: bool = False, row_splits: tuple[int, ...] = ()) -> torch.Tensor:
+                   pdl: bool = False, row_splits: tuple[int, ...] = (), cublas: bool | None = None) -> torch.Tensor:
     """y[M, N] = x @ W^T (+ residual) for any M >= 1: fp32 sums, one rounding to out_dtype
     (bf16, or fp32 for router logits). W: bf16 [N, K] (K % 8 == 0) or NVFP4Tensor (K % 64 == 0).
-    `row_splits`: from `concat_rows` (NVFP4 parts keep their tensor scales)."""
+    `row_splits`: from `concat_rows` (NVFP4 parts keep their tensor scales).
+
+    `cublas` (None: where measured faster and as exact): BF16 weights, a bf16 output and no residual
+    go to cuBLAS (torch.mm). On the H200 it beat this kernel at every M from 16 to 256 (q/k/v at
+    M = 256: 10.2 against 53.9 µs; benchmarks/RESULTS.md, bench_grouped.py). NOTE: not with a
+    residual: cuBLAS's addmm rounds the product to bf16 before adding it (two roundings, measured
+    past the one-rounding bound of tests/gpu/test_kernel_grouped.py)."""
     m, k = check_rows(x)
     n = weight.shape[0]
     if tuple(weight.shape) != (n, k):
@@ -123,6 +129,12 @@ def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | Non
     if residual is not None:
         check_tensor(residual, "residual", torch.bfloat16, (m, n), x.device, 2)
     y = out_buffer(out, "out", (m, n), out_dtype, x)
+    if cublas is None:
+        cublas = fmt == "bf16" and out_dtype == torch.bfloat16 and residual is None
+    if cublas:
+        if fmt != "bf16" or out_dtype != torch.bfloat16 or residual is not None:
+            raise ValueError("cuBLAS serves bf16 weights with a bf16 output and no residual only")
+        return torch.mm(x, weight.t(), out=y)
     chunk = dense_chunk(m)
     items, tiles = cdiv(m, chunk), cdiv(n, TILE_ROWS)
     per_cta = tiles_per_cta(items, tiles, chunk, sm_count(x.device))

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
-from flint_sched.kernels.grouped import (CHUNKS, TILE_ROWS, WARPS, check_rows, gemm_kernel, grid,
-                                         grouped_linear, moe_chunk, out_buffer, tiles_per_cta, work_bound)
-from flint_sched.kernels.hardware import sm_count
+from flint_sched.kernels.grouped import (CHUNKS, TILE_ROWS, TILES_PER_CTA, WARPS, check_rows, gemm_kernel, grid,
+                                         grouped_linear, moe_chunk, out_buffer, work_bound)
 from flint_sched.kernels.linear import Weight, cdiv, check_tensor, weight_args, weight_format
 
 ROUTING_THREADS = 512       # cuda/moe_routing.cu ROUTING_WARPS * 32
@@ -166,9 +165,16 @@ def _expert_args(stack: Weight, shared: Weight, names: tuple[str, str], rows: in
             + weight_args(shared, names[1], (rows, k), device))
 
 
-def _plan(routing: Routing, num_tiles: int, device: torch.device) -> tuple[tuple[int, int], int]:
-    estimate = min(routing.max_items, routing.num_experts + 1)   # items with rows, roughly
-    per_cta = tiles_per_cta(estimate, num_tiles, routing.chunk, sm_count(device))
+def moe_tiles_per_cta() -> int:
+    """The expert GEMMs take 4 tiles per CTA (a warp streams one 16-row tile over all of K) at every
+    size: a CTA then moves 4x the bytes for the same fixed cost. Measured on the H200, Flint's MoE
+    layer with 1 / 4 tiles (µs): NVFP4 at 16 / 64 / 256 tokens 100.6 / 80.0, 194.1 / 140.1,
+    348.4 / 253.6; BF16 118.3 / 123.3, 224.1 / 203.8, 392.4 / 329.1 (benchmarks/RESULTS.md)."""
+    return TILES_PER_CTA[1]
+
+
+def _plan(routing: Routing, num_tiles: int) -> tuple[tuple[int, int], int]:
+    per_cta = moe_tiles_per_cta()
     return grid(routing.max_items, num_tiles, per_cta), per_cta
 
 
@@ -189,7 +195,7 @@ def moe_gate_up_sorted(x: torch.Tensor, routing: Routing, gate: Weight, up: Weig
     else:
         args = args[0:3] + args[6:9] + args[3:6] + args[9:12]
     h = out_buffer(out, "out", (routing.sorted_token.numel(), i), torch.bfloat16, x)
-    grid_xy, per_cta = _plan(routing, cdiv(i, TILE_ROWS // 2), x.device)
+    grid_xy, per_cta = _plan(routing, cdiv(i, TILE_ROWS // 2))
     gemm_kernel("moe_gate_up", fmt, routing.chunk, per_cta).launch(
         grid_xy, (32 * WARPS,), [h, x, routing.sorted_token, *args, *routing.work_args, I32(i), I32(k), I32(e)],
         pdl=pdl, device=x.device.index)
@@ -207,7 +213,7 @@ def moe_down_sorted(h: torch.Tensor, routing: Routing, down: Weight, shared_down
     fmt = weight_format(down, shared_down)
     args = _expert_args(down, shared_down, ("down", "shared_down"), n, i, e, h.device)
     y = out_buffer(out, "out", (p, n), torch.bfloat16, h)
-    grid_xy, per_cta = _plan(routing, cdiv(n, TILE_ROWS), h.device)
+    grid_xy, per_cta = _plan(routing, cdiv(n, TILE_ROWS))
     gemm_kernel("moe_down", fmt, routing.chunk, per_cta).launch(
         grid_xy, (32 * WARPS,), [y, h, *args, *routing.work_args, I32(n), I32(i), I32(e)], pdl=pdl,
         device=h.device.index)

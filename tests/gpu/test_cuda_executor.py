@@ -96,7 +96,7 @@ def test_block_tables_follow_rows_changes_torch_steps_and_preemption(ckpt, num_b
     decode_logits, outputs, preemptions = run(ckpt, prompts, limits, seqs=10, num_blocks=num_blocks)
     assert all(len(outputs[f"r{n}"]) == limit for n, limit in enumerate(limits))
     assert (preemptions > 0) == (num_blocks == 24)
-    assert "grouped" in run.paths
+    assert ("grouped" in run.paths) == (num_blocks == 512)     # 24 blocks never hold 9 requests
     check_against_reference(ckpt, prompts, decode_logits, outputs)
 
 
@@ -140,8 +140,11 @@ def test_full_size_layers_match_the_reference(full_size_layers):
     check_layer_outputs(full_size_layers)
 
 
-def check_layer_outputs(ckpt):
-    """The first decode step's hidden state after each layer, against the fp32 reference's."""
+def check_layer_outputs(ckpt, decode_steps=6):
+    """Each layer's output hidden state of the first decode steps (fused path, after a prompt step
+    on the grouped GEMMs), against the fp32 reference's. A bf16 rounding now and then flips one of
+    a token's routed experts among 256 near-tied scores (the bf16 reference does the same), which
+    moves that token's layer output by ~0.1; so: the median over the steps tight, each one loose."""
     prompt = torch.randint(0, 4096, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     config = ckpt.config
     kv = KVCache(config, 64, 16, 1, torch.bfloat16, "cuda")
@@ -149,22 +152,25 @@ def check_layer_outputs(ckpt):
     sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256, num_blocks=64,
                                       max_model_len=MAX_MODEL_LEN, block_size=16,
                                       sliding_window=config.sliding_window, fused_max_seqs=8))
-    sched.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    tokens = []
-    while ex.layer_outputs is None or not ex.layer_outputs:
+    sched.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True))
+    tokens, steps = [], []
+    while sched.has_unfinished_requests():
         plan = sched.schedule()
-        if plan.path == "fused" and plan.num_tokens == 1:
-            ex.layer_outputs = []
+        decode = plan.path == "fused" and plan.num_tokens == 1
+        ex.layer_outputs = [] if decode else None
         for out in sched.update(plan, ex.execute(plan)):
             tokens.extend(out.new_token_ids)
-    assert len(ex.layer_outputs) == config.num_hidden_layers
+        if decode:
+            assert len(ex.layer_outputs) == config.num_hidden_layers
+            steps.append((plan.scheduled_requests[0].start_position, ex.layer_outputs))
+    assert len(steps) == decode_steps
     expected = []
     FlintReference(config, ckpt.weights, dtype=torch.float32, device="cuda").forward(
-        prompt + tokens[:1], hidden_out=expected)
-    for i, (got, want) in enumerate(zip(ex.layer_outputs, expected, strict=True)):
-        want = want[-1]
-        error = float((got[0].float() - want).norm() / want.norm())
-        assert error < 2e-2, f"layer {i}: relative error {error:.3e}"
+        prompt + tokens[:decode_steps], hidden_out=expected)
+    for i in range(config.num_hidden_layers):
+        errors = sorted(float((outputs[i][0].float() - expected[i][pos]).norm() / expected[i][pos].norm())
+                        for pos, outputs in steps)
+        assert errors[len(errors) // 2] < 2e-2 and errors[-1] < 0.3, f"layer {i}: relative errors {errors}"
 
 
 @pytest.mark.parametrize("first_graph_layers", [0, 1])

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from flint_sched.kernels import (grouped_gate_up, grouped_linear, moe_grouped, moe_routing_workspace,
                                  route_and_sort)
+from flint_sched.kernels.linear import concat_rows
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize
 from gpu_checks import assert_close_bf16, gen, poisoned
 
@@ -242,24 +243,39 @@ def test_moe_grouped_cuda_graph_with_pdl(small_moe):
 # ---- dense -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("fmt,cublas", [("bf16", False), ("bf16", None), ("nvfp4", None)])
 @pytest.mark.parametrize("n,k", [(200, 512), (2056, 2048), (256, 2048)])
 @pytest.mark.parametrize("m", [1, 9, 100, 256, 1000])
-def test_grouped_linear(m, n, k, fmt):
+def test_grouped_linear(m, n, k, fmt, cublas):
+    """Our kernel (cublas=False, and NVFP4), or what the launcher picks for BF16 (cuBLAS)."""
     g = gen(m * 7 + n)
     w = make_weight(fmt, n, k, g=g)
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     residual = torch.randn(m, n, device="cuda", generator=g).bfloat16()
     ref = x.float() @ dense(w).t()
-    y = grouped_linear(x, w, out=poisoned(m, n))
+    y = grouped_linear(x, w, out=poisoned(m, n), cublas=cublas)
     assert_close_bf16(y, ref, f"{fmt} grouped_linear M={m} N={n}")
-    y = grouped_linear(x, w, residual=residual, out=poisoned(m, n))
+    y = grouped_linear(x, w, residual=residual, out=poisoned(m, n), cublas=cublas)
     assert_close_bf16(y, ref + residual.float(), f"{fmt} grouped_linear+residual M={m} N={n}")
     y32 = grouped_linear(x, w, out=poisoned(m, n, dtype=torch.float32), out_dtype=torch.float32)
     # fp32 out: only the summation order differs from the reference (K <= 2048 products).
     torch.testing.assert_close(y32, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
     again = grouped_linear(x, w, out_dtype=torch.float32)
     assert torch.equal(y32, again), "two runs differ"
+
+
+@pytest.mark.parametrize("m", [1, 9, 100, 300])
+def test_grouped_linear_row_splits_keep_each_parts_scale(m):
+    """q/k/v stacked by rows (concat_rows), NVFP4: each part's rows use its own tensor scale."""
+    g = gen(m + 11)
+    parts = [make_weight("nvfp4", n, 512, g=g) for n in (256, 64, 64)]
+    for scale, part in zip((1.0, 3.0, 0.25), parts):
+        part.tensor_scale.mul_(scale)
+    fused, splits = concat_rows(parts)
+    x = torch.randn(m, 512, device="cuda", generator=g).bfloat16()
+    ref = torch.cat([x.float() @ dense(p).t() for p in parts], dim=1)
+    y = grouped_linear(x, fused, out=poisoned(m, 384), row_splits=splits)
+    assert_close_bf16(y, ref, f"q/k/v rows M={m}")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
