@@ -48,12 +48,14 @@ class StepGraphs:
     def __init__(self, device: torch.device, segments: list[tuple[int, int]]):
         self.device, self.segments = device, segments
         self.graphs: dict[tuple, list[torch.cuda.CUDAGraph]] = {}
+        self.last_key: tuple | None = None
         self._pool = None
 
     def run(self, key: tuple, segment: Callable[[int, int], object]) -> None:
         graphs = self.graphs.get(key)
         if graphs is None:
             graphs = self.graphs[key] = self._capture(segment)
+        self.last_key = key
         for graph in graphs:
             graph.replay()
 
