@@ -54,7 +54,10 @@ SCRIPTS = {
                         "</tool_call>"],
     "STOP_STRINGS": ["alpha", " beta ", "STOP", " gamma"],
     "LONG_STORY": ["word "] * 40,
-    "SLOW_STORY": ["word ", {"sleep_s": 0.02}] * 100,          # about 2 s, however many run at once
+    "SLOW_STORY": ["word ", {"sleep_s": 0.02}] * 50,           # about 1 s, however many run at once
+    "ENDLESS_STORY": ["word ", {"sleep_s": 0.05}] * 2000,      # 100 s: ended by a shutdown
+    "QUICK_ANSWER": ["quick", {"sleep_s": 0.5}, " answer"],
+    "HUNG_GPU_STEP": ["a", {"sleep_s": 3600}, "b"],             # for servers with a step watchdog
 }
 
 

@@ -28,7 +28,7 @@ from flint_sched.sampling_params import SamplingParams
 from flint_sched.tokenizer import FlintTokenizer
 
 logger = logging.getLogger(__name__)
-WORKER_JOIN_TIMEOUT_S = 10.0         # how long shutdown waits for the step in flight
+WORKER_JOIN_TIMEOUT_S = 2.0          # how long shutdown waits for the step in flight (a hung one: in vain)
 
 
 class StepTimeoutError(EngineError):
