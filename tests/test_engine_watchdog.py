@@ -42,12 +42,13 @@ async def drain(stream):
 async def test_a_hung_step_fails_requests_and_frees_everything(parts):
     engine = build_engine(parts)
     hanging = HangingExecutor(engine.executor)
-    engine.executor, engine.step_timeout_s = hanging, 0.5
+    engine.executor = hanging
     engine.start()
     try:
         params = SamplingParams(max_tokens=4, temperature=0)
         done = await drain(engine.add_request([1, 2, 3], params))
         assert done[-1].finished and done[-1].outputs[0].finish_reason == "length"
+        engine.step_timeout_s = 0.5           # from here on every step hangs: no slow real step can trip it
         hanging.hang.set()
         stream = engine.add_request([4, 5, 6], SamplingParams(max_tokens=50, ignore_eos=True))
         with pytest.raises(StepTimeoutError, match="has not returned after 0.5 s"):
