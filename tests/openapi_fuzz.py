@@ -14,7 +14,8 @@ WORDS = ("user", "assistant", "system", "tool", "developer", "function", "text",
          '{"city": "Oslo"}', "[[[", "\x00", "\ud800", "flint-scripted", "json_object")
 EDGE_INTEGERS = (-2**63, -1, 2**31, 2**63 - 1, 2**64, 10**30)
 
-json_leaf = st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
+json_leaf = (st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=False, allow_infinity=False)
+             | st.text(max_size=12))
 any_json = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=3)
                         | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
 strings = st.sampled_from(WORDS) | st.text(max_size=16)
