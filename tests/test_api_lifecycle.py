@@ -7,7 +7,6 @@ import signal
 import time
 
 import httpx
-import pytest
 from api_server import API_KEY, SCRIPTED_MODEL, own_server, shared_server, sse_events
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
