@@ -2,6 +2,8 @@
 
 Component schemas come from msgspec.json.schema_components over every request and response struct,
 so the document cannot drift from what the server decodes and encodes. Built once, then cached.
+Streamed responses are described event by event with OpenAPI 3.2's `itemSchema` for
+`text/event-stream`: each event's `data` is a chunk (JSON) or the final `[DONE]`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,16 @@ _ROUTES = (
     ("get", "/version", "The server's version", None, "VersionResponse", None),
 )
 _ERRORS = {"400": "Bad request (also an unknown model)", "401": "Missing or wrong API key",
-           "413": "Request body too large", "503": "The engine is not running"}
+           "413": "Request body too large", "500": "The engine failed while running the request",
+           "503": "The engine is not running, or the server is shutting down"}
+
+
+def _event_schema(chunk: str) -> dict:
+    """One server-sent event of a stream: `data:` a chunk as JSON, an error body, or `[DONE]`."""
+    as_json = [{"contentMediaType": "application/json", "contentSchema": _ref(name)}
+               for name in (chunk, "ErrorResponse")]
+    return {"type": "object", "required": ["data"],
+            "properties": {"data": {"oneOf": [*as_json, {"const": "[DONE]"}]}}}
 
 
 def _ref(name: str) -> dict:
@@ -38,8 +49,8 @@ def _ref(name: str) -> dict:
 def _operation(summary: str, request: str | None, response: str, chunk: str | None) -> dict:
     content = {"application/json": {"schema": _ref(response)}}
     if chunk is not None:
-        content["text/event-stream"] = {"schema": {"type": "string", "description":
-                                        f"`data: <{chunk}>` events, then `data: [DONE]`"}}
+        content["text/event-stream"] = {"itemSchema": _event_schema(chunk), "description":
+                                        f"`data: <{chunk}>` events, then `data: [DONE]`"}
     operation = {"summary": summary, "responses": {"200": {"description": "OK", "content": content}}}
     for status, description in _ERRORS.items():
         operation["responses"][status] = {"description": description,
@@ -63,7 +74,7 @@ def openapi_document() -> bytes:
         "description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}}
     paths["/openapi.json"] = {"get": {"summary": "This document", "responses": plain}}
     document = {
-        "openapi": "3.1.0",
+        "openapi": "3.2.0",
         "info": {"title": "flint-sched", "version": __version__,
                  "description": "An OpenAI-compatible server for the Flint model."},
         "paths": paths,

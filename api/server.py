@@ -3,15 +3,19 @@
 The engine is made and started inside the app's lifespan (so on the server's event loop) and shut
 down with it. Every error leaves as OpenAI's error body; `/v1/*` needs the API key when one is set,
 every other route stays open. Request bodies are read up to `max_request_body_bytes` (else 413).
+The event loop only routes: decoding, validating, rendering and tokenizing a request run on the
+`prepare` threads (`ServingContext.off_loop`). Shutdown and engine death: lifecycle.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,29 +23,22 @@ from types import MappingProxyType
 
 import msgspec
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from flint_sched import __version__
 from flint_sched.api import errors
 from flint_sched.api.errors import error_response
+from flint_sched.api.lifecycle import FlintServer, Lifecycle
+from flint_sched.api.limits import check_json_depth, check_text_fits, max_chars_per_token
 from flint_sched.api.metrics import CONTENT_TYPE, MeteredExecutor, ServerMetrics
 from flint_sched.api.openapi import openapi_document
 from flint_sched.api.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
-from flint_sched.api.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-    VersionResponse,
-    decode_request,
-    tool_dicts,
-)
-from flint_sched.api.serving_chat import create_chat_completion, render_messages
+from flint_sched.api.protocol import ModelCard, ModelList, VersionResponse, decode_request
+from flint_sched.api.serving_chat import create_chat_completion
 from flint_sched.api.serving_completions import create_completion
+from flint_sched.api.serving_tokenization import detokenize, tokenize
 from flint_sched.api.tool_choice import ToolFlags
 from flint_sched.engine.builder import EngineParts, build_engine, build_parts
 from flint_sched.engine.config import EngineConfig
@@ -49,6 +46,9 @@ from flint_sched.tokenizer import default_chat_template
 
 logger = logging.getLogger("flint_sched.api")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
+DEFAULT_ENGINE_ITERATION_TIMEOUT_S = 300.0     # NOTE: a GPU's first steps compile kernels and capture graphs
+NUM_PREPARE_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class ServerConfig:
     chat_template: str | None = None                 # the template text; None: the checkpoint's or ours
     default_chat_template_kwargs: Mapping = field(default_factory=dict)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -83,6 +84,8 @@ class ServerConfig:
                            MappingProxyType(dict(self.default_chat_template_kwargs)))
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"shutdown timeout must be >= 0 seconds, got {self.shutdown_timeout_s}")
 
     @property
     def tool_flags(self) -> ToolFlags:
@@ -103,9 +106,13 @@ def resolve_chat_template(value: str | None) -> str | None:
 class EngineState:
     """The parts an engine is built from (loaded before serving) and the engine once started."""
 
-    def __init__(self, parts: EngineParts, model_root: str):
+    def __init__(self, parts: EngineParts, model_root: str,
+                 step_timeout_s: float | None = DEFAULT_ENGINE_ITERATION_TIMEOUT_S):
+        if step_timeout_s is not None and not step_timeout_s >= 0:
+            raise ValueError(f"engine iteration timeout must be >= 0 seconds, got {step_timeout_s}")
         self.parts = parts
         self.model_root = model_root
+        self.step_timeout_s = step_timeout_s
         self.tokenizer = parts.checkpoint.tokenizer
         self.max_model_len = parts.scheduler_config.max_model_len
         self.engine = None
@@ -113,15 +120,13 @@ class EngineState:
     def start(self, metrics: ServerMetrics) -> None:
         metered = MeteredExecutor(self.parts.executor, metrics.on_plan)
         self.engine = build_engine(dataclasses.replace(self.parts, executor=metered))
+        self.engine.step_timeout_s = self.step_timeout_s
         self.engine.start()
 
     async def stop(self) -> None:
         if self.engine is None:
             return
-        try:
-            await self.engine.shutdown()
-        except Exception:                       # the loop died earlier; that was logged then
-            logger.warning("the engine loop had died before shutdown")
+        await self.engine.shutdown()
 
     @property
     def is_healthy(self) -> bool:
@@ -136,7 +141,23 @@ class ServingContext:
     config: ServerConfig
     metrics: ServerMetrics
     chat_template: str
+    lifecycle: Lifecycle
     created: int = field(default_factory=lambda: int(time.time()))
+    prepare_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        NUM_PREPARE_THREADS, thread_name_prefix="flint-prepare"))
+
+    def __post_init__(self) -> None:
+        self.chars_per_token = max_chars_per_token(self.state.tokenizer)
+
+    def encode(self, text: str, param: str | None = None) -> list[int]:
+        """Prompt text to ids (off the loop): refused unread when it surely cannot fit the context."""
+        check_text_fits(text, self.chars_per_token, self.max_model_len, param)
+        # NOTE: encode_batch releases the GIL while it runs (encode does not), so the loop keeps routing
+        return self.tokenizer.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+    async def off_loop(self, fn: Callable, *args):
+        """fn(*args) on a prepare thread: anything that grows with the request's size goes here."""
+        return await asyncio.get_running_loop().run_in_executor(self.prepare_pool, fn, *args)
 
     @property
     def engine(self):
@@ -174,10 +195,14 @@ class ServingContext:
 
     @staticmethod
     def decode(body: bytes, schema):
+        """The typed request (call it off the loop); 400 for bad JSON, deep nesting or wrong types."""
+        check_json_depth(body)
         try:
             return decode_request(body, schema)
         except msgspec.DecodeError as error:
             raise errors.invalid_json(error) from error
+        except RecursionError as error:                  # NOTE: a smaller thread stack than expected
+            raise errors.bad_request("the request body nests JSON too deeply") from error
 
 
 async def read_body(request: Request, limit_bytes: int) -> bytes:
@@ -203,7 +228,13 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
 def _post(handler):
     async def endpoint(request: Request) -> Response:
         ctx: ServingContext = request.app.state.ctx
-        return await handler(ctx, request, await read_body(request, ctx.config.max_request_body_bytes))
+        if ctx.lifecycle.draining:
+            raise errors.unavailable("the server is shutting down")
+        try:
+            body = await read_body(request, ctx.config.max_request_body_bytes)
+        except ClientDisconnect:
+            return Response(status_code=499)             # the client left while sending: nobody to answer
+        return await handler(ctx, request, body)
     return endpoint
 
 
@@ -223,33 +254,8 @@ def list_models(ctx: ServingContext) -> Response:
     return _json(ModelList(data=cards))
 
 
-async def tokenize(ctx: ServingContext, request: Request, body: bytes) -> Response:
-    """Text, or messages through the chat template, to token ids."""
-    req: TokenizeRequest = ctx.decode(body, TokenizeRequest)
-    ctx.model_name(req.model)
-    if (req.prompt is None) == (req.messages is None):
-        raise errors.bad_request("give exactly one of `prompt` and `messages`", "prompt")
-    text = req.prompt
-    if req.messages is not None:
-        text = render_messages(ctx, req.messages, tool_dicts(req.tools), req.chat_template_kwargs,
-                               req.add_generation_prompt)
-    ids = ctx.tokenizer.encode(text)
-    strs = [ctx.tokenizer.decode([i]) for i in ids] if req.return_token_strs else None
-    return _json(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs))
-
-
-async def detokenize(ctx: ServingContext, request: Request, body: bytes) -> Response:
-    req: DetokenizeRequest = ctx.decode(body, DetokenizeRequest)
-    ctx.model_name(req.model)
-    vocab_size = ctx.state.parts.checkpoint.config.vocab_size
-    bad = [t for t in req.tokens if not 0 <= t < vocab_size]
-    if bad:
-        raise errors.bad_request(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "tokens")
-    return _json(DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens)))
-
-
 def health(ctx: ServingContext) -> Response:
-    return Response(status_code=200 if ctx.state.is_healthy else 503)
+    return Response(status_code=200 if ctx.state.is_healthy and not ctx.lifecycle.draining else 503)
 
 
 def metrics(ctx: ServingContext) -> Response:
@@ -280,19 +286,23 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine_state: EngineState, server_config: ServerConfig) -> Starlette:
+def build_app(engine_state: EngineState, server_config: ServerConfig, lifecycle: Lifecycle | None = None) -> Starlette:
     """The Starlette app; its lifespan starts the engine on the serving loop and stops it after."""
     metrics_ = ServerMetrics(server_config.served_model_names[0], lambda: engine_state.engine)
     template = server_config.chat_template or engine_state.tokenizer.chat_template or default_chat_template()
-    ctx = ServingContext(engine_state, server_config, metrics_, template)
+    lifecycle = lifecycle or Lifecycle(server_config.shutdown_timeout_s)
+    ctx = ServingContext(engine_state, server_config, metrics_, template, lifecycle)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
+        lifecycle.loop = asyncio.get_running_loop()
         engine_state.start(metrics_)
+        lifecycle.spawn(lifecycle.supervise(engine_state.engine))
         try:
             yield
         finally:
             await engine_state.stop()
+            ctx.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route("/v1/chat/completions", _post(create_chat_completion), methods=["POST"]),
@@ -311,7 +321,8 @@ def build_app(engine_state: EngineState, server_config: ServerConfig) -> Starlet
     return app
 
 
-def load_engine_state(engine_config: EngineConfig, scripted_executor: str | None = None) -> EngineState:
+def load_engine_state(engine_config: EngineConfig, scripted_executor: str | None = None,
+                      step_timeout_s: float | None = DEFAULT_ENGINE_ITERATION_TIMEOUT_S) -> EngineState:
     """Load the model (making flint-tiny into the cache on first use, with a progress bar); with a
     script file, a ScriptedExecutor replays it instead of running the model (tests only)."""
     parts = build_parts(engine_config, progress=True)
@@ -320,14 +331,16 @@ def load_engine_state(engine_config: EngineConfig, scripted_executor: str | None
 
         executor = ScriptedExecutor.from_file(scripted_executor, parts.checkpoint.tokenizer)
         parts = dataclasses.replace(parts, executor=executor)
-    return EngineState(parts, str(engine_config.model or "flint-tiny"))
+    return EngineState(parts, str(engine_config.model or "flint-tiny"), step_timeout_s)
 
 
 def serve(engine_state: EngineState, server_config: ServerConfig) -> int:
-    """Serve until interrupted (uvicorn handles SIGINT / SIGTERM)."""
+    """Serve until a signal drains the server (0) or the engine dies (EXIT_ENGINE_DIED)."""
     import uvicorn
 
-    app = build_app(engine_state, server_config)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
-                timeout_graceful_shutdown=5)
-    return 0
+    lifecycle = Lifecycle(server_config.shutdown_timeout_s)
+    app = build_app(engine_state, server_config, lifecycle)
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                            log_level=server_config.log_level, timeout_graceful_shutdown=5)
+    FlintServer(config, lifecycle, lambda: engine_state.engine).run()
+    return lifecycle.exit_code

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from flint_sched.api.errors import bad_request, from_value_error
+from flint_sched.api.limits import check_tool_call_arguments
 from flint_sched.api.parsers import OutputDelta, OutputParser, make_output_parser
 from flint_sched.api.protocol import (
     ChatMessage,
@@ -95,10 +96,12 @@ def render_messages(ctx: ServingContext, messages: list[ChatMessage], tools: lis
                            add_generation_prompt=add_generation_prompt, **kwargs)
     except ValueError as error:
         raise bad_request(str(error), "messages") from error
+    except RecursionError as error:
+        raise bad_request("the conversation nests too deeply for the chat template", "messages") from error
 
 
 def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> PreparedChat:
-    """Validates and renders (APIError 4xx on bad input); no engine work yet."""
+    """Validates and renders (APIError 4xx on bad input); no engine work yet. Runs off the loop."""
     model = ctx.model_name(request.model)
     policy = tool_policy(request, ctx.config.tool_flags)
     if request.stream_options is not None and not request.stream:
@@ -112,11 +115,12 @@ def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> Prepare
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+    check_tool_call_arguments(request.messages)
     prompt = render_messages(ctx, request.messages, policy.template_tools, request.chat_template_kwargs)
     prompt_suffix, parser_prefix = force_call(policy, prompt)
     prompt += prompt_suffix
     thinking = ends_in_reasoning(prompt)
-    prompt_ids = ctx.tokenizer.encode(prompt)
+    prompt_ids = ctx.encode(prompt, "messages")
     reasoning_parser = ctx.config.reasoning_parser
     # NOTE: the parsers read GLM's tags, which are special tokens in our vocabulary: keep them in the text
     parses = reasoning_parser is not None or policy.parser_tools is not None
@@ -235,8 +239,8 @@ async def chat_events(ctx: ServingContext, prepared: PreparedChat, stream) -> As
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request, body: bytes) -> Response:
-    chat = ctx.decode(body, ChatCompletionRequest)
-    prepared = prepare_chat(ctx, chat)
+    prepared = await ctx.off_loop(lambda: prepare_chat(ctx, ctx.decode(body, ChatCompletionRequest)))
+    chat = prepared.request
     guard = ExchangeGuard(ctx.engine, ctx.metrics, request.receive)
     try:
         stream = guard.add(prepared.prompt_token_ids, prepared.params, prepared.request_id)

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from flint_sched.api.errors import bad_request, from_value_error
+from flint_sched.api.limits import MAX_CHOICES_PER_REQUEST, too_long
 from flint_sched.api.protocol import MIN_LOGPROB, clamp_logprob, sampling_params, token_text, usage
 from flint_sched.api.protocol_completions import (
     CompletionChoice,
@@ -80,10 +81,17 @@ def check_supported(request: CompletionRequest) -> None:
 
 
 def prepare_prompts(ctx: ServingContext, request: CompletionRequest) -> list[PreparedPrompt]:
+    """Validates and tokenizes every prompt (APIError 4xx on bad input). Runs off the loop."""
     check_supported(request)
+    prompts = split_prompts(request.prompt)
+    if len(prompts) * request.n > MAX_CHOICES_PER_REQUEST:
+        raise bad_request(f"{len(prompts)} prompts x n={request.n} choices: at most {MAX_CHOICES_PER_REQUEST} "
+                          "choices per request", "prompt")
     prepared = []
-    for prompt in split_prompts(request.prompt):
-        ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    for prompt in prompts:
+        if not isinstance(prompt, str) and len(prompt) >= ctx.max_model_len:
+            raise too_long(len(prompt), ctx.max_model_len, "prompt")
+        ids = ctx.encode(prompt, "prompt") if isinstance(prompt, str) else prompt
         text = prompt if isinstance(prompt, str) else (ctx.tokenizer.decode(ids) if request.echo else "")
         try:
             params = sampling_params(request, max_tokens=ctx.max_tokens(request.max_tokens, len(ids)),
@@ -183,9 +191,11 @@ async def final_outputs(streams: list[AsyncIterator[RequestOutput]], guard: Exch
 
 
 async def create_completion(ctx: ServingContext, request: Request, body: bytes) -> Response:
-    completion = ctx.decode(body, CompletionRequest)
-    model = ctx.model_name(completion.model)
-    prompts = prepare_prompts(ctx, completion)
+    def prepare() -> tuple[CompletionRequest, str, list[PreparedPrompt]]:
+        completion = ctx.decode(body, CompletionRequest)
+        return completion, ctx.model_name(completion.model), prepare_prompts(ctx, completion)
+
+    completion, model, prompts = await ctx.off_loop(prepare)
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     guard = ExchangeGuard(ctx.engine, ctx.metrics, request.receive)
     try:

@@ -62,15 +62,14 @@ class DisconnectWatcher:
 
 async def until_disconnect(stream: AsyncIterator[T], watcher: DisconnectWatcher) -> AsyncIterator[T]:
     """Items of `stream` until it ends or the client goes; the pending read is then cancelled,
-    which runs the engine stream's cleanup (abort) inside it."""
+    which runs the engine stream's cleanup (abort) inside it. So is a read pending when this
+    generator is itself cancelled (a server shutting down): `stream` is closed only once idle."""
+    step: asyncio.Future | None = None
     try:
         while True:
             step = asyncio.ensure_future(anext(stream))
             await asyncio.wait((step, watcher.task), return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                step.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                    await step
                 return
             try:
                 item = step.result()
@@ -78,6 +77,10 @@ async def until_disconnect(stream: AsyncIterator[T], watcher: DisconnectWatcher)
                 return
             yield item
     finally:
+        if step is not None and not step.done():
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
+                await step
         await stream.aclose()
 
 

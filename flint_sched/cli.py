@@ -94,6 +94,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help='JSON object of chat template kwargs, e.g. \'{"enable_thinking": false}\'')
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="larger request bodies get 413 (default: 32 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=None, metavar="SECONDS",
+                   help="on SIGTERM / SIGINT, let requests in flight run this long, then abort the rest "
+                        "(default: 20; 0: abort at once)")
+    p.add_argument("--engine-iteration-timeout-s", type=float, default=None, metavar="SECONDS",
+                   help="the step watchdog: a step running longer ends the engine and the process exits with "
+                        "status 1 (default: 300, which covers first-step kernel compilation and graph capture; "
+                        "0: no watchdog)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     p.add_argument("--scripted-executor", default=None, help=argparse.SUPPRESS)   # tests: replay a script
@@ -101,7 +108,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from flint_sched.api.server import (
+        DEFAULT_ENGINE_ITERATION_TIMEOUT_S,
         DEFAULT_MAX_REQUEST_BODY_BYTES,
+        DEFAULT_SHUTDOWN_TIMEOUT_S,
         ServerConfig,
         load_engine_state,
         resolve_chat_template,
@@ -120,13 +129,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_template=resolve_chat_template(args.chat_template),
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+        shutdown_timeout_s=DEFAULT_SHUTDOWN_TIMEOUT_S if args.shutdown_timeout is None else args.shutdown_timeout,
         log_level=args.uvicorn_log_level)
     engine_config = EngineConfig(
         model=model, load_format=args.load_format, weight_format=args.weight_format,
         hf_config_path=args.hf_config_path, tokenizer=args.tokenizer, device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization)
-    return serve(load_engine_state(engine_config, args.scripted_executor), server_config)
+    step_timeout_s = args.engine_iteration_timeout_s
+    step_timeout_s = DEFAULT_ENGINE_ITERATION_TIMEOUT_S if step_timeout_s is None else step_timeout_s
+    if not step_timeout_s >= 0:
+        raise ValueError(f"--engine-iteration-timeout-s must be >= 0, got {step_timeout_s}")
+    return serve(load_engine_state(engine_config, args.scripted_executor, step_timeout_s), server_config)
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:

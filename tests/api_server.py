@@ -24,6 +24,7 @@ SCRIPTED_MODEL = "flint-scripted"
 SCRIPTED_BODY_LIMIT = 1 << 20
 STARTUP_TIMEOUT_S = 60.0
 _STASH = pytest.StashKey[dict]()
+_BASE = pytest.StashKey[Path]()
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather forecast for a city",
@@ -53,6 +54,10 @@ SCRIPTS = {
                         "</tool_call>"],
     "STOP_STRINGS": ["alpha", " beta ", "STOP", " gamma"],
     "LONG_STORY": ["word "] * 40,
+    "SLOW_STORY": ["word ", {"sleep_s": 0.02}] * 50,           # about 1 s, however many run at once
+    "ENDLESS_STORY": ["word ", {"sleep_s": 0.05}] * 2000,      # 100 s: ended by a shutdown
+    "QUICK_ANSWER": ["quick", {"sleep_s": 0.5}, " answer"],
+    "HUNG_GPU_STEP": ["a", {"sleep_s": 3600}, "b"],             # for servers with a step watchdog
 }
 
 
@@ -125,11 +130,28 @@ def make_checkpoint_once(cache_dir: Path) -> None:
             os.environ["FLINT_SCHED_CACHE"] = previous
 
 
+def session_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's server directory: the checkpoint cache, SCRIPTS as script.json, the logs."""
+    if _BASE not in config.stash:
+        base = tmp_path_factory.mktemp("api-servers")
+        make_checkpoint_once(base / "cache")
+        (base / "script.json").write_text(json.dumps(SCRIPTS), encoding="utf-8")
+        config.stash[_BASE] = base
+    return config.stash[_BASE]
+
+
+def own_server(request: pytest.FixtureRequest, name: str, args: list[str]) -> ServerProcess:
+    """A scripted server of the test's own (one it may stop or break), ready; stopped after the test."""
+    base = session_dir(request.config, request.getfixturevalue("tmp_path_factory"))
+    server = start_server(name, ["--scripted-executor", str(base / "script.json"), *args], base / "cache", base)
+    request.addfinalizer(server.stop)
+    server.wait_ready()
+    return server
+
+
 def _start_all(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> dict[str, ServerProcess]:
-    base = tmp_path_factory.mktemp("api-servers")
-    make_checkpoint_once(base / "cache")
+    base = session_dir(config, tmp_path_factory)
     script = base / "script.json"
-    script.write_text(json.dumps(SCRIPTS), encoding="utf-8")
     tools = ["--enable-auto-tool-choice", "--tool-call-parser", "glm47", "--reasoning-parser", "glm47"]
     servers = {
         "real": start_server("real", [*tools, "--max-model-len", "2048", "--max-num-seqs", "64"],

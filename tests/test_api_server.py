@@ -179,7 +179,7 @@ def test_tokenize_detokenize_round_trip(http):
 
 def test_openapi_document_is_valid(http):
     doc = http.get("/openapi.json").json()
-    assert doc["openapi"].startswith("3.1")
+    assert doc["openapi"].startswith("3.2")
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
                  "/metrics", "/version"):
         assert path in doc["paths"], path
@@ -197,6 +197,10 @@ def test_openapi_document_is_valid(http):
 
     for ref in refs(doc):
         assert ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in schemas, ref
+    events = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    data = events["itemSchema"]["properties"]["data"]["oneOf"]
+    assert data[0]["contentSchema"] == {"$ref": "#/components/schemas/ChatCompletionChunk"}
+    assert data[-1] == {"const": "[DONE]"}
     chat = schemas["ChatCompletionRequest"]
     assert "messages" in chat["required"] and chat["properties"]["messages"]["minItems"] == 1
     assert "tool_choice" in chat["properties"] and "top_k" in chat["properties"]

@@ -178,6 +178,8 @@ def test_server_config_and_chat_template_flag(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--enable-auto-tool-choice"], "--tool-call-parser"),
+    (["serve", "--shutdown-timeout", "-1"], "shutdown timeout must be >= 0"),
+    (["serve", "--engine-iteration-timeout-s", "-1"], "--engine-iteration-timeout-s must be >= 0"),
     (["serve", "--chat-template", "/nonexistent/template.jinja"], "no such file"),
 ])
 def test_serve_refuses_bad_flags(argv, message, capsys):

@@ -5,6 +5,8 @@
 The scheduler is touched only from the event loop; the executor runs in one worker thread, so the
 CPU work of step N (detokenize, stop strings, streams) overlaps the model work of step N+1. Blocks
 freed while N+1 runs are reallocated only by the next schedule(), after N+1 has finished.
+Watchdog: a step running past `step_timeout_s` kills the loop (a hung GPU never returns); a dead
+loop fails every request in flight, and `join()` tells its owner why, so the server can exit.
 """
 
 from __future__ import annotations
@@ -15,17 +17,22 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from flint_sched.core.plan import RequestStepOutput, StepPlan, StepResult
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.engine.output_processor import ChoiceState
 from flint_sched.engine.outputs import CompletionOutput, EngineError, RequestOutput
+from flint_sched.engine.step_worker import StepWorker
 from flint_sched.sampling_params import SamplingParams
 from flint_sched.tokenizer import FlintTokenizer
 
 logger = logging.getLogger(__name__)
+WORKER_JOIN_TIMEOUT_S = 2.0          # how long shutdown waits for the step in flight (a hung one: in vain)
+
+
+class StepTimeoutError(EngineError):
+    """The watchdog: a step ran past the engine's step timeout."""
 
 
 @dataclass(eq=False)
@@ -44,7 +51,8 @@ class _Request:
 class AsyncEngine:
     """Owns the scheduler and the executor; see the module docstring for the loop."""
 
-    def __init__(self, scheduler: Scheduler, executor, tokenizer: FlintTokenizer, vocab_size: int):
+    def __init__(self, scheduler: Scheduler, executor, tokenizer: FlintTokenizer, vocab_size: int,
+                 step_timeout_s: float | None = None):
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
@@ -54,7 +62,8 @@ class AsyncEngine:
         self._choice_owner: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flint-step")
+        self.step_timeout_s = step_timeout_s          # None or 0: no watchdog
+        self._worker: StepWorker | None = None
         self._task: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
         self.num_preemptions = 0
@@ -63,23 +72,44 @@ class AsyncEngine:
 
     def start(self) -> None:
         if self._task is None:
+            self._worker = StepWorker()
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="flint-engine-loop")
 
     @property
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done() and self.dead_error is None
 
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    async def join(self) -> BaseException | None:
+        """Waits until the loop ends: why it died, or None when it was shut down (or never started)."""
+        task = self._task
+        if task is not None:
+            await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()                # retrieved here; dead_error says the same
+        return self.dead_error
+
     async def shutdown(self) -> None:
-        """Stop the loop, end every open stream with an error, free everything."""
+        """Stop the loop, end every open stream with an error, free everything. A step still
+        running (a hung one) is waited for only WORKER_JOIN_TIMEOUT_S: its thread is a daemon."""
         if self._task is not None:
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            except Exception:                   # the loop had died; dead_error holds why, logged then
+                pass
             self._task = None
         self._fail_all(EngineError("the engine was shut down"))
-        self._worker.shutdown(wait=True)
+        if self._worker is not None:
+            self._worker.shutdown()
+            if self.dead_error is None and not await asyncio.to_thread(self._worker.join, WORKER_JOIN_TIMEOUT_S):
+                logger.warning("a step was still running %.0f s after shutdown", WORKER_JOIN_TIMEOUT_S)
+            self._worker = None
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -115,6 +145,9 @@ class AsyncEngine:
     def _validate(self, prompt_ids: list[int], p: SamplingParams) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                             f"prompt has {len(prompt_ids)}")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
@@ -141,6 +174,13 @@ class AsyncEngine:
             if not request.finished:           # the consumer left early (disconnect, break, cancel)
                 self.abort(request.request_id)
 
+    def abort_all(self) -> int:
+        """Finish every request now with "abort" (a drain that ran out of time); how many there were."""
+        requests = list(self._requests.values())
+        for request in requests:
+            self._end(request, None)
+        return len(requests)
+
     def abort(self, request_id: str) -> bool:
         """Finish a request now with "abort", freeing its blocks and ring slots."""
         request = self._requests.get(request_id)
@@ -165,44 +205,58 @@ class AsyncEngine:
     # -- the loop ------------------------------------------------------------------------------
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         in_flight: tuple[StepPlan, asyncio.Future] | None = None
         try:
             while True:
                 if in_flight is None:
-                    in_flight = self._start_step(loop)
+                    in_flight = self._start_step()
                     if in_flight is None:
                         self._wakeup.clear()
                         await self._wakeup.wait()
                         continue
                 plan, future = in_flight
                 try:
-                    result: StepResult = await future
+                    result: StepResult = await self._finish_step(future)
+                except StepTimeoutError:
+                    raise
                 except Exception as e:  # a failing step fails its requests, the loop goes on
                     logger.exception("step failed")
                     self._fail_plan(plan, e)
                     in_flight = None
                     continue
                 outputs = self.scheduler.update(plan, result)
-                in_flight = self._start_step(loop)
+                in_flight = self._start_step()
                 self._process(outputs)
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except BaseException as e:
-            logger.exception("the engine loop died")
+            if isinstance(e, StepTimeoutError):
+                logger.critical("the engine loop stops: %s", e)
+            else:
+                logger.exception("the engine loop died")
             self.dead_error = e
-            self._fail_all(EngineError(f"the engine loop died: {e!r}"))
+            self._fail_all(e if isinstance(e, StepTimeoutError) else EngineError(f"the engine loop died: {e!r}"))
             raise
 
-    def _start_step(self, loop: asyncio.AbstractEventLoop) -> tuple[StepPlan, asyncio.Future] | None:
+    async def _finish_step(self, future: asyncio.Future) -> StepResult:
+        """The step's result, or StepTimeoutError once it has run past the watchdog's limit."""
+        if not self.step_timeout_s:
+            return await future
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.step_timeout_s)
+        except TimeoutError:
+            raise StepTimeoutError(f"a step has not returned after {self.step_timeout_s:g} s (the engine "
+                                   "iteration timeout); the executor is hung") from None
+
+    def _start_step(self) -> tuple[StepPlan, asyncio.Future] | None:
         if not self.scheduler.has_unfinished_requests():
             return None
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted_request_ids)
         if plan.is_empty:
             return None
-        return plan, loop.run_in_executor(self._worker, self.executor.execute, plan)
+        return plan, self._worker.submit(self.executor.execute, plan)
 
     def _process(self, outputs: list[RequestStepOutput]) -> None:
         for step in outputs:
