@@ -35,7 +35,7 @@ ENTRY_POINTS = (
     *(("grouped_gemm.cu", f"grouped_{op}_{fmt}") for op in ("linear", "gate_up", "moe_gate_up", "moe_down")
       for fmt in ("bf16", "nvfp4")),
     ("moe_routing.cu", "moe_topk"), ("moe_routing.cu", "moe_sort"), ("moe_routing.cu", "moe_route"),
-    ("moe_routing.cu", "moe_finalize"),
+    ("moe_routing.cu", "moe_finalize"), ("nvfp4_dequant.cu", "nvfp4_to_bf16"),
 )
 
 __all__ = [

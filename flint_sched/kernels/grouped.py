@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
 from flint_sched.kernels.hardware import sm_count
@@ -106,18 +107,49 @@ def out_buffer(out: torch.Tensor | None, name: str, shape: tuple[int, ...], dtyp
 # ---- dense launchers -------------------------------------------------------------------------
 
 
+CUBLAS_MIN_ROWS_NVFP4 = 17   # NVFP4 weights go to dequantize + cuBLAS from this many rows on
+
+
+def use_cublas(fmt: str, num_rows: int, cublas: bool | None) -> bool:
+    """Where cuBLAS serves a call (None: as measured on the H200, benchmarks/RESULTS.md): BF16
+    weights always (q/k/v at 16 / 256 rows: 7.9 / 10.2 µs against 13.0 / 53.9 for our kernel);
+    NVFP4 weights from CUBLAS_MIN_ROWS_NVFP4 rows on, dequantized to bf16 once per call (our kernel
+    decodes each weight again for every 64-row chunk: q/k/v at 256 rows took 70 µs, the LM head
+    1.5 ms). NOTE: the dequantized weights are rounded to bf16 (value x tensor scale, 2^-9 relative),
+    as a BF16 checkpoint's are; our kernel keeps the block values exact and scales the fp32 sums."""
+    if cublas is not None:
+        return cublas
+    return fmt == "bf16" or num_rows >= CUBLAS_MIN_ROWS_NVFP4
+
+
+def _dense_bf16(w: Weight, row_splits: tuple[int, ...], pdl: bool) -> torch.Tensor:
+    from flint_sched.kernels.dequant import dequantize_bf16
+    return w if weight_format(w) == "bf16" else dequantize_bf16(w, row_splits=row_splits, pdl=pdl)
+
+
+@functools.cache
+def mm_out_fp32_supported(device: torch.device) -> bool:
+    """Whether torch.mm takes out_dtype=torch.float32 for bf16 inputs here (CUDA, torch >= 2.8)."""
+    try:
+        a = torch.zeros(16, 16, dtype=torch.bfloat16, device=device)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T with fp32 sums and an fp32 result (cuBLAS), so that an epilogue rounds once."""
+    return torch.mm(x, w.t(), out_dtype=torch.float32)
+
+
 def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                    pdl: bool = False, row_splits: tuple[int, ...] = (), cublas: bool | None = None) -> torch.Tensor:
     """y[M, N] = x @ W^T (+ residual) for any M >= 1: fp32 sums, one rounding to out_dtype
     (bf16, or fp32 for router logits). W: bf16 [N, K] (K % 8 == 0) or NVFP4Tensor (K % 64 == 0).
-    `row_splits`: from `concat_rows` (NVFP4 parts keep their tensor scales).
-
-    `cublas` (None: where measured faster and as exact): BF16 weights, a bf16 output and no residual
-    go to cuBLAS (torch.mm). On the H200 it beat this kernel at every M from 16 to 256 (q/k/v at
-    M = 256: 10.2 against 53.9 µs; benchmarks/RESULTS.md, bench_grouped.py). NOTE: not with a
-    residual: cuBLAS's addmm rounds the product to bf16 before adding it (two roundings, measured
-    past the one-rounding bound of tests/gpu/test_kernel_grouped.py)."""
+    `row_splits`: from `concat_rows` (NVFP4 parts keep their tensor scales). `cublas`: see
+    `use_cublas` (with a residual or an fp32 output, cuBLAS returns fp32 and the sum is rounded
+    once here: its own bf16 epilogue would round the product first)."""
     m, k = check_rows(x)
     n = weight.shape[0]
     if tuple(weight.shape) != (n, k):
@@ -125,16 +157,18 @@ def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | Non
     check_row_splits(row_splits, n)
     fmt = weight_format(weight)
     w_args = weight_args(weight, "weight", (n, k), x.device, len(row_splits) + 1)
-    splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
     if residual is not None:
         check_tensor(residual, "residual", torch.bfloat16, (m, n), x.device, 2)
     y = out_buffer(out, "out", (m, n), out_dtype, x)
-    if cublas is None:
-        cublas = fmt == "bf16" and out_dtype == torch.bfloat16 and residual is None
-    if cublas:
-        if fmt != "bf16" or out_dtype != torch.bfloat16 or residual is not None:
-            raise ValueError("cuBLAS serves bf16 weights with a bf16 output and no residual only")
-        return torch.mm(x, weight.t(), out=y)
+    # An fp32 output (router logits) stays on our kernel: its sums decide the experts, and the
+    # engine's tests bound the logits with the kernel's summation order.
+    if out_dtype == torch.bfloat16 and use_cublas(fmt, m, cublas) and (
+            residual is None or mm_out_fp32_supported(x.device)):
+        w = _dense_bf16(weight, row_splits, pdl)
+        if residual is None:
+            return torch.mm(x, w.t(), out=y)
+        return y.copy_(_mm_f32(x, w).add_(residual))
+    splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
     chunk = dense_chunk(m)
     items, tiles = cdiv(m, chunk), cdiv(n, TILE_ROWS)
     per_cta = tiles_per_cta(items, tiles, chunk, sm_count(x.device))
@@ -146,8 +180,9 @@ def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | Non
 
 
 def grouped_gate_up(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor | None = None,
-                    pdl: bool = False) -> torch.Tensor:
-    """h[M, I] = silu(x @ gate^T) * (x @ up^T) for any M >= 1; gate and up [I, K], one format."""
+                    pdl: bool = False, cublas: bool | None = None) -> torch.Tensor:
+    """h[M, I] = silu(x @ gate^T) * (x @ up^T) for any M >= 1; gate and up [I, K], one format;
+    `cublas` as grouped_linear's (fp32 products, SiLU and product in fp32, one rounding)."""
     m, k = check_rows(x)
     i = gate.shape[0]
     for name, w in (("gate", gate), ("up", up)):
@@ -156,10 +191,13 @@ def grouped_gate_up(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor
     fmt = weight_format(gate, up)
     args = weight_args(gate, "gate", (i, k), x.device) + weight_args(up, "up", (i, k), x.device)
     h = out_buffer(out, "out", (m, i), torch.bfloat16, x)
+    if use_cublas(fmt, m, cublas) and mm_out_fp32_supported(x.device):
+        gate_f32, up_f32 = _mm_f32(x, _dense_bf16(gate, (), pdl)), _mm_f32(x, _dense_bf16(up, (), pdl))
+        return h.copy_(F.silu(gate_f32) * up_f32)
     chunk = dense_chunk(m)
     items, tiles = cdiv(m, chunk), cdiv(i, TILE_ROWS // 2)
     per_cta = tiles_per_cta(items, tiles, chunk, sm_count(x.device))
     gemm_kernel("gate_up", fmt, chunk, per_cta).launch(
-        grid(items, tiles, per_cta), (32 * WARPS,), [h, x, *args, I32(m), I32(i), I32(k)], pdl=pdl,
-        device=x.device.index)
+        grid(items, tiles, per_cta), (32 * WARPS,), [h, x, *args, I32(m), I32(i), I32(k)],
+        pdl=pdl, device=x.device.index)
     return h

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from flint_sched.kernels import (grouped_gate_up, grouped_linear, moe_grouped, moe_routing_workspace,
                                  route_and_sort)
+from flint_sched.kernels.dequant import dequantize_bf16
+from flint_sched.kernels.grouped import use_cublas
 from flint_sched.kernels.linear import concat_rows
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize
 from gpu_checks import assert_close_bf16, gen, poisoned
@@ -47,12 +49,15 @@ def make_moe(fmt, shape, seed=0):
                 shared_up=make_weight(fmt, i, h, g=g), shared_down=make_weight(fmt, h, i, g=g))
 
 
-def dense(w, e=None):
-    """fp32 weight (expert e of a stack): exactly the values the kernels multiply."""
+def dense(w, e=None, cublas_rows=None):
+    """fp32 weight (expert e of a stack): exactly the values the kernels multiply. With
+    `cublas_rows` (a call of that many rows with cublas=None): the bf16-rounded values when the
+    launcher dequantizes NVFP4 for cuBLAS at that size (grouped.use_cublas)."""
     if isinstance(w, NVFP4Tensor):
         if e is not None:
             w = NVFP4Tensor(w.codes[e], w.block_scales[e], w.tensor_scale[e:e + 1])
-        return w.dequantize(torch.float32)
+        rounded = cublas_rows is not None and use_cublas("nvfp4", cublas_rows, None)
+        return w.dequantize(torch.bfloat16 if rounded else torch.float32).float()
     return (w if e is None else w[e]).float()
 
 
@@ -243,22 +248,24 @@ def test_moe_grouped_cuda_graph_with_pdl(small_moe):
 # ---- dense -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt,cublas", [("bf16", False), ("bf16", None), ("nvfp4", None)])
+@pytest.mark.parametrize("fmt,cublas", [("bf16", False), ("bf16", None), ("nvfp4", False), ("nvfp4", None)])
 @pytest.mark.parametrize("n,k", [(200, 512), (2056, 2048), (256, 2048)])
 @pytest.mark.parametrize("m", [1, 9, 100, 256, 1000])
 def test_grouped_linear(m, n, k, fmt, cublas):
-    """Our kernel (cublas=False, and NVFP4), or what the launcher picks for BF16 (cuBLAS)."""
+    """Our kernel (cublas=False), or what the launcher picks (cuBLAS for BF16, and for NVFP4 from 17
+    rows on after dequantizing)."""
     g = gen(m * 7 + n)
     w = make_weight(fmt, n, k, g=g)
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     residual = torch.randn(m, n, device="cuda", generator=g).bfloat16()
-    ref = x.float() @ dense(w).t()
+    ref = x.float() @ dense(w, cublas_rows=m if cublas is None else None).t()
     y = grouped_linear(x, w, out=poisoned(m, n), cublas=cublas)
     assert_close_bf16(y, ref, f"{fmt} grouped_linear M={m} N={n}")
     y = grouped_linear(x, w, residual=residual, out=poisoned(m, n), cublas=cublas)
     assert_close_bf16(y, ref + residual.float(), f"{fmt} grouped_linear+residual M={m} N={n}")
     y32 = grouped_linear(x, w, out=poisoned(m, n, dtype=torch.float32), out_dtype=torch.float32)
-    # fp32 out: only the summation order differs from the reference (K <= 2048 products).
+    # fp32 out (always our kernel): only the summation order differs from the exact reference.
+    ref = x.float() @ dense(w).t()
     torch.testing.assert_close(y32, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
     again = grouped_linear(x, w, out_dtype=torch.float32)
     assert torch.equal(y32, again), "two runs differ"
@@ -273,20 +280,32 @@ def test_grouped_linear_row_splits_keep_each_parts_scale(m):
         part.tensor_scale.mul_(scale)
     fused, splits = concat_rows(parts)
     x = torch.randn(m, 512, device="cuda", generator=g).bfloat16()
-    ref = torch.cat([x.float() @ dense(p).t() for p in parts], dim=1)
-    y = grouped_linear(x, fused, out=poisoned(m, 384), row_splits=splits)
-    assert_close_bf16(y, ref, f"q/k/v rows M={m}")
+    for cublas in (False, None):
+        ref = torch.cat([x.float() @ dense(p, cublas_rows=m if cublas is None else None).t() for p in parts], dim=1)
+        y = grouped_linear(x, fused, out=poisoned(m, 384), row_splits=splits, cublas=cublas)
+        assert_close_bf16(y, ref, f"q/k/v rows M={m} cublas={cublas}")
+    assert torch.equal(dequantize_bf16(fused, row_splits=splits),
+                       torch.cat([p.dequantize(torch.bfloat16) for p in parts])), "dequantized q/k/v rows differ"
 
 
+@pytest.mark.parametrize("n,k", [(1, 64), (7, 128), (384, 2048), (10240, 2048)])
+def test_dequantize_bf16_is_bit_exact(n, k):
+    w = make_weight("nvfp4", n, k, g=gen(n + k))
+    out = poisoned(n, k)
+    assert torch.equal(dequantize_bf16(w, out=out), w.dequantize(torch.bfloat16))
+
+
+@pytest.mark.parametrize("cublas", [False, None])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m", [1, 9, 100, 1000])
-def test_grouped_gate_up(m, fmt):
+def test_grouped_gate_up(m, fmt, cublas):
     g = gen(m + 3)
     i, k = 264, 512
     gate, up = make_weight(fmt, i, k, g=g), make_weight(fmt, i, k, g=g)
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-    ref = F.silu(x.float() @ dense(gate).t()) * (x.float() @ dense(up).t())
-    h = grouped_gate_up(x, gate, up, out=poisoned(m, i))
+    rows = m if cublas is None else None
+    ref = F.silu(x.float() @ dense(gate, cublas_rows=rows).t()) * (x.float() @ dense(up, cublas_rows=rows).t())
+    h = grouped_gate_up(x, gate, up, out=poisoned(m, i), cublas=cublas)
     assert_close_bf16(h, ref, f"{fmt} grouped_gate_up M={m}")
 
 
