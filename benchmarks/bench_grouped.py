@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from flint_sched.benchmarks.graph_timing import num_sets, reps_for, time_graph  # noqa: E402
-from flint_sched.kernels import grouped_linear, grouped_moe, moe_grouped, moe_routing_workspace  # noqa: E402
+from flint_sched.kernels import grouped, grouped_linear, grouped_moe, moe_grouped, moe_routing_workspace  # noqa: E402
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize  # noqa: E402
 
 HIDDEN, EXPERTS, TOP_K, INTER, SCALING = 2048, 256, 6, 512, 2.5
@@ -164,6 +164,9 @@ def main() -> None:
     parser.add_argument("--moe-tiles", type=int, nargs="+", default=[0],
                         help="16-row weight tiles per CTA of the MoE GEMMs to compare (1, 4; 0: the launcher's choice)")
     parser.add_argument("--no-peers", action="store_true", help="skip torch._grouped_mm")
+    parser.add_argument("--define", action="append", default=[], metavar="SETS",
+                        help="compare compile-time settings of the grouped GEMMs, e.g. "
+                             "'NVFP4_UNROLL=8,GG_MIN_CTAS=2' (repeatable; the defaults are always run)")
     args = parser.parse_args()
     global PEERS
     PEERS = not args.no_peers
@@ -186,8 +189,13 @@ def main() -> None:
         sets = [probe] + [moe_set(fmt) for _ in range(num_sets(per_set, MAX_SETS) - 1)]
         for m in args.tokens:
             for tiles in args.moe_tiles:
-                with forced_tiles(tiles):
-                    add(bench_moe(fmt, sets, m, args.pdl, f"moe_grouped t{tiles}" if tiles else "moe_grouped"))
+                for tuning in [""] + args.define:
+                    grouped.TUNING.clear()
+                    grouped.TUNING.update({k: int(v) for k, v in (d.split("=") for d in tuning.split(",") if d)})
+                    name = " ".join(filter(None, ["moe_grouped", f"t{tiles}" if tiles else "", tuning]))
+                    with forced_tiles(tiles):
+                        add(bench_moe(fmt, sets, m, args.pdl, name))
+                grouped.TUNING.clear()
         del sets, probe
         torch.cuda.empty_cache()
     for name, n, k in DENSE:

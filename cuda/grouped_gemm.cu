@@ -32,9 +32,16 @@
 #define GG_WARPS 4
 #define GG_KSPLIT (GG_WARPS / GROUPED_TILES)
 #define GG_GROUPS (GROUPED_CHUNK / 8)
+// The three below may be overridden by defines (kernels/grouped.py TUNING, for experiments).
+#ifndef GG_MIN_CTAS
 #define GG_MIN_CTAS (GG_GROUPS > 2 ? 3 : 4)
+#endif
+#ifndef BF16_UNROLL
 #define BF16_UNROLL 4
+#endif
+#ifndef NVFP4_UNROLL
 #define NVFP4_UNROLL (GG_GROUPS > 2 ? 2 : 4)  // CHUNK 64: 4 spilled at 3 CTAs per SM
+#endif
 
 // Decode-once view of gemv_tile.cuh's fragments: a k-step has N parts; part i yields the A
 // registers of two m16n8k16 mmas and takes the 16 bytes of x at k + 8 i.

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
 from flint_sched.kernels.hardware import sm_count
-from flint_sched.kernels.linear import Weight, cdiv, check_row_splits, check_tensor, weight_args, weight_format
+from flint_sched.kernels.linear import (Weight, cdiv, check_row_splits, check_tensor, gate_up_args, weight_args,
+                                        weight_format)
 
 CHUNKS = (16, 64)          # rows per item (cuda/grouped_gemm.cu GROUPED_CHUNK)
 TILES_PER_CTA = (1, 4)     # 16-row weight tiles per CTA (GROUPED_TILES)
@@ -25,16 +26,21 @@ TILE_ROWS = 16
 MAX_GRID_Y = 65535
 
 
+# Extra compile-time defines (GG_MIN_CTAS, BF16_UNROLL, NVFP4_UNROLL) for tuning experiments
+# (benchmarks/bench_grouped.py --define); empty in serving, where the .cu defaults apply.
+TUNING: dict[str, int] = {}
+
+
 @functools.cache
-def _kernel(name: str, chunk: int, tiles: int) -> Kernel:
-    return compile_kernel("grouped_gemm.cu", name, {"GROUPED_CHUNK": chunk, "GROUPED_TILES": tiles})
+def _kernel(name: str, chunk: int, tiles: int, tuning: tuple = ()) -> Kernel:
+    return compile_kernel("grouped_gemm.cu", name, {"GROUPED_CHUNK": chunk, "GROUPED_TILES": tiles, **dict(tuning)})
 
 
 def gemm_kernel(name: str, fmt: str, chunk: int, tiles: int) -> Kernel:
     """grouped_<name>_<fmt> of cuda/grouped_gemm.cu in the (chunk, tiles) variant."""
     if chunk not in CHUNKS or tiles not in TILES_PER_CTA:
         raise ValueError(f"no compiled variant for chunk {chunk}, tiles {tiles}")
-    return _kernel(f"grouped_{name}_{fmt}", chunk, tiles)
+    return _kernel(f"grouped_{name}_{fmt}", chunk, tiles, tuple(sorted(TUNING.items())))
 
 
 # ---- planning (pure Python) ------------------------------------------------------------------
@@ -184,12 +190,7 @@ def grouped_gate_up(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor
     """h[M, I] = silu(x @ gate^T) * (x @ up^T) for any M >= 1; gate and up [I, K], one format;
     `cublas` as grouped_linear's (fp32 products, SiLU and product in fp32, one rounding)."""
     m, k = check_rows(x)
-    i = gate.shape[0]
-    for name, w in (("gate", gate), ("up", up)):
-        if tuple(w.shape) != (i, k):
-            raise ValueError(f"{name} must be [{i}, {k}], got {tuple(w.shape)}")
-    fmt = weight_format(gate, up)
-    args = weight_args(gate, "gate", (i, k), x.device) + weight_args(up, "up", (i, k), x.device)
+    i, fmt, args = gate_up_args(gate, up, k, x.device)
     h = out_buffer(out, "out", (m, i), torch.bfloat16, x)
     if use_cublas(fmt, m, cublas) and mm_out_fp32_supported(x.device):
         gate_f32, up_f32 = _mm_f32(x, _dense_bf16(gate, (), pdl)), _mm_f32(x, _dense_bf16(up, (), pdl))

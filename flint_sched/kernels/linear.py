@@ -177,17 +177,22 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     return y
 
 
-def gate_up_silu(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor | None = None,
-                 pdl: bool = False) -> torch.Tensor:
-    """h[B, I] = silu(x @ gate^T) * (x @ up^T); gate and up [I, K] in the same format."""
-    check_activations(x)
-    b, k = x.shape
+def gate_up_args(gate: Weight, up: Weight, k: int, device: torch.device) -> tuple[int, str, list]:
+    """(I, format, kernel arguments) of a gate/up pair, both [I, K] in one format, checked."""
     i = gate.shape[0]
     for name, w in (("gate", gate), ("up", up)):
         if tuple(w.shape) != (i, k):
             raise ValueError(f"{name} must be [{i}, {k}], got {tuple(w.shape)}")
     fmt = weight_format(gate, up)
-    args = weight_args(gate, "gate", (i, k), x.device) + weight_args(up, "up", (i, k), x.device)
+    return i, fmt, weight_args(gate, "gate", (i, k), device) + weight_args(up, "up", (i, k), device)
+
+
+def gate_up_silu(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor | None = None,
+                 pdl: bool = False) -> torch.Tensor:
+    """h[B, I] = silu(x @ gate^T) * (x @ up^T); gate and up [I, K] in the same format."""
+    check_activations(x)
+    b, k = x.shape
+    i, fmt, args = gate_up_args(gate, up, k, x.device)
     h = output(out, "out", (b, i), x)
     tiles = cdiv(i, TILE_ROWS // 2)
     warps = gemv_warps(tiles, k, fmt)
