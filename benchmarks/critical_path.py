@@ -108,7 +108,7 @@ def host_times(executor, plan, steps: int = 50) -> str:
     for _ in range(steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        executor.inputs.fill(plan)
+        executor.inputs.fill(plan.scheduled_requests)
         t1 = time.perf_counter()
         start.record()
         for graph in graphs:

@@ -115,18 +115,38 @@ class CudaExecutor:
         self.inputs.forget(plan)
         if not entries:
             return StepResult({})
-        b = len(entries)
-        decode = plan.num_tokens == b and all(e.samples for e in entries)
-        if plan.path == "fused" and b <= FUSED_MAX_BATCH:
-            return self._decode(plan, "fused", b)
-        rows = padded_batch(b, self.grouped_batch_sizes) if decode else None
-        if rows is not None:
-            return self._decode(plan, "grouped", rows)
-        return self._prompt(plan)
+        decodes = [e for e in entries if e.num_tokens == 1 and e.samples]
+        graph = self._decode_graph(len(decodes), plan.path == "fused") if decodes else None
+        if graph is None:
+            return self._prompt(entries)
+        if len(decodes) == len(entries):
+            return self._decode(entries, *graph)
+        # A mixed step: its decode rows replay their graph, its prompt chunks run eagerly after it
+        # (until the prefill attention kernel lets one forward take both, issue 12). The requests
+        # are disjoint, so the order of the two parts does not matter.
+        prompts = [e for e in entries if not (e.num_tokens == 1 and e.samples)]
+        first = self._decode(decodes, *self._decode_graph(len(decodes)))
+        first_logits = self.last_logits.clone()
+        second = self._prompt(prompts)
+        done = decodes + [e for e in prompts if e.samples]
+        where = {e.request_id: row for row, e in enumerate(done)}
+        logits = torch.cat([first_logits, self.last_logits])
+        self.last_logits = logits[[where[e.request_id] for e in entries if e.samples]]
+        logprobs = {**(first.logprobs or {}), **(second.logprobs or {})}
+        return StepResult({**first.sampled_token_ids, **second.sampled_token_ids}, logprobs or None)
 
-    def _decode(self, plan: StepPlan, variant: str, rows: int) -> StepResult:
-        entries, b = plan.scheduled_requests, len(plan.scheduled_requests)
-        self.inputs.fill(plan)
+    def _decode_graph(self, b: int, fused: bool = True) -> tuple[str, int] | None:
+        """(variant, padded rows) of the graph for b decode rows, or None past the largest: the fused
+        path up to FUSED_MAX_BATCH rows where the plan names it (the scheduler does for decode-only
+        steps within `limits.fused_max_batch`; a mixed step's decode rows take it too)."""
+        if fused and b <= FUSED_MAX_BATCH:
+            return "fused", b
+        rows = padded_batch(b, self.grouped_batch_sizes)
+        return None if rows is None else ("grouped", rows)
+
+    def _decode(self, entries: list, variant: str, rows: int) -> StepResult:
+        b = len(entries)
+        self.inputs.fill(entries)
         ops = KernelOps(self.weights, variant, rows, self.ws.hidden, self.ws.logits, self.ws.next_tokens,
                         inputs=self.inputs)
         segment = lambda first, last: forward(ops, self.config, first, last, self.layer_outputs)  # noqa: E731
@@ -146,9 +166,8 @@ class CudaExecutor:
             return sampled_step(self.last_logits.float(), entries, self.eos_token_ids, self.generator)
         return StepResult({e.request_id: [t] for e, t in zip(entries, tokens, strict=True)})
 
-    def _prompt(self, plan: StepPlan) -> StepResult:
-        """A step with prompt chunks (or more decodes than any graph): eager launches over all rows."""
-        entries = plan.scheduled_requests
+    def _prompt(self, entries: list) -> StepResult:
+        """Prompt chunks (or more decodes than any graph): eager launches over all their rows."""
         rows = StepRows.from_entries(entries, self.device)
         sampling = [e for e in entries if e.samples]
         c, t, n = self.config, rows.token_ids.numel(), len(sampling)

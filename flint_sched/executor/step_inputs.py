@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from flint_sched.core.plan import StepPlan
+from flint_sched.core.plan import ScheduledRequest, StepPlan
 
 FIELDS = ("tokens", "positions", "seq_lens", "ring_slots", "table_index", "table_value")
 
@@ -34,10 +34,9 @@ class DecodeInputs:
         self.block_tables = self.block_tables_flat[:-1].view(max_rows, max_blocks)
         self._table_rows: list[tuple[str, int] | None] = [None] * max_rows   # (request, entries on device)
 
-    def fill(self, plan: StepPlan) -> None:
-        """The plan's decode entries in rows 0..b-1; every later row is padding (a graph of a larger
-        batch size computes it, and the block-table scatter reads all rows)."""
-        entries = plan.scheduled_requests
+    def fill(self, entries: list[ScheduledRequest]) -> None:
+        """Decode entries in rows 0..b-1; every later row is padding (a graph of a larger batch size
+        computes it, and the block-table scatter reads all rows)."""
         host = self.flat_host.numpy()
         fields = host[:-1].reshape(len(FIELDS), self.max_rows)
         width = self.block_tables.shape[1]
