@@ -32,11 +32,11 @@ from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.executor.torch_ops import AttentionOps, StepRows
 from flint_sched.executor.workspace import Workspaces
 from flint_sched.kernels import attention as attn
-from flint_sched.kernels.linear import concat_rows
+from flint_sched.kernels.linear import MAX_TOKENS, concat_rows
 from flint_sched.model.reference import FlintReference
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
-FUSED_MAX_BATCH = 8      # the GEMV and small-batch MoE kernels take <= 8 tokens (kernels/linear.py)
+FUSED_MAX_BATCH = MAX_TOKENS      # the GEMV and small-batch MoE kernels' limit (kernels/linear.py)
 
 
 def supports(config: FlintConfig) -> bool:
@@ -158,13 +158,7 @@ class CudaExecutor:
             for first, last in self.graphs.segments:
                 segment(first, last)
         self.last_logits = self.ws.logits[:b]
-        if all(e.sampling_params.is_greedy and plain(e) for e in entries):
-            tokens = self.ws.next_tokens[:b].tolist()
-        elif all(plain(e) and e.sampling_params.seed is None for e in entries) and self.use_graphs:
-            tokens = self.sampler(entries)
-        else:
-            return sampled_step(self.last_logits.float(), entries, self.eos_token_ids, self.generator)
-        return StepResult({e.request_id: [t] for e, t in zip(entries, tokens, strict=True)})
+        return self._choose(entries, self.ws.next_tokens[:b], graph_sampler=self.use_graphs)
 
     def _prompt(self, entries: list) -> StepResult:
         """Prompt chunks (or more decodes than any graph): eager launches over all their rows."""
@@ -177,11 +171,16 @@ class CudaExecutor:
                         torch.empty(n, dtype=torch.int64, device=self.device),
                         token_ids=rows.token_ids, attention_ops=AttentionOps(self.attention_model, self.kv, rows),
                         sample_rows=rows.sample_rows)
-        logits = forward(ops, c, layer_outputs=self.layer_outputs)
-        self.last_logits = logits
-        if not sampling:
-            return StepResult({})
-        if all(e.sampling_params.is_greedy and plain(e) for e in sampling):
-            tokens = ops.next_tokens.tolist()
-            return StepResult({e.request_id: [tok] for e, tok in zip(sampling, tokens, strict=True)})
-        return sampled_step(logits.float(), sampling, self.eos_token_ids, self.generator)
+        self.last_logits = forward(ops, c, layer_outputs=self.layer_outputs)
+        return self._choose(sampling, ops.next_tokens, graph_sampler=False) if sampling else StepResult({})
+
+    def _choose(self, entries: list, greedy_tokens: torch.Tensor, graph_sampler: bool) -> StepResult:
+        """One token per entry from `last_logits` (its rows in entry order): the greedy ids the step
+        computed on the GPU, the graph sampler's draw (decode rows), or executor/sampler.py."""
+        if all(e.sampling_params.is_greedy and plain(e) for e in entries):
+            tokens = greedy_tokens.tolist()
+        elif graph_sampler and all(plain(e) and e.sampling_params.seed is None for e in entries):
+            tokens = self.sampler(entries)
+        else:
+            return sampled_step(self.last_logits.float(), entries, self.eos_token_ids, self.generator)
+        return StepResult({e.request_id: [t] for e, t in zip(entries, tokens, strict=True)})
