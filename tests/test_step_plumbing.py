@@ -1,0 +1,102 @@
+"""The CUDA executor's host-side plumbing, on the CPU: graph batch sizes, the executor's stated
+limits, the decode inputs (padding rows, block tables kept on the device across steps), and the
+split of a mixed step into its decode rows and its prompt chunks."""
+
+import pytest
+import torch
+
+from flint_sched.core.plan import ScheduledRequest, StepPlan, StepResult
+from flint_sched.executor.cuda_executor import CudaExecutor
+from flint_sched.executor.graphs import GROUPED_BATCH_SIZES, padded_batch
+from flint_sched.executor.limits import ExecutorLimits
+from flint_sched.executor.step_inputs import DecodeInputs
+from flint_sched.executor.torch_executor import TorchExecutor
+from flint_sched.sampling_params import SamplingParams
+
+
+def entry(rid, tokens, start, table, slot=0, samples=True):
+    return ScheduledRequest(rid, tokens, start, table, slot, samples, SamplingParams(temperature=0), [1], [], False)
+
+
+def test_batches_take_the_smallest_graph_that_holds_them():
+    assert [padded_batch(b, GROUPED_BATCH_SIZES) for b in (1, 9, 16, 17, 200, 256)] == [16, 16, 16, 24, 256, 256]
+    assert padded_batch(257, GROUPED_BATCH_SIZES) is None
+
+
+def test_limits_are_validated_and_the_torch_path_has_no_fused_path():
+    assert TorchExecutor.limits.fused_max_batch == 0
+    with pytest.raises(ValueError, match="ascending"):
+        ExecutorLimits(8, (16, 8))
+    with pytest.raises(ValueError, match=">= 0"):
+        ExecutorLimits(-1)
+
+
+def fields(inputs: DecodeInputs) -> list[list[int]]:
+    return inputs.flat.view(-1)[:-1].view(6, inputs.max_rows).tolist()
+
+
+def test_decode_inputs_pad_rows_and_keep_block_tables_across_steps():
+    inputs = DecodeInputs(max_rows=4, max_model_len=64, block_size=4, device=torch.device("cpu"))
+    dummy = inputs.block_tables_flat.numel() - 1
+    inputs.fill([entry("a", [5], 7, [3, 9]), entry("b", [6], 0, [4], slot=2)])
+    tokens, positions, lens, slots, index, value = fields(inputs)
+    assert tokens[:2] == [5, 6] and positions == [7, 0, -1, -1] and lens == [8, 1, 0, 0] and slots[:2] == [0, 2]
+    assert index == [dummy] * 4 and int(inputs.num_rows) == 2          # new rows: copied, no scatter
+    assert inputs.block_tables[0, :2].tolist() == [3, 9] and inputs.block_tables[1, 0] == 4
+    # a grows by one block: one scatter entry, applied by update_block_tables (inside the graph)
+    inputs.fill([entry("a", [5], 8, [3, 9, 11]), entry("b", [6], 1, [4], slot=2)])
+    index, value = fields(inputs)[4:]
+    assert index[0] == 0 * inputs.block_tables.shape[1] + 2 and value[0] == 11 and index[1:] == [dummy] * 3
+    inputs.update_block_tables()
+    assert inputs.block_tables[0, :3].tolist() == [3, 9, 11]
+    # rows change owner: the new owner's table is copied whole; a finished request is forgotten
+    inputs.forget(StepPlan([], 0, "grouped", [], ["a"]))
+    inputs.fill([entry("b", [6], 2, [4, 12], slot=2), entry("c", [1], 0, [7])])
+    assert inputs.block_tables[0, :2].tolist() == [4, 12] and inputs.block_tables[1, 0] == 7
+    with pytest.raises(ValueError, match="max_model_len"):
+        inputs.fill([entry("d", [1], 0, list(range(17)))])
+
+
+class SplitExecutor(CudaExecutor):
+    """The dispatch of CudaExecutor without a GPU: decode and prompt parts recorded, logits faked
+    (one row per sampled entry holding its request's number)."""
+
+    def __init__(self):                                   # noqa: D107 - no GPU state
+        self.grouped_batch_sizes = GROUPED_BATCH_SIZES
+        self.inputs = DecodeInputs(256, 64, 4, torch.device("cpu"))
+        self.calls = []
+
+    def _decode(self, entries, variant, rows):
+        self.calls.append((variant, rows, [e.request_id for e in entries]))
+        self.last_logits = torch.tensor([[float(e.request_id[1:])] for e in entries])
+        return StepResult({e.request_id: [1] for e in entries})
+
+    def _prompt(self, entries):
+        self.calls.append(("prompt", None, [e.request_id for e in entries]))
+        sampling = [e for e in entries if e.samples]
+        self.last_logits = torch.tensor([[float(e.request_id[1:])] for e in sampling]).reshape(len(sampling), 1)
+        return StepResult({e.request_id: [2] for e in sampling})
+
+
+@pytest.mark.parametrize("num_decodes, variant, rows", [(3, "fused", 4), (12, "grouped", 16)])
+def test_a_mixed_step_runs_its_decodes_from_a_graph_and_its_prompts_eagerly(num_decodes, variant, rows):
+    decodes = [entry(f"r{n}", [1], 10, [0, 1, 2]) for n in range(num_decodes)]
+    prompts = [entry("r100", [1, 2, 3], 0, [5]), entry("r101", [4], 0, [6], samples=True),
+               entry("r102", [4, 5], 4, [7, 8], samples=False)]
+    ex = SplitExecutor()
+    # the scheduler's order: running decodes, then prompt chunks (a one-token chunk that samples
+    # counts as a decode row)
+    result = ex.execute(StepPlan(decodes + prompts, num_decodes + 6, "grouped", [], []))
+    assert ex.calls == [(variant, rows, [e.request_id for e in decodes] + ["r101"]),
+                        ("prompt", None, ["r100", "r102"])]
+    assert set(result.sampled_token_ids) == {e.request_id for e in decodes} | {"r100", "r101"}
+    assert ex.last_logits.flatten().tolist() == [float(n) for n in range(num_decodes)] + [100.0, 101.0]
+
+
+def test_decode_only_steps_follow_the_plans_path_and_big_ones_run_eagerly():
+    ex = SplitExecutor()
+    ex.execute(StepPlan([entry("r1", [1], 3, [0])], 1, "fused", [], []))
+    ex.execute(StepPlan([entry("r1", [1], 3, [0])], 1, "grouped", [], []))
+    many = [entry(f"r{n}", [1], 3, [0]) for n in range(300)]
+    ex.execute(StepPlan(many, 300, "grouped", [], []))
+    assert [(v, r) for v, r, _ in ex.calls] == [("fused", 1), ("grouped", 16), ("prompt", None)]
