@@ -1,0 +1,93 @@
+"""The engine's host side alone, at many running streams: schedule, update, detokenize, stop strings
+and the streams' outputs, around a fake executor that answers at once, or after `--gpu-ms` (a GPU
+step's time, slept in the worker thread as the GPU would run it).
+
+    python3 -m flint_sched.benchmarks.bench_host --streams 64,256 --tokens 256 --gpu-ms 0,10
+
+Per case: decode steps per second, host milliseconds per step (wall time less the executor's,
+divided by the steps) and, with a GPU time, the share of the wall time the GPU would sit idle
+between steps (the loop overlaps step N's host work with step N+1's execution; what is left shows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+
+from flint_sched.checkpoint.make import dummy_checkpoint
+from flint_sched.config import preset
+from flint_sched.core.plan import StepPlan, StepResult
+from flint_sched.core.scheduler import Scheduler
+from flint_sched.core.scheduler_config import SchedulerConfig
+from flint_sched.engine.async_engine import AsyncEngine
+from flint_sched.executor.limits import ExecutorLimits
+from flint_sched.sampling_params import SamplingParams
+
+
+class FakeExecutor:
+    """One random non-special token per sampling entry, after `gpu_ms` of sleep."""
+
+    limits = ExecutorLimits(fused_max_batch=8)
+
+    def __init__(self, vocab: int, gpu_ms: float, seed: int = 0):
+        self.vocab, self.gpu_s, self.rng = vocab, gpu_ms / 1e3, random.Random(seed)
+        self.steps, self.busy_s = 0, 0.0
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        if self.gpu_s:
+            time.sleep(self.gpu_s)
+        tokens = {e.request_id: [self.rng.randrange(300, self.vocab)] for e in plan.scheduled_requests if e.samples}
+        self.steps += 1
+        self.busy_s += time.perf_counter() - start
+        return StepResult(tokens)
+
+
+async def run_case(tokenizer, vocab: int, streams: int, tokens: int, gpu_ms: float) -> dict:
+    executor = FakeExecutor(vocab, gpu_ms)
+    config = SchedulerConfig(max_num_seqs=streams, max_num_batched_tokens=max(2048, streams),
+                             num_blocks=streams * (tokens // 16 + 8), max_model_len=tokens + 128, block_size=16,
+                             fused_max_seqs=executor.limits.fused_max_batch)
+    engine = AsyncEngine(Scheduler(config), executor, tokenizer, vocab)
+    engine.start()
+    params = SamplingParams(temperature=0.8, max_tokens=tokens, ignore_eos=True, stop=["never appears"])
+
+    async def consume(n: int) -> int:
+        chunks = 0
+        async for _ in engine.add_request(f"Request {n}: tell a long story.", params):
+            chunks += 1
+        return chunks
+
+    start = time.perf_counter()
+    await asyncio.gather(*(consume(n) for n in range(streams)))
+    wall = time.perf_counter() - start
+    await engine.shutdown()
+    host_ms = (wall - executor.busy_s) / executor.steps * 1e3
+    return {"streams": streams, "gpu_ms": gpu_ms, "steps": executor.steps, "steps_per_s": executor.steps / wall,
+            "host_ms_per_step": host_ms, "gpu_idle_share": 1 - executor.busy_s / wall if gpu_ms else None,
+            "tokens_per_s": streams * tokens / wall}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--streams", default="64,256")
+    p.add_argument("--tokens", type=int, default=256, help="output tokens per stream")
+    p.add_argument("--gpu-ms", default="0,10", help="the fake executor's step time(s) in ms")
+    args = p.parse_args()
+    tokenizer = dummy_checkpoint(preset("flint-tiny"), "bf16", 0, "cpu").tokenizer
+    vocab = preset("flint-tiny").vocab_size
+    print("| streams | GPU ms/step | steps | steps/s | host ms/step | GPU idle | output tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for streams in (int(s) for s in args.streams.split(",")):
+        for gpu_ms in (float(g) for g in args.gpu_ms.split(",")):
+            r = asyncio.run(run_case(tokenizer, vocab, streams, args.tokens, gpu_ms))
+            idle = "–" if r["gpu_idle_share"] is None else f"{100 * r['gpu_idle_share']:.1f} %"
+            print(f"| {streams} | {gpu_ms:g} | {r['steps']} | {r['steps_per_s']:.1f} | {r['host_ms_per_step']:.2f} | "
+                  f"{idle} | {r['tokens_per_s']:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
