@@ -1,5 +1,5 @@
 """The engine's host side alone, at many running streams: schedule, update, detokenize, stop strings
-and the streams' outputs, around a fake executor that answers at once, or after `--gpu-ms` (a GPU
+and the streams' outputs (on uvloop, as the server), around a fake executor that answers at once, or after `--gpu-ms` (a GPU
 step's time, slept in the worker thread as the GPU would run it).
 
     python3 -m flint_sched.benchmarks.bench_host --streams 64,256 --tokens 256 --gpu-ms 0,10
@@ -23,6 +23,7 @@ from flint_sched.core.scheduler import Scheduler
 from flint_sched.core.scheduler_config import SchedulerConfig
 from flint_sched.engine.async_engine import AsyncEngine
 from flint_sched.executor.limits import ExecutorLimits
+from flint_sched.llm import run_async
 from flint_sched.sampling_params import SamplingParams
 
 
@@ -82,7 +83,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     for streams in (int(s) for s in args.streams.split(",")):
         for gpu_ms in (float(g) for g in args.gpu_ms.split(",")):
-            r = asyncio.run(run_case(tokenizer, vocab, streams, args.tokens, gpu_ms))
+            r = run_async(run_case(tokenizer, vocab, streams, args.tokens, gpu_ms))
             idle = "–" if r["gpu_idle_share"] is None else f"{100 * r['gpu_idle_share']:.1f} %"
             print(f"| {streams} | {gpu_ms:g} | {r['steps']} | {r['steps_per_s']:.1f} | {r['host_ms_per_step']:.2f} | "
                   f"{idle} | {r['tokens_per_s']:.0f} |", flush=True)

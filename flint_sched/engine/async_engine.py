@@ -12,7 +12,6 @@ loop fails every request in flight, and `join()` tells its owner why, so the ser
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import itertools
 import logging
@@ -198,7 +197,7 @@ class AsyncEngine:
             if choice.output.finish_reason is None:
                 choice.fail("abort")
         request.num_finished = len(request.choices)
-        outputs = [copy.copy(c.output) for c in request.choices.values()]
+        outputs = [c.output.snapshot() for c in request.choices.values()]
         request.queue.put_nowait(error if error is not None else
                                  RequestOutput(request.request_id, request.prompt_token_ids, outputs, True))
 
@@ -274,7 +273,7 @@ class AsyncEngine:
 
     def _publish(self, request: _Request, changed: list[CompletionOutput]) -> None:
         """Stream the changed choices; the last update carries every choice (unchanged: no delta)."""
-        outputs = [copy.copy(c) for c in changed]
+        outputs = [c.snapshot() for c in changed]
         if request.finished:
             self._requests.pop(request.request_id, None)
             outputs += [dataclasses.replace(c.output, delta_text="", delta_token_ids=[],

@@ -25,6 +25,12 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def snapshot(self) -> CompletionOutput:
+        """A shallow copy for a stream (its lists shared): this update's fields, frozen. NOTE: built
+        field by field; copy.copy's generic path cost ~12 µs an output, a step at 256 streams 3 ms."""
+        return CompletionOutput(self.index, self.text, self.token_ids, self.delta_text, self.delta_token_ids,
+                                self.logprobs, self.delta_logprobs, self.finish_reason, self.stop_reason)
+
 
 @dataclass
 class RequestOutput:
