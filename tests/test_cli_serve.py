@@ -92,3 +92,9 @@ def test_the_docs_table_lists_every_vllm_flag():
     assert table == flags, (table - flags, flags - table)
     for flag in cli_vllm.COMPAT_FLAGS:
         assert flag.what_happens in text, flag.names[0]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
+def test_bench_latency_with_the_cuda_executor_and_no_gpu_fails_at_once(capsys):
+    assert main(["bench", "latency", "--model", "flint", "--executor", "cuda", "--device", "cpu"]) == 2
+    assert "--executor cuda needs a CUDA GPU" in capsys.readouterr().err
