@@ -168,6 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not step_timeout_s >= 0:
         raise ValueError(f"--engine-iteration-timeout-s must be >= 0, got {step_timeout_s}")
     check_port_free(server_config.host, server_config.port)          # before minutes of loading
+    print(f"flint-sched: loading {model or 'flint-tiny'} (device {args.device}); a summary follows", file=sys.stderr,
+          flush=True)
     state = load_engine_state(engine_config, args.scripted_executor, step_timeout_s)
     print_summary(state.parts, server_config)
     return serve(state, server_config)
