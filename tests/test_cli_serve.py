@@ -98,3 +98,29 @@ def test_the_docs_table_lists_every_vllm_flag():
 def test_bench_latency_with_the_cuda_executor_and_no_gpu_fails_at_once(capsys):
     assert main(["bench", "latency", "--model", "flint", "--executor", "cuda", "--device", "cpu"]) == 2
     assert "--executor cuda needs a CUDA GPU" in capsys.readouterr().err
+
+
+async def test_max_logprobs_caps_what_a_request_may_ask(tiny_config):
+    import httpx
+
+    from flint_sched.api.server import EngineState, ServerConfig, build_app
+    from flint_sched.checkpoint.make import dummy_checkpoint
+    from flint_sched.engine.builder import build_parts
+    from flint_sched.engine.config import EngineConfig
+    ckpt = dummy_checkpoint(tiny_config, "bf16", seed=3, device="cpu")
+    parts = build_parts(EngineConfig(device="cpu", max_num_seqs=4, num_kv_blocks=64, max_model_len=128),
+                        progress=False, checkpoint=ckpt)
+    app = build_app(EngineState(parts, "dummy"), ServerConfig(max_logprobs=2))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True}
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+            over = await client.post("/v1/chat/completions", json={**chat, "top_logprobs": 3})
+            assert over.status_code == 400 and "--max-logprobs" in over.json()["error"]["message"]
+            assert (await client.post("/v1/chat/completions", json={**chat, "top_logprobs": 2})).status_code == 200
+            over = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 3})
+            assert over.status_code == 400 and over.json()["error"]["param"] == "logprobs"
+
+
+def test_one_revision_for_every_hub_name(capsys):
+    assert main(["generate", "--prompt", "x", "--revision", "v1", "--tokenizer-revision", "v2"]) == 2
+    assert "one revision applies to every hub name" in capsys.readouterr().err
