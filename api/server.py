@@ -68,6 +68,7 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_level: str = "info"
+    max_logprobs: int = 20                           # vLLM's --max-logprobs: the most a request may ask for
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):

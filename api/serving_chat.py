@@ -113,8 +113,9 @@ def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> Prepare
     if request.top_logprobs is not None:
         if not request.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        most = min(MAX_TOP_LOGPROBS, ctx.config.max_logprobs)
+        if not 0 <= request.top_logprobs <= most:
+            raise bad_request(f"top_logprobs must be in [0, {most}] (--max-logprobs)", "top_logprobs")
     check_tool_call_arguments(request.messages)
     prompt = render_messages(ctx, request.messages, policy.template_tools, request.chat_template_kwargs)
     prompt_suffix, parser_prefix = force_call(policy, prompt)

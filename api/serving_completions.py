@@ -66,15 +66,16 @@ def split_prompts(prompt) -> list[str | list[int]]:
                       "token ids, and not empty", "prompt")
 
 
-def check_supported(request: CompletionRequest) -> None:
+def check_supported(request: CompletionRequest, max_logprobs: int = MAX_LOGPROBS) -> None:
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
     if request.suffix is not None:
         raise bad_request("suffix is not supported by this model (it has no fill-in-the-middle format)", "suffix")
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of is not supported: leave it out, or equal to n", "best_of")
-    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+    most = min(MAX_LOGPROBS, max_logprobs)
+    if request.logprobs is not None and not 0 <= request.logprobs <= most:
+        raise bad_request(f"logprobs must be in [0, {most}] (--max-logprobs)", "logprobs")
     if request.echo and request.logprobs is not None:
         raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute",
                           "logprobs")
@@ -82,7 +83,7 @@ def check_supported(request: CompletionRequest) -> None:
 
 def prepare_prompts(ctx: ServingContext, request: CompletionRequest) -> list[PreparedPrompt]:
     """Validates and tokenizes every prompt (APIError 4xx on bad input). Runs off the loop."""
-    check_supported(request)
+    check_supported(request, ctx.config.max_logprobs)
     prompts = split_prompts(request.prompt)
     if len(prompts) * request.n > MAX_CHOICES_PER_REQUEST:
         raise bad_request(f"{len(prompts)} prompts x n={request.n} choices: at most {MAX_CHOICES_PER_REQUEST} "

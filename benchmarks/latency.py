@@ -160,10 +160,15 @@ def run_prefill(executor, args, length: int) -> float | None:
 def build(args: argparse.Namespace):
     """The executor over dummy weights with a KV pool sized for the largest case that fits; returns
     (executor, device, bandwidth GB/s, KV blocks)."""
-    device = resolve_device(args.device)
+    device = resolve_device(args.device)              # --device cuda without a GPU: ValueError at once
+    if args.executor == "cuda":
+        check_cuda_executor(device)
     config = preset(args.model)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bandwidth = args.bandwidth_gbps or measure_bandwidth_gbps(device)
+    total, _ = config.parameter_counts()
+    print(f"making {args.model}'s dummy {args.weight_format} weights ({total / 1e9:.1f}B parameters) on {device}...",
+          flush=True)
     ckpt = dummy_checkpoint(config, args.weight_format, args.seed, device)
     batches, contexts, prefills = _ints(args.batch_sizes), _ints(args.contexts), _ints(args.prefill_lens)
     if not batches and not prefills:
@@ -190,13 +195,28 @@ def build(args: argparse.Namespace):
     return executor, device, bandwidth, num_blocks
 
 
+def check_cuda_executor(device: torch.device) -> None:
+    """--executor cuda needs a GPU and cuda-python: say so before minutes of making weights."""
+    from flint_sched.engine.builder import kernel_runtime_available
+    if device.type != "cuda":
+        raise ValueError(f"--executor cuda needs a CUDA GPU, and the device is {device} (use --executor torch)")
+    available, why = kernel_runtime_available()
+    if not available:
+        raise ValueError(f"--executor cuda needs cuda-python ({why}): pip install 'flint-sched[gpu]'")
+
+
+def _gbps(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.0f} GB/s"
+
+
 def run(args: argparse.Namespace) -> int:
     executor, device, bandwidth, num_blocks = build(args)
     batches, contexts, prefills = _ints(args.batch_sizes), _ints(args.contexts), _ints(args.prefill_lens)
     sampling = ("greedy" if args.temperature == 0 else
                 f"sampled (temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k})")
     print(f"device {device}, {args.executor} executor, {args.weight_format} weights, KV pool {num_blocks} blocks of {args.block_size}, "
-          f"bandwidth {bandwidth:.0f} GB/s, {sampling} decode")
+          f"bandwidth {_gbps(bandwidth)}{' (measured on GPUs only: no floors)' if math.isnan(bandwidth) else ''}, "
+          f"{sampling} decode", flush=True)
     results, skipped = [], []
     for context in contexts:
         for batch in batches:
@@ -205,8 +225,9 @@ def run(args: argparse.Namespace) -> int:
                 continue
             r = run_decode(executor, args, batch, context, bandwidth)
             results.append(r)
-            print(f"decode B={batch:<4} C={context:<7} {r.step_ms:9.2f} ms/step {r.tokens_per_s:10.1f} tok/s "
-                  f"floor {r.floor_ms:7.3f} ms  {r.achieved_gbps:8.1f} GB/s ({100 * r.bandwidth_share:5.1f} %)",
+            floor = "" if math.isnan(r.floor_ms) else (f" floor {r.floor_ms:7.3f} ms  {r.achieved_gbps:8.1f} GB/s "
+                                                        f"({100 * r.bandwidth_share:5.1f} %)")
+            print(f"decode B={batch:<4} C={context:<7} {r.step_ms:9.2f} ms/step {r.tokens_per_s:10.1f} tok/s{floor}",
                   flush=True)
             if args.kernel_breakdown and device.type == "cuda":
                 print(format_breakdown(_breakdown(executor, args, batch, context), r.step_ms), flush=True)

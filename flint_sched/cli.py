@@ -7,21 +7,51 @@ import json
 import sys
 import time
 
+from flint_sched import cli_vllm
 from flint_sched.checkpoint.common import CheckpointError
 from flint_sched.config import PRESETS, ConfigError
 
+MODEL_HELP = ("a .gguf file, a Hugging Face checkpoint directory, a Hugging Face Hub repository (owner/repo, "
+              "or owner/repo:file.gguf for one file of it), or a preset")
+HUB_HELP = " (a path, or a Hugging Face Hub repository)"
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="flint-tiny",
-                   help="a .gguf file, a Hugging Face directory, or a preset (%(default)s)")
+
+def _add_source_args(p: argparse.ArgumentParser) -> None:
+    """Where the weights, config and tokenizer come from, and how they run: shared by generate and serve."""
+    p.add_argument("--hf-config-path", default=None, help="config.json overriding the checkpoint's own" + HUB_HELP)
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json (or its directory) overriding the checkpoint's own" + HUB_HELP)
+    p.add_argument("--revision", default=None, help="branch, tag or commit of Hugging Face Hub names (main)")
+    p.add_argument("--tokenizer-revision", default=None, help="must equal --revision when given (one revision)")
+    p.add_argument("--download-dir", default=None,
+                   help="Hugging Face cache directory (default: huggingface_hub's, under $HF_HOME)")
     p.add_argument("--load-format", default="auto", choices=("auto", "gguf", "safetensors", "dummy"))
     p.add_argument("--weight-format", default="nvfp4", choices=("nvfp4", "bf16"),
                    help="weights made by --load-format dummy")
-    p.add_argument("--hf-config-path", default=None, help="config.json overriding the checkpoint's own")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (or its directory) overriding the checkpoint's")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (%(default)s)")
+    p.add_argument("--executor", default="auto", choices=("auto", "torch", "cuda"),
+                   help="auto: our CUDA kernels on a GPU when the model's shapes allow, else torch")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "half", "float32", "float"),
+                   help="compute dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA executor: no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
+
+
+def _engine_args(args: argparse.Namespace) -> dict:
+    """EngineConfig's fields from the shared flags."""
+    if args.tokenizer_revision is not None and args.tokenizer_revision != args.revision:
+        raise ValueError("--tokenizer-revision differs from --revision: one revision applies to every hub name")
+    dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
+    return dict(load_format=args.load_format, weight_format=args.weight_format, hf_config_path=args.hf_config_path,
+                tokenizer=args.tokenizer, revision=args.revision, download_dir=args.download_dir,
+                device=args.device, executor=args.executor, dtype=dtype, enforce_eager=args.enforce_eager,
+                seed=args.seed, max_model_len=args.max_model_len)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="flint-tiny", help=MODEL_HELP + " (%(default)s)")
+    _add_source_args(p)
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
@@ -38,9 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from flint_sched.llm import LLM
     from flint_sched.sampling_params import SamplingParams
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(args.model, progress=not args.json, load_format=args.load_format, weight_format=args.weight_format,
-              hf_config_path=args.hf_config_path, tokenizer=args.tokenizer, device=args.device, seed=args.seed,
-              max_model_len=args.max_model_len)
+    llm = LLM(args.model, progress=not args.json, **_engine_args(args))
     for prompt, result in zip(args.prompt, llm.generate(args.prompt, params), strict=True):
         choice = result.outputs[0]
         if args.json:
@@ -64,25 +92,17 @@ def _json_object(text: str) -> dict:
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     from flint_sched.api.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="a .gguf file, a Hugging Face directory, or a preset (default: flint-tiny)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP + " (default: flint-tiny)")
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s; 0.0.0.0: all)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) requests use for the model (default: MODEL)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--hf-config-path", default=None, help="config.json overriding the checkpoint's own")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (or its directory) overriding the checkpoint's")
-    p.add_argument("--load-format", default="auto", choices=("auto", "gguf", "safetensors", "dummy"))
-    p.add_argument("--weight-format", default="nvfp4", choices=("nvfp4", "bf16"),
-                   help="weights made by --load-format dummy")
-    p.add_argument("--device", default="auto", help="cpu, cuda, or auto (%(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    _add_source_args(p)
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSER_NAMES)
@@ -104,6 +124,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     p.add_argument("--scripted-executor", default=None, help=argparse.SUPPRESS)   # tests: replay a script
+    cli_vllm.add_arguments(p)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -116,9 +137,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         resolve_chat_template,
         serve,
     )
+    from flint_sched.api.startup import check_port_free, print_summary
     from flint_sched.engine.config import EngineConfig
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    try:
+        notices = cli_vllm.check(args)
+    except ValueError as e:
+        args.parser.error(str(e))
+    for notice in notices:
+        print(f"flint-sched: note: {notice}", file=sys.stderr)
     model = args.model_tag or args.model
     server_config = ServerConfig(
         host=args.host, port=args.port,
@@ -130,17 +158,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         shutdown_timeout_s=DEFAULT_SHUTDOWN_TIMEOUT_S if args.shutdown_timeout is None else args.shutdown_timeout,
-        log_level=args.uvicorn_log_level)
+        log_level=args.uvicorn_log_level,
+        max_logprobs=20 if args.vllm_max_logprobs is None else int(args.vllm_max_logprobs))
     engine_config = EngineConfig(
-        model=model, load_format=args.load_format, weight_format=args.weight_format,
-        hf_config_path=args.hf_config_path, tokenizer=args.tokenizer, device=args.device, seed=args.seed,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization)
+        model=model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization, **_engine_args(args))
     step_timeout_s = args.engine_iteration_timeout_s
     step_timeout_s = DEFAULT_ENGINE_ITERATION_TIMEOUT_S if step_timeout_s is None else step_timeout_s
     if not step_timeout_s >= 0:
         raise ValueError(f"--engine-iteration-timeout-s must be >= 0, got {step_timeout_s}")
-    return serve(load_engine_state(engine_config, args.scripted_executor, step_timeout_s), server_config)
+    check_port_free(server_config.host, server_config.port)          # before minutes of loading
+    print(f"flint-sched: loading {model or 'flint-tiny'} (device {args.device}); a summary follows", file=sys.stderr,
+          flush=True)
+    state = load_engine_state(engine_config, args.scripted_executor, step_timeout_s)
+    print_summary(state.parts, server_config)
+    return serve(state, server_config)
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
@@ -179,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_checkpoint)
 
     p = sub.add_parser("generate", help="generate text offline")
+    p.set_defaults(parser=p)
     _add_model_args(p)
     p.add_argument("--prompt", action="append", required=True, help="may be given several times")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -186,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (flags as vLLM's)")
+    p.set_defaults(parser=p)
     _add_serve_args(p)
     p.set_defaults(func=cmd_serve)
     _add_bench_parsers(sub)
@@ -194,7 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:                        # reported with the subcommand's usage, not the top level's
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:

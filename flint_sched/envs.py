@@ -13,3 +13,8 @@ def cache_dir() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "flint-sched"
+
+
+def hf_hub_offline() -> bool:
+    """$HF_HUB_OFFLINE (as huggingface_hub reads it): use the hub cache only, never the network."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")

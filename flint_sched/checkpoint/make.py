@@ -26,9 +26,20 @@ DEFAULT_MODEL = "flint-tiny"
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
+    """auto: the GPU when torch sees one, else the CPU; asking for cuda without a GPU fails at once."""
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {str(device)!r}; use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ValueError(f"--device {device}: no CUDA GPU is visible (torch {torch.__version__} is {build}); "
+                         "use --device cpu, or install a CUDA build of torch on a GPU machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r} is not supported; use cpu, cuda or auto")
+    return dev
 
 
 def make_checkpoint(config: FlintConfig, fmt: str, seed: int, out: str | Path,
@@ -75,16 +86,21 @@ def dummy_checkpoint(config: FlintConfig, weight_format: str = "nvfp4", seed: in
     return Checkpoint(config, tokenizer, weights, weight_format, "dummy")
 
 
+def default_checkpoint_location(name: str = DEFAULT_MODEL, fmt: str = "hf-bf16", seed: int = 0) -> Path:
+    """Where default_checkpoint_path keeps a preset's generated checkpoint (it may not exist yet)."""
+    digest = hashlib.sha256(repr(preset(name)).encode()).hexdigest()[:8]
+    suffix = ".gguf" if fmt == "gguf-nvfp4" else ""
+    return cache_dir() / f"{name}-{digest}-seed{seed}-{fmt}{suffix}"
+
+
 def default_checkpoint_path(name: str = DEFAULT_MODEL, fmt: str = "hf-bf16", seed: int = 0,
                             progress: bool = True) -> Path:
     """The generated checkpoint of a preset in the cache, made once (atomically) on first use. The
     name carries a digest of the preset's config, so a changed preset is made anew."""
-    config = preset(name)
-    digest = hashlib.sha256(repr(config).encode()).hexdigest()[:8]
-    suffix = ".gguf" if fmt == "gguf-nvfp4" else ""
-    path = cache_dir() / f"{name}-{digest}-seed{seed}-{fmt}{suffix}"
+    path = default_checkpoint_location(name, fmt, seed)
     if path.exists():
         return path
+    config = preset(name)
     tmp = path.with_name(path.name + ".partial")
     if tmp.is_dir():
         shutil.rmtree(tmp)

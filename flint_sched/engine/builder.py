@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 import torch
 
+from flint_sched.checkpoint import hub
 from flint_sched.checkpoint.common import Checkpoint
 from flint_sched.checkpoint.loader import load_checkpoint, peek_config
-from flint_sched.checkpoint.make import resolve_device
+from flint_sched.checkpoint.make import default_checkpoint_location, resolve_device
+from flint_sched.config import PRESETS
 from flint_sched.config import FlintConfig
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.core.scheduler_config import SchedulerConfig
@@ -27,6 +30,41 @@ class EngineParts:
     scheduler_config: SchedulerConfig
     executor: object          # TorchExecutor or CudaExecutor: execute(StepPlan) -> StepResult
     device: torch.device
+    origins: dict[str, str] = field(default_factory=dict)   # model / config / tokenizer -> where it came from
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where the model, config and tokenizer are read from, hub names already downloaded."""
+
+    model: str | None
+    hf_config_path: str | None
+    tokenizer: str | None
+    origins: dict[str, str]
+
+
+def resolve_sources(config: EngineConfig) -> Sources:
+    """Hub names (owner/repo, owner/repo:file) become local paths; presets and paths stay as given."""
+    model, cfg, tok = (str(v) if v is not None else None for v in (config.model, config.hf_config_path,
+                                                                   config.tokenizer))
+    origins: dict[str, str] = {}
+    if config.load_format != "dummy" and (found := hub.resolve_model(model, config.revision, config.download_dir)):
+        model, origins["model"] = found.path, found.origin
+    elif (model or "flint-tiny") in PRESETS:
+        name = model or "flint-tiny"
+        if config.load_format == "dummy":
+            origins["model"] = f"preset {name}: random weights made on the device (--load-format dummy)"
+        else:
+            path = default_checkpoint_location(name, seed=config.seed)
+            verb = "loaded from the cache" if path.exists() else "generated on first use into"
+            origins["model"] = f"preset {name}: RANDOM weights (seed {config.seed}), {verb} {path}"
+    else:
+        origins["model"] = f"local {model}"
+    if found := hub.resolve_config(cfg, config.revision, config.download_dir):
+        cfg, origins["config"] = found.path, found.origin
+    if found := hub.resolve_tokenizer(tok, config.revision, config.download_dir):
+        tok, origins["tokenizer"] = found.path, found.origin
+    return Sources(model, cfg, tok, origins)
 
 
 def _dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
@@ -71,12 +109,16 @@ def _num_blocks(config: EngineConfig, ckpt: Checkpoint, device: torch.device, dt
 def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpoint | None = None) -> EngineParts:
     """Load the checkpoint (unless one is given), size the KV cache, make the executor."""
     device = resolve_device(config.device)
-    if checkpoint is None:
-        check_weights_fit(peek_config(config.model, config.load_format, config.hf_config_path), device,
-                          _dtype(config, device))
-    ckpt = checkpoint or load_checkpoint(config.model, config.load_format, device, config.hf_config_path,
-                                         config.tokenizer, config.weight_format, config.seed, progress)
     dtype = _dtype(config, device)
+    check_executor_possible(config, device, dtype)
+    origins: dict[str, str] = {}
+    if checkpoint is None:
+        sources = resolve_sources(config)
+        origins = sources.origins
+        check_weights_fit(peek_config(sources.model, config.load_format, sources.hf_config_path), device, dtype)
+        checkpoint = load_checkpoint(sources.model, config.load_format, device, sources.hf_config_path,
+                                     sources.tokenizer, config.weight_format, config.seed, progress)
+    ckpt = checkpoint
     num_blocks = config.num_kv_blocks or _num_blocks(config, ckpt, device, dtype)
     max_model_len = min(config.max_model_len or ckpt.config.max_position_embeddings,
                         ckpt.config.max_position_embeddings, num_blocks * config.block_size)
@@ -85,6 +127,8 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
         from flint_sched.executor.cuda_executor import CudaExecutor
         executor = CudaExecutor(ckpt.config, ckpt.weights, kv, ckpt.tokenizer.eos_token_ids, max_model_len,
                                 device, config.seed)
+        if config.enforce_eager:
+            executor.use_graphs = False
     else:
         executor = TorchExecutor(ckpt.config, ckpt.weights, kv, ckpt.tokenizer.eos_token_ids, dtype, device,
                                  config.seed)
@@ -97,7 +141,28 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
         sliding_window=ckpt.config.sliding_window,
         fused_max_seqs=executor.limits.fused_max_batch,
     )
-    return EngineParts(ckpt, scheduler_config, executor, device)
+    return EngineParts(ckpt, scheduler_config, executor, device, origins)
+
+
+def check_executor_possible(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse `executor="cuda"` before anything loads when it cannot run here; say how to fix it."""
+    if config.executor != "cuda":
+        return
+    if device.type != "cuda":
+        raise ValueError(f"--executor cuda needs a CUDA GPU, and the device is {device} "
+                         "(use --executor torch, or run on a GPU machine)")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"--executor cuda runs bfloat16 only, not {config.dtype}")
+    available, why = kernel_runtime_available()
+    if not available:
+        raise ValueError(f"--executor cuda needs NVRTC and the CUDA driver API (cuda-python), which cannot be "
+                         f"loaded ({why}): pip install 'flint-sched[gpu]'")
+
+
+def kernel_runtime_available() -> tuple[bool, str]:
+    """(True, version) when cuda-python's NVRTC loads, else (False, why)."""
+    from flint_sched.kernels._runtime import nvrtc_available
+    return nvrtc_available()
 
 
 def _use_cuda_executor(config: EngineConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> bool:
@@ -107,6 +172,10 @@ def _use_cuda_executor(config: EngineConfig, ckpt: Checkpoint, device: torch.dev
     if possible:                       # the CUDA executor's modules are imported on GPU machines only
         from flint_sched.executor.cuda_executor import supports
         possible = supports(ckpt.config)
+    if possible and config.executor == "auto" and not kernel_runtime_available()[0]:
+        print("flint-sched: cuda-python is not installed, so the torch executor runs on the GPU "
+              "(pip install 'flint-sched[gpu]' for our CUDA kernels)", file=sys.stderr)
+        return False
     if config.executor == "cuda" and not possible:
         raise ValueError("the CUDA executor needs a GPU, bfloat16, head_dim 128 and 8 query heads per KV head")
     return possible

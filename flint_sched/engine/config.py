@@ -24,6 +24,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None         # overrides the memory-based sizing (tests)
     seed: int = 0
     executor: str = "auto"                   # auto: cuda kernels on a GPU when the shapes allow, else torch
+    revision: str | None = None              # of Hugging Face Hub names (model, config, tokenizer)
+    download_dir: str | None = None          # the Hugging Face cache to use; None: huggingface_hub's
+    enforce_eager: bool = False              # CUDA executor: no CUDA graphs
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "cpu_kv_cache_bytes"):

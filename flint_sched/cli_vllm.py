@@ -1,0 +1,119 @@
+"""vLLM's `serve` flags that flint-sched has no flag of its own for: each one is supported (does
+here what it does in vLLM), ignored with a one-line notice (harmless here), or refused with the
+reason. COMPAT_FLAGS is the single list: the CLI adds it to `serve`, docs/vllm.md tabulates it (a
+test keeps the two in step), and `check` turns parsed values into notices or a refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+SUPPORTED, IGNORED, REFUSED = "supported", "ignored", "refused"
+
+
+@dataclass(frozen=True)
+class CompatFlag:
+    names: tuple[str, ...]
+    metavar: str | None          # None: a switch
+    what_happens: str            # the docs' wording; also the notice or the refusal
+    notice: str = ""             # the notice where what_happens has conditions in it
+
+    @property
+    def dest(self) -> str:
+        return "vllm_" + self.names[0].lstrip("-").replace("-", "_")
+
+
+COMPAT_FLAGS = (
+    CompatFlag(("--tensor-parallel-size", "-tp"), "N", "1: ignored (one GPU per server); more: refused",
+               "ignored: one GPU per server"),
+    CompatFlag(("--pipeline-parallel-size", "-pp"), "N", "1: ignored; more: refused (one GPU per server)",
+               "ignored: one GPU per server"),
+    CompatFlag(("--data-parallel-size", "-dp"), "N", "1: ignored; more: refused (run one server per GPU)",
+               "ignored: one GPU per server"),
+    CompatFlag(("--trust-remote-code",), None, "ignored: no remote code is ever run"),
+    CompatFlag(("--disable-log-requests",), None, "ignored: requests are not logged"),
+    CompatFlag(("--enable-log-requests",), None, "ignored: requests are not logged"),
+    CompatFlag(("--disable-log-stats",), None, "ignored: no periodic stats log (see /metrics)"),
+    CompatFlag(("--enable-prefix-caching",), None,
+               "ignored: prefix caching is not implemented yet, so this has no effect"),
+    CompatFlag(("--no-enable-prefix-caching",), None, "ignored: prefix caching is not implemented yet"),
+    CompatFlag(("--enable-chunked-prefill",), None, "ignored: prompts are always prefilled in chunks"),
+    CompatFlag(("--kv-cache-dtype",), "DTYPE", "auto: supported; others (fp8, ...): refused"),
+    CompatFlag(("--max-logprobs",), "N", "supported, up to 20: the most logprobs a request may ask for"),
+    CompatFlag(("--quantization", "-q"), "METHOD", "ignored: the checkpoint's format decides"),
+    CompatFlag(("--swap-space",), "GIB", "ignored: no CPU swap of the KV cache"),
+    CompatFlag(("--cpu-offload-gb",), "GIB", "0: ignored; more: refused (no weight offload)",
+               "ignored: no weight offload"),
+    CompatFlag(("--block-size",), "N", "16: supported; others: refused (the kernels read 16-token blocks)"),
+    CompatFlag(("--tokenizer-mode",), "MODE", "ignored: the tokenizer is always tokenizers' fast one"),
+    CompatFlag(("--generation-config",), "PATH", "ignored: request fields and server defaults decide"),
+    CompatFlag(("--max-seq-len-to-capture",), "N", "ignored: CUDA graphs cover every decode batch"),
+    CompatFlag(("--distributed-executor-backend",), "NAME", "ignored: one process, one GPU"),
+    CompatFlag(("--disable-custom-all-reduce",), None, "ignored: one GPU, no all-reduce"),
+    CompatFlag(("--enable-expert-parallel",), None, "ignored: one GPU holds every expert"),
+    CompatFlag(("--disable-frontend-multiprocessing",), None, "ignored: the server is one process"),
+    CompatFlag(("--speculative-config",), "JSON", "refused: speculative decoding is not implemented"),
+    CompatFlag(("--enable-lora",), None, "refused: LoRA adapters are not supported"),
+)
+
+# vLLM flags that flint-sched has as flags of its own (docs/vllm.md lists them as supported)
+NATIVE_FLAGS = (
+    "--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--max-num-seqs",
+    "--max-num-batched-tokens", "--gpu-memory-utilization", "--hf-config-path", "--tokenizer", "--revision",
+    "--tokenizer-revision", "--download-dir", "--load-format", "--dtype", "--seed", "--enforce-eager",
+    "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser", "--exclude-tools-when-tool-choice-none",
+    "--chat-template", "--default-chat-template-kwargs", "--shutdown-timeout", "--uvicorn-log-level", "--device",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("vLLM compatibility", "accepted as vLLM spells them (docs/vllm.md)")
+    for flag in COMPAT_FLAGS:
+        if flag.metavar is None:
+            group.add_argument(*flag.names, dest=flag.dest, action="store_const", const=True, default=None,
+                               help=flag.what_happens)
+        else:
+            group.add_argument(*flag.names, dest=flag.dest, metavar=flag.metavar, default=None,
+                               help=flag.what_happens)
+
+
+def _int(flag: CompatFlag, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{flag.names[0]}: expected an integer, got {value!r}") from None
+
+
+def check(args: argparse.Namespace) -> list[str]:
+    """The notices for the vLLM flags given; ValueError (the reason) for one asking for what is not done."""
+    notices = []
+    for flag in COMPAT_FLAGS:
+        value = getattr(args, flag.dest)
+        if value is None:
+            continue
+        spelled = flag.names[0] if value is True else f"{flag.names[0]} {value}"
+        name = flag.names[0]
+        if name in ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size"):
+            if _int(flag, value) != 1:
+                raise ValueError(f"{spelled}: this server runs the model on one GPU; serve with {name} 1 "
+                                 "(or leave it out), one server per GPU")
+        elif name == "--cpu-offload-gb":
+            if float(value) != 0:
+                raise ValueError(f"{spelled}: weights are never offloaded to the CPU; leave it out")
+        elif name == "--kv-cache-dtype":
+            if value == "auto":
+                continue
+            raise ValueError(f"{spelled}: the KV cache is kept in the model's dtype only; use auto")
+        elif name == "--block-size":
+            if _int(flag, value) == 16:
+                continue
+            raise ValueError(f"{spelled}: the attention kernels read KV blocks of 16 tokens; use 16")
+        elif name == "--max-logprobs":
+            if not 0 <= _int(flag, value) <= 20:
+                raise ValueError(f"{spelled}: must be in [0, 20] (20 is the most this server computes)")
+            continue
+        elif flag.what_happens.startswith(REFUSED):
+            raise ValueError(f"{spelled}: {flag.what_happens.removeprefix('refused: ')}")
+        notices.append(f"{spelled}: {flag.notice or flag.what_happens}")
+    return notices

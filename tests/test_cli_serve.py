@@ -1,0 +1,126 @@
+"""`flint-sched serve`'s command line: vLLM's flags, errors with serve's usage, checks before loading."""
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from flint_sched import cli_vllm
+from flint_sched.cli import build_parser, main
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
+
+
+def serve_args(*argv):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_common_vllm_launch_flags_are_accepted_with_notices():
+    args = serve_args("-tp", "1", "--disable-log-requests", "--dtype", "auto", "--trust-remote-code",
+                      "--enable-prefix-caching", "--kv-cache-dtype", "auto", "--max-logprobs", "5")
+    notices = cli_vllm.check(args)
+    assert any(n.startswith("--tensor-parallel-size 1: ignored") for n in notices)
+    assert any("prefix caching is not implemented yet" in n for n in notices)
+    assert any(n.startswith("--trust-remote-code") for n in notices)
+    assert not any("kv-cache-dtype" in n or "max-logprobs" in n for n in notices)   # they mean something here
+    assert len(notices) == 4
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["-tp", "2"], "one GPU"), (["--pipeline-parallel-size", "4"], "one GPU"),
+    (["--kv-cache-dtype", "fp8"], "use auto"), (["--block-size", "32"], "use 16"),
+    (["--speculative-config", "{}"], "speculative decoding"), (["--enable-lora"], "LoRA"),
+    (["--cpu-offload-gb", "8"], "offloaded"), (["--max-logprobs", "50"], "[0, 20]"),
+])
+def test_what_is_not_done_here_is_refused_with_serves_usage(argv, reason, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "usage: flint-sched serve" in err and reason in err, err
+    assert not any(tmp_path.iterdir())                  # refused before anything was made or loaded
+
+
+def test_an_unknown_flag_shows_serves_usage(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--no-such-flag"])
+    err = capsys.readouterr().err
+    assert "usage: flint-sched serve" in err and "unrecognized arguments: --no-such-flag" in err
+
+
+def test_a_taken_port_is_reported_before_loading(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", "--device", "cpu", "--port", str(taken.getsockname()[1])]) == 2
+    assert "already in use" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())                  # flint-tiny was not generated
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cuda"], "no CUDA GPU is visible"),
+    (["--device", "cpu", "--executor", "cuda"], "--executor cuda needs a CUDA GPU"),
+])
+def test_cuda_without_a_gpu_fails_at_once(argv, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
+    for command in (["serve", "--port", "0"], ["generate", "--prompt", "x"]):
+        assert main([*command, *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_startup_summary_says_what_was_loaded():
+    from flint_sched.engine.builder import build_parts
+    from flint_sched.engine.config import EngineConfig
+    from flint_sched.engine.summary import format_summary
+    parts = build_parts(EngineConfig(model="flint-tiny", load_format="dummy", device="cpu", max_num_seqs=4,
+                                     num_kv_blocks=32), progress=False)
+    text = format_summary(parts)
+    for expected in ("random weights made on the device", "dummy", "device", "cpu", "executor", "torch",
+                     "512 tokens of full-attention KV (32 blocks of 16); 4 concurrent sliding windows",
+                     "max model len", "gibberish"):
+        assert expected in text, text
+
+
+def test_the_docs_table_lists_every_vllm_flag():
+    text = DOCS.read_text(encoding="utf-8")
+    table = {line.split("|")[1].strip().strip("`").split()[0] for line in text.splitlines()
+             if line.startswith("| `-")}
+    flags = {flag.names[0] for flag in cli_vllm.COMPAT_FLAGS} | set(cli_vllm.NATIVE_FLAGS)
+    assert table == flags, (table - flags, flags - table)
+    for flag in cli_vllm.COMPAT_FLAGS:
+        assert flag.what_happens in text, flag.names[0]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
+def test_bench_latency_with_the_cuda_executor_and_no_gpu_fails_at_once(capsys):
+    assert main(["bench", "latency", "--model", "flint", "--executor", "cuda", "--device", "cpu"]) == 2
+    assert "--executor cuda needs a CUDA GPU" in capsys.readouterr().err
+
+
+async def test_max_logprobs_caps_what_a_request_may_ask(tiny_config):
+    import httpx
+
+    from flint_sched.api.server import EngineState, ServerConfig, build_app
+    from flint_sched.checkpoint.make import dummy_checkpoint
+    from flint_sched.engine.builder import build_parts
+    from flint_sched.engine.config import EngineConfig
+    ckpt = dummy_checkpoint(tiny_config, "bf16", seed=3, device="cpu")
+    parts = build_parts(EngineConfig(device="cpu", max_num_seqs=4, num_kv_blocks=64, max_model_len=128),
+                        progress=False, checkpoint=ckpt)
+    app = build_app(EngineState(parts, "dummy"), ServerConfig(max_logprobs=2))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True}
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+            over = await client.post("/v1/chat/completions", json={**chat, "top_logprobs": 3})
+            assert over.status_code == 400 and "--max-logprobs" in over.json()["error"]["message"]
+            assert (await client.post("/v1/chat/completions", json={**chat, "top_logprobs": 2})).status_code == 200
+            over = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 3})
+            assert over.status_code == 400 and over.json()["error"]["param"] == "logprobs"
+
+
+def test_one_revision_for_every_hub_name(capsys):
+    assert main(["generate", "--prompt", "x", "--revision", "v1", "--tokenizer-revision", "v2"]) == 2
+    assert "one revision applies to every hub name" in capsys.readouterr().err
