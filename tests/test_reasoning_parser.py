@@ -18,13 +18,14 @@ HAND_CASES = [
     (True, "  <think>abc  \n</think>\nx", "abc", "\nx"),
     (True, "\n<think>\nabc", "\nabc", ""),
     (True, "abc<tool_call>f</tool_call>", "abc", "<tool_call>f</tool_call>"),
-    (True, "a\n\n<tool_call>x</think>y", "a", "<tool_call>x</think>y"),
+    (True, "a\n\n<tool_call>x</think>y", "a", "<tool_call>xy"),
     (True, "a </thi", "a </thi", ""),
     (True, "<thi", "<thi", ""),
     (True, "  <tool_ca", "  <tool_ca", ""),
     (True, "x<think>y</think>z", "x<think>y", "z"),
     (True, "<think><think>a", "<think>a", ""),
-    (True, "a</think>b</think>c", "a", "b</think>c"),
+    (True, "a</think>b</think>c", "a", "bc"),                     # as vLLM's glm47 parser
+    (True, "a</think>b</thi", "a", "b</thi"),
     (True, "思考🙂 \t</think>答案", "思考🙂", "答案"),
     (True, '  "quoted" \\ </ x</think>', '  "quoted" \\ </ x', ""),
 ]

@@ -1,7 +1,10 @@
 """GLM-4.7 reasoning split (`--reasoning-parser glm47`, alias `glm45`). Thinking on: leading whitespace plus
 `<think>` is swallowed; output is reasoning until `</think>` (dropped) or `<tool_call>` (kept, starts content).
-Thinking off: all content. For any chunking, `feed`/`finish` deltas concatenate to exactly `parse()` (reasoning
-None <-> ""): trailing whitespace of reasoning is held back until more reasoning follows, never retracted."""
+A `</think>` after the reasoning has ended is dropped from the content too, as vLLM's glm47 parser
+does (there the special token is skipped in the text): "a</think>b</think>c" -> reasoning "a",
+content "bc". Thinking off: all content. For any chunking, `feed`/`finish` deltas concatenate to
+exactly `parse()` (reasoning None <-> ""): trailing whitespace of reasoning is held back until more
+reasoning follows, never retracted; a partial `</think>` at the end of content is held back too."""
 
 from dataclasses import dataclass
 
@@ -41,7 +44,7 @@ class ReasoningParser:
         if tag is None:
             return reasoning.rstrip() or None, ""
         content = rest if tag == THINK_END else tag + rest
-        return reasoning.rstrip() or None, content
+        return reasoning.rstrip() or None, content.replace(THINK_END, "")
 
     def feed(self, chunk: str) -> ReasoningDelta:
         self._buffer += chunk
@@ -58,17 +61,35 @@ class ReasoningParser:
                 self._buffer = rest if tag == THINK_END else tag + rest
         content = ""
         if self._state == _CONTENT:
-            content, self._buffer = self._buffer, ""
+            content = self._content(final=False)
         return ReasoningDelta(reasoning, content)
 
     def finish(self) -> ReasoningDelta:
         """Flush what was held back at the end of generation."""
         if self._state == _START:
             self._leave_start(final=True)
-        held, self._buffer = self._buffer, ""
         if self._state == _REASONING:
+            held, self._buffer = self._buffer, ""
             return ReasoningDelta(reasoning=held.rstrip())
-        return ReasoningDelta(content=held)
+        return ReasoningDelta(content=self._content(final=True))
+
+    def _content(self, final: bool) -> str:
+        """The buffer as content, every complete `</think>` dropped; unless final, a suffix that may
+        still grow into one is held back."""
+        if not self.thinking:
+            content, self._buffer = self._buffer, ""
+            return content
+        parts = []
+        while True:
+            body, tag, rest = next_tag(self._buffer, (THINK_END,))
+            parts.append(body)
+            self._buffer = rest
+            if tag is None:
+                break
+        if final:
+            parts.append(self._buffer)
+            self._buffer = ""
+        return "".join(parts)
 
     def _leave_start(self, final: bool) -> None:
         stripped = self._buffer.lstrip()
