@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import sys
 import time
 
 from flint_sched.checkpoint.make import dummy_checkpoint
@@ -21,7 +22,7 @@ from flint_sched.config import preset
 from flint_sched.core.plan import StepPlan, StepResult
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.core.scheduler_config import SchedulerConfig
-from flint_sched.engine.async_engine import AsyncEngine
+from flint_sched.engine.async_engine import GIL_SWITCH_INTERVAL_S, AsyncEngine
 from flint_sched.executor.limits import ExecutorLimits
 from flint_sched.llm import run_async
 from flint_sched.sampling_params import SamplingParams
@@ -35,24 +36,31 @@ class FakeExecutor:
     def __init__(self, vocab: int, gpu_ms: float, seed: int = 0):
         self.vocab, self.gpu_s, self.rng = vocab, gpu_ms / 1e3, random.Random(seed)
         self.steps, self.busy_s = 0, 0.0
+        self.starts: list[float] = []
+        self.ends: list[float] = []
 
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
+        self.starts.append(start)
         if self.gpu_s:
             time.sleep(self.gpu_s)
         tokens = {e.request_id: [self.rng.randrange(300, self.vocab)] for e in plan.scheduled_requests if e.samples}
         self.steps += 1
-        self.busy_s += time.perf_counter() - start
+        self.ends.append(time.perf_counter())
+        self.busy_s += self.ends[-1] - start
         return StepResult(tokens)
 
 
-async def run_case(tokenizer, vocab: int, streams: int, tokens: int, gpu_ms: float) -> dict:
+async def run_case(tokenizer, vocab: int, streams: int, tokens: int, gpu_ms: float,
+                   switch_interval_s: float | None = None) -> dict:
     executor = FakeExecutor(vocab, gpu_ms)
     config = SchedulerConfig(max_num_seqs=streams, max_num_batched_tokens=max(2048, streams),
                              num_blocks=streams * (tokens // 16 + 8), max_model_len=tokens + 128, block_size=16,
                              fused_max_seqs=executor.limits.fused_max_batch)
     engine = AsyncEngine(Scheduler(config), executor, tokenizer, vocab)
     engine.start()
+    if switch_interval_s is not None:
+        sys.setswitchinterval(switch_interval_s)
     params = SamplingParams(temperature=0.8, max_tokens=tokens, ignore_eos=True, stop=["never appears"])
 
     async def consume(n: int) -> int:
@@ -61,12 +69,15 @@ async def run_case(tokenizer, vocab: int, streams: int, tokens: int, gpu_ms: flo
             chunks += 1
         return chunks
 
+    step_starts, step_ends = executor.starts, executor.ends
     start = time.perf_counter()
     await asyncio.gather(*(consume(n) for n in range(streams)))
     wall = time.perf_counter() - start
     await engine.shutdown()
     host_ms = (wall - executor.busy_s) / executor.steps * 1e3
+    gaps = sorted(b - a for a, b in zip(step_ends[:-1], step_starts[1:]))
     return {"streams": streams, "gpu_ms": gpu_ms, "steps": executor.steps, "steps_per_s": executor.steps / wall,
+            "median_gap_ms": 1e3 * gaps[len(gaps) // 2] if gaps else 0.0,
             "host_ms_per_step": host_ms, "gpu_idle_share": 1 - executor.busy_s / wall if gpu_ms else None,
             "tokens_per_s": streams * tokens / wall}
 
@@ -76,17 +87,22 @@ def main() -> int:
     p.add_argument("--streams", default="64,256")
     p.add_argument("--tokens", type=int, default=256, help="output tokens per stream")
     p.add_argument("--gpu-ms", default="0,10", help="the fake executor's step time(s) in ms")
+    p.add_argument("--switch-interval", default="", help="also run with these GIL switch intervals in s "
+                   "(the engine sets async_engine.GIL_SWITCH_INTERVAL_S), e.g. 0.005 for CPython's default")
     args = p.parse_args()
     tokenizer = dummy_checkpoint(preset("flint-tiny"), "bf16", 0, "cpu").tokenizer
     vocab = preset("flint-tiny").vocab_size
-    print("| streams | GPU ms/step | steps | steps/s | host ms/step | GPU idle | output tok/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| streams | GPU ms/step | switch s | steps/s | host ms/step | gap ms (median) | GPU idle | output tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    intervals = [None] + [float(s) for s in args.switch_interval.split(",") if s]
     for streams in (int(s) for s in args.streams.split(",")):
         for gpu_ms in (float(g) for g in args.gpu_ms.split(",")):
-            r = run_async(run_case(tokenizer, vocab, streams, args.tokens, gpu_ms))
-            idle = "–" if r["gpu_idle_share"] is None else f"{100 * r['gpu_idle_share']:.1f} %"
-            print(f"| {streams} | {gpu_ms:g} | {r['steps']} | {r['steps_per_s']:.1f} | {r['host_ms_per_step']:.2f} | "
-                  f"{idle} | {r['tokens_per_s']:.0f} |", flush=True)
+            for interval in intervals:
+                r = run_async(run_case(tokenizer, vocab, streams, args.tokens, gpu_ms, interval))
+                idle = "–" if r["gpu_idle_share"] is None else f"{100 * r['gpu_idle_share']:.1f} %"
+                shown = GIL_SWITCH_INTERVAL_S if interval is None else interval
+                print(f"| {streams} | {gpu_ms:g} | {shown:g} | {r['steps_per_s']:.1f} | {r['host_ms_per_step']:.2f} | "
+                      f"{r['median_gap_ms']:.2f} | {idle} | {r['tokens_per_s']:.0f} |", flush=True)
     return 0
 
 

@@ -35,3 +35,23 @@ def test_bench_serve_smoke_against_flint_tiny(request, tmp_path):
                  "--result-filename", "serve.json", "--no-plot", "--disable-tqdm"]) == 0
     result = json.loads((tmp_path / "serve.json").read_text())
     assert result["completed"] == 6 and result["failed"] == 0
+
+
+def test_bench_host_and_disconnect_storm_smoke(request):
+    """The host-side benchmark around its fake executor, and the disconnect storm against a server:
+    every step of every stream accounted for, and the storm leaves the server idle with no 5xx."""
+    from flint_sched.benchmarks import bench_host, disconnect_storm
+    from flint_sched.checkpoint.make import dummy_checkpoint
+    from flint_sched.config import preset
+    from flint_sched.llm import run_async
+
+    tokenizer = dummy_checkpoint(preset("flint-tiny"), "bf16", 0, "cpu").tokenizer
+    r = run_async(bench_host.run_case(tokenizer, 4096, 8, 6, 1.0))
+    assert r["steps"] >= 6 and r["tokens_per_s"] > 0 and 0 <= r["gpu_idle_share"] < 1
+    server = shared_server(request, "real")
+    args = disconnect_storm.argparse.Namespace(base_url=server.base_url, concurrency=6, requests=12, drop_fraction=0.5,
+                                               max_tokens=8, max_prompt_words=10, timeout=60.0, idle_timeout=10.0,
+                                               seed=0, output_json=None)
+    report = run_async(disconnect_storm.storm(args))
+    assert report["statuses"] == {"200": 12} and sum(report["outcomes"].values()) == 12
+    assert report["outcomes"].get("dropped", 0) > 0 and not any(report["idle_gauges"].values())
