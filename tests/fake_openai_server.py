@@ -43,6 +43,7 @@ class FakeOpenAIServer:
     endless_stream: bool = False
     requests: list[dict] = field(default_factory=list)
     disconnected: threading.Event = field(default_factory=threading.Event)
+    open_streams: int = 0                                             # SSE bodies being written now
     url: str = ""                                                     # set by `running_fake_server`
 
     def reset(self) -> None:
@@ -126,6 +127,7 @@ class FakeOpenAIServer:
             return f"data: {json.dumps({**chunk_head, 'choices': [choice]})}\n\n"
 
         async def events():
+            self.open_streams += 1
             try:
                 if self.endless_stream:
                     for _ in range(1000):
@@ -140,6 +142,8 @@ class FakeOpenAIServer:
             except (asyncio.CancelledError, GeneratorExit):
                 self.disconnected.set()
                 raise
+            finally:
+                self.open_streams -= 1
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
