@@ -162,7 +162,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_logprobs=20 if args.vllm_max_logprobs is None else int(args.vllm_max_logprobs))
     engine_config = EngineConfig(
         model=model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization, **_engine_args(args))
+        gpu_memory_utilization=args.gpu_memory_utilization, block_size=int(args.vllm_block_size or 16),
+        **_engine_args(args))
     step_timeout_s = args.engine_iteration_timeout_s
     step_timeout_s = DEFAULT_ENGINE_ITERATION_TIMEOUT_S if step_timeout_s is None else step_timeout_s
     if not step_timeout_s >= 0:

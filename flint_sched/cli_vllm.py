@@ -45,7 +45,7 @@ COMPAT_FLAGS = (
     CompatFlag(("--swap-space",), "GIB", "ignored: no CPU swap of the KV cache"),
     CompatFlag(("--cpu-offload-gb",), "GIB", "0: ignored; more: refused (no weight offload)",
                "ignored: no weight offload"),
-    CompatFlag(("--block-size",), "N", "16: supported; others: refused (the kernels read 16-token blocks)"),
+    CompatFlag(("--block-size",), "N", "supported: tokens per KV-cache block (16 if not given)"),
     CompatFlag(("--tokenizer-mode",), "MODE", "ignored: the tokenizer is always tokenizers' fast one"),
     CompatFlag(("--generation-config",), "PATH", "ignored: request fields and server defaults decide"),
     CompatFlag(("--max-seq-len-to-capture",), "N", "ignored: CUDA graphs cover every decode batch"),
@@ -106,9 +106,9 @@ def check(args: argparse.Namespace) -> list[str]:
                 continue
             raise ValueError(f"{spelled}: the KV cache is kept in the model's dtype only; use auto")
         elif name == "--block-size":
-            if _int(flag, value) == 16:
-                continue
-            raise ValueError(f"{spelled}: the attention kernels read KV blocks of 16 tokens; use 16")
+            if _int(flag, value) < 1:
+                raise ValueError(f"{spelled}: must be a positive number of tokens")
+            continue
         elif name == "--max-logprobs":
             if not 0 <= _int(flag, value) <= 20:
                 raise ValueError(f"{spelled}: must be in [0, 20] (20 is the most this server computes)")
