@@ -23,7 +23,7 @@ def executor_description(parts: EngineParts) -> str:
         return (f"cuda: our NVRTC kernels; decode batches <= {fused} on the fused path, larger on the grouped "
                 f"path, {graphs}; prompts on the grouped GEMMs")
     if name == "TorchExecutor":
-        return "torch: plain PyTorch ops (the reference path; no custom kernels)"
+        return "torch: plain PyTorch ops (the portable path; no custom kernels)"
     return name
 
 
