@@ -100,3 +100,16 @@ def test_decode_only_steps_follow_the_plans_path_and_big_ones_run_eagerly():
     many = [entry(f"r{n}", [1], 3, [0]) for n in range(300)]
     ex.execute(StepPlan(many, 300, "grouped", [], []))
     assert [(v, r) for v, r, _ in ex.calls] == [("fused", 1), ("grouped", 16), ("prompt", None)]
+
+
+def test_prompt_steps_reuse_one_grown_routing_workspace():
+    from flint_sched.config import preset
+    from flint_sched.executor.workspace import Workspaces
+
+    ws = Workspaces(preset("flint-tiny"), max_rows=16, max_seqs=4, device=torch.device("cpu"))
+    assert ws.routing_for(9) is ws.moe_routing                       # decode graphs' own
+    first = ws.routing_for(100)
+    assert first is not ws.moe_routing and first.max_tokens == 100
+    assert ws.routing_for(40) is first                               # kept, not made again
+    grown = ws.routing_for(300)
+    assert grown.max_tokens == 300 and ws.routing_for(100) is grown

@@ -31,11 +31,17 @@ class Workspaces:
         self.router = router_workspace(c.n_routed_experts, device)
         self.argmax = argmax_workspace(max(max_rows, max_seqs), c.vocab_size, device)
         self.moe_routing = self._routing(max_rows, device)
+        self._prompt_routing = None      # grown to the longest prompt step seen (eager steps only)
 
     def routing_for(self, rows: int):
-        """The grouped MoE's routing workspace for `rows` tokens: the static one, or a new one for a
-        prompt step longer than any decode graph."""
-        return self.moe_routing if rows <= self.max_rows else self._routing(rows, self.hidden.device)
+        """The grouped MoE's routing workspace for `rows` tokens: the static one of the decode graphs,
+        or, for a prompt step longer than any graph, one kept across prompt steps and grown when a
+        longer one comes (steps run one at a time; its ticket resets itself)."""
+        if rows <= self.max_rows:
+            return self.moe_routing
+        if self._prompt_routing is None or self._prompt_routing.max_tokens < rows:
+            self._prompt_routing = self._routing(rows, self.hidden.device)
+        return self._prompt_routing
 
     def _routing(self, rows: int, device: torch.device):
         c = self.config
