@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from flint_sched.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_ABS_PENALTY = 2.0
@@ -58,6 +60,8 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         values = {
@@ -83,6 +87,12 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, min_value=0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, min_value=0)
+            if self.prompt_logprobs > MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {self.prompt_logprobs}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
         if values["temperature"] < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < values["top_p"] <= 1.0:

@@ -25,6 +25,7 @@ from flint_sched.engine.output_processor import ChoiceState
 from flint_sched.engine.outputs import CompletionOutput, EngineError, RequestOutput
 from flint_sched.engine.step_worker import StepWorker
 from flint_sched.sampling_params import SamplingParams
+from flint_sched.structured.compiler import GrammarCompiler
 from flint_sched.tokenizer import FlintTokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,10 +58,11 @@ class AsyncEngine:
     """Owns the scheduler and the executor; see the module docstring for the loop."""
 
     def __init__(self, scheduler: Scheduler, executor, tokenizer: FlintTokenizer, vocab_size: int,
-                 step_timeout_s: float | None = None):
+                 step_timeout_s: float | None = None, grammar_compiler: GrammarCompiler | None = None):
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
+        self.grammar_compiler = grammar_compiler or GrammarCompiler(tokenizer)
         self.vocab_size = vocab_size
         self.max_model_len = scheduler.config.max_model_len
         self._requests: dict[str, _Request] = {}
@@ -166,6 +168,9 @@ class AsyncEngine:
             bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
             if bad:
                 raise ValueError(f"{name} names token id {bad[0]}, outside the vocabulary (0..{self.vocab_size - 1})")
+        if p.structured_outputs is not None:
+            # ValueError for an invalid grammar; the server compiled it off the loop already (a cache hit)
+            self.grammar_compiler.compile(p.structured_outputs)
 
     async def _stream(self, request: _Request) -> AsyncIterator[RequestOutput]:
         try:

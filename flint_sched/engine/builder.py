@@ -18,8 +18,10 @@ from flint_sched.core.scheduler import Scheduler
 from flint_sched.core.scheduler_config import SchedulerConfig
 from flint_sched.engine.async_engine import AsyncEngine
 from flint_sched.engine.config import EngineConfig
+from flint_sched.executor.grammar_masks import GrammarMasks
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.torch_executor import TorchExecutor
+from flint_sched.structured.compiler import GrammarCompiler
 
 ACTIVATION_RESERVE_BYTES = 4 << 30   # GPU memory kept back for activations and graphs
 
@@ -31,6 +33,7 @@ class EngineParts:
     executor: object          # TorchExecutor or CudaExecutor: execute(StepPlan) -> StepResult
     device: torch.device
     origins: dict[str, str] = field(default_factory=dict)   # model / config / tokenizer -> where it came from
+    grammar_compiler: GrammarCompiler | None = None          # structured outputs, shared by engine and executor
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,8 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
     else:
         executor = TorchExecutor(ckpt.config, ckpt.weights, kv, ckpt.tokenizer.eos_token_ids, dtype, device,
                                  config.seed)
+    compiler = GrammarCompiler(ckpt.tokenizer)
+    executor.grammars = GrammarMasks(compiler)
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -141,7 +146,7 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
         sliding_window=ckpt.config.sliding_window,
         fused_max_seqs=executor.limits.fused_max_batch,
     )
-    return EngineParts(ckpt, scheduler_config, executor, device, origins)
+    return EngineParts(ckpt, scheduler_config, executor, device, origins, compiler)
 
 
 def check_executor_possible(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -184,4 +189,4 @@ def _use_cuda_executor(config: EngineConfig, ckpt: Checkpoint, device: torch.dev
 def build_engine(parts: EngineParts) -> AsyncEngine:
     """A fresh engine (scheduler and loop) over already built parts; call start() inside a loop."""
     return AsyncEngine(Scheduler(parts.scheduler_config), parts.executor, parts.checkpoint.tokenizer,
-                       parts.checkpoint.config.vocab_size)
+                       parts.checkpoint.config.vocab_size, grammar_compiler=parts.grammar_compiler)

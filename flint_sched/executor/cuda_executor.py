@@ -22,6 +22,7 @@ from flint_sched.checkpoint.common import Weights
 from flint_sched.config import FlintConfig
 from flint_sched.core.plan import StepPlan, StepResult
 from flint_sched.executor.forward import forward
+from flint_sched.executor.grammar_masks import GrammarMasks
 from flint_sched.executor.graph_sampler import GraphSampler, plain
 from flint_sched.executor.graphs import FIRST_GRAPH_LAYERS, GROUPED_BATCH_SIZES, StepGraphs, graph_segments, padded_batch
 from flint_sched.executor.kernel_ops import KernelOps, KernelWeights
@@ -52,6 +53,7 @@ def _kernel_weight(w: torch.Tensor | NVFP4Tensor, device: torch.device):
 
 
 class CudaExecutor:
+    grammars: GrammarMasks | None = None           # structured outputs; set by the engine builder
     def __init__(self, config: FlintConfig, weights: Weights, kv_cache: KVCache, eos_token_ids: Collection[int],
                  max_model_len: int, device: torch.device | str = "cuda", seed: int = 0, use_graphs: bool = True,
                  pdl: bool = True, first_graph_layers: int = FIRST_GRAPH_LAYERS,
@@ -113,6 +115,8 @@ class CudaExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         entries = plan.scheduled_requests
         self.inputs.forget(plan)
+        if self.grammars is not None:
+            self.grammars.forget(plan.finished_request_ids)
         if not entries:
             return StepResult({})
         decodes = [e for e in entries if e.num_tokens == 1 and e.samples]
@@ -182,5 +186,5 @@ class CudaExecutor:
         elif graph_sampler and all(plain(e) and e.sampling_params.seed is None for e in entries):
             tokens = self.sampler(entries)
         else:
-            return sampled_step(self.last_logits.float(), entries, self.eos_token_ids, self.generator)
+            return sampled_step(self.last_logits.float(), entries, self.eos_token_ids, self.generator, self.grammars)
         return StepResult({e.request_id: [t] for e, t in zip(entries, tokens, strict=True)})

@@ -11,10 +11,11 @@ from flint_sched.executor.sampler import draw, filter_rows
 
 
 def plain(entry) -> bool:
-    """Token choice from the logits as they are: no edits first (bans, bias, penalties), no logprobs."""
+    """Token choice from the logits as they are: no edits first (grammar mask, bans, bias, penalties), no
+    logprobs."""
     p = entry.sampling_params
-    return not (p.logit_bias or p.min_tokens > len(entry.output_token_ids) or p.repetition_penalty != 1.0
-                or p.presence_penalty or p.frequency_penalty or p.logprobs is not None)
+    return not (p.structured_outputs is not None or p.logit_bias or p.min_tokens > len(entry.output_token_ids)
+                or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logprobs is not None)
 
 
 class GraphSampler:

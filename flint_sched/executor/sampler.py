@@ -1,7 +1,10 @@
 """Token choice from one step's logits, for the whole batch at once, in vLLM's order.
 
-    min_tokens mask -> logit_bias -> repetition / frequency / presence penalties -> (greedy: argmax)
-    -> temperature -> top_k -> top_p -> min_p -> draw
+    grammar mask -> min_tokens mask -> logit_bias -> repetition / frequency / presence penalties
+    -> (greedy: argmax) -> temperature -> top_k -> top_p -> min_p -> draw
+The grammar mask (structured outputs, executor/grammar_masks.py) comes first, as in vLLM, so
+logprobs see it too; a constrained row that the later edits leave without any token (min_tokens
+banning the stop token its finished grammar needs) keeps its grammar-masked logits.
 Every transformation runs on the [B, V] logits as a few batched tensor operations (on the GPU when
 the logits are there); the host reads back only the chosen ids (and logprobs, if asked for), in
 one transfer. Logprobs come from the raw logits. A seeded request draws from a generator seeded by
@@ -17,6 +20,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from flint_sched.core.plan import ScheduledRequest, StepResult, TokenLogprobs
+from flint_sched.executor.grammar_masks import GrammarMasks, constrained
 from flint_sched.sampling_params import SamplingParams
 
 
@@ -102,11 +106,23 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
 
 
 def sample_batch(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_token_ids: Collection[int],
-                 generator: torch.Generator | None) -> list[tuple[int, TokenLogprobs | None]]:
+                 generator: torch.Generator | None,
+                 grammars: GrammarMasks | None = None) -> list[tuple[int, TokenLogprobs | None]]:
     """The next token (and its logprobs, if asked for) of each request from fp32 logits [B, V]."""
+    filled = None
+    if any(constrained(e) for e in entries):
+        if grammars is None:
+            raise RuntimeError("a request has structured outputs, but this executor has no grammar masks")
+        filled = grammars.fill(entries)     # host work first: the device may still be running the step
+        logits = grammars.mask(logits, filled)
     raw = logits
     logits = logits.clone()
     edit_logits(logits, entries, eos_token_ids)
+    if filled is not None:
+        index = torch.tensor(filled[0], device=logits.device)
+        edited = logits[index]
+        dead = torch.isneginf(edited).all(dim=-1, keepdim=True)
+        logits[index] = torch.where(dead, raw[index], edited)
     chosen = torch.argmax(logits, dim=-1)
     sampled = [row for row, e in enumerate(entries) if not e.sampling_params.is_greedy]
     seeded = [row for row in sampled if entries[row].sampling_params.seed is not None]
@@ -137,10 +153,11 @@ def sample_batch(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_
 
 
 def sampled_step(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_token_ids: Collection[int],
-                 generator: torch.Generator | None) -> StepResult:
+                 generator: torch.Generator | None, grammars: GrammarMasks | None = None) -> StepResult:
     """The StepResult of `sample_batch`: one token per entry, logprobs where asked for."""
     tokens, logprobs = {}, {}
-    for entry, (token, lp) in zip(entries, sample_batch(logits, entries, eos_token_ids, generator), strict=True):
+    sampled = sample_batch(logits, entries, eos_token_ids, generator, grammars)
+    for entry, (token, lp) in zip(entries, sampled, strict=True):
         tokens[entry.request_id] = [token]
         if lp is not None:
             logprobs[entry.request_id] = [lp]

@@ -14,6 +14,7 @@ from flint_sched.checkpoint.common import Weights
 from flint_sched.config import FlintConfig
 from flint_sched.core.plan import ScheduledRequest, StepPlan, StepResult
 from flint_sched.executor.forward import forward
+from flint_sched.executor.grammar_masks import GrammarMasks
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.limits import ExecutorLimits
 from flint_sched.executor.sampler import sampled_step
@@ -34,6 +35,7 @@ def dense_weights(weights: Weights, dtype: torch.dtype, device: torch.device) ->
 
 
 class TorchExecutor:
+    grammars: GrammarMasks | None = None           # structured outputs; set by the engine builder
     limits = ExecutorLimits(fused_max_batch=0)      # no fused path: every step is one torch forward
 
     def __init__(self, config: FlintConfig, weights: Weights, kv_cache: KVCache, eos_token_ids: Collection[int],
@@ -49,6 +51,8 @@ class TorchExecutor:
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepResult:
+        if self.grammars is not None:
+            self.grammars.forget(plan.finished_request_ids)
         entries = plan.scheduled_requests
         if not entries:
             return StepResult({})
@@ -59,4 +63,4 @@ class TorchExecutor:
 
     def sample(self, logits: torch.Tensor, entries: list[ScheduledRequest]) -> StepResult:
         """One token per entry from its fp32 logits row (one batched pass, one read-back)."""
-        return sampled_step(logits, entries, self.eos_token_ids, self.generator)
+        return sampled_step(logits, entries, self.eos_token_ids, self.generator, self.grammars)

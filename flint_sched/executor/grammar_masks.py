@@ -1,0 +1,111 @@
+"""Per-request grammar state on the executor side, and the token masks it puts on the logits.
+
+Each constrained request has one llguidance matcher, made from the compiler's cache on its first
+sampling step (no output yet: a fresh one, even if a finished request left one under the same id).
+A matcher follows the scheduler's record: at every sampling step it first consumes the tokens of
+`output_token_ids` it has not seen (the one sampled last step), so it never needs to be told what
+was accepted, and preemption changes nothing. The masks are filled on the host (llguidance, in parallel threads for several rows) while the device
+still runs the step, then copied over as bits:
+
+    bitmask [rows, ceil(V / 32)] int32, bit j of word w  <->  token 32 * w + j allowed
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.torch
+import torch
+
+from flint_sched.core.plan import ScheduledRequest
+from flint_sched.structured.compiler import GrammarCompiler
+from flint_sched.structured.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Grammar:
+    matcher: llguidance.LLMatcher
+    params: StructuredOutputsParams
+    num_consumed: int = 0
+
+
+def constrained(entry: ScheduledRequest) -> bool:
+    return entry.sampling_params.structured_outputs is not None
+
+
+def _bit(j: int) -> int:
+    """Bit j of an int32 word, as the signed value torch stores."""
+    return (1 << j) - (1 << 32 if j == 31 else 0)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [rows, vocab_size] from a bitmask [rows, words] (tokens past 32 * words: not allowed)."""
+    rows, words = bitmask.shape
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=bitmask.device)) & 1
+    allowed = bits.view(rows, words * 32).bool()
+    if vocab_size > words * 32:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - words * 32), value=False)
+    return allowed[:, :vocab_size]
+
+
+class GrammarMasks:
+    """The matchers of the running constrained requests (see the module docstring)."""
+
+    def __init__(self, compiler: GrammarCompiler):
+        self.compiler = compiler
+        self.grammars: dict[str, _Grammar] = {}
+        self._pool: llguidance.LLExecutor | None = None
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop the state of finished requests."""
+        for request_id in request_ids:
+            self.grammars.pop(request_id, None)
+
+    def fill(self, entries: Sequence[ScheduledRequest]) -> tuple[list[int], torch.Tensor] | None:
+        """(rows of `entries` that are constrained, their bitmask on the host), or None if none is."""
+        rows = [row for row, e in enumerate(entries) if constrained(e)]
+        if not rows:
+            return None
+        matchers = [self._advanced(entries[row]) for row in rows]
+        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.compiler.ll_tokenizer.vocab_size)
+        if len(rows) == 1:
+            llguidance.torch.fill_next_token_bitmask(matchers[0], bitmask, 0)
+        else:
+            if self._pool is None:
+                self._pool = llguidance.LLExecutor()
+            llguidance.torch.fill_next_token_bitmask_par(self._pool, [(m, i) for i, m in enumerate(matchers)],
+                                                         bitmask)
+        for i, matcher in enumerate(matchers):
+            if matcher.is_error():           # nothing fits any more: let it end on a stop token
+                bitmask[i] = 0
+                for token in self.compiler.tokenizer.eos_token_ids:
+                    bitmask[i, token // 32] |= _bit(token % 32)
+        return rows, bitmask
+
+    def _advanced(self, entry: ScheduledRequest) -> llguidance.LLMatcher:
+        """The entry's matcher, after the output tokens it has not consumed yet."""
+        params = entry.sampling_params.structured_outputs
+        state = self.grammars.get(entry.request_id)
+        if state is None or not entry.output_token_ids or state.params != params:
+            state = self.grammars[entry.request_id] = _Grammar(self.compiler.new_matcher(params), params)
+        new = entry.output_token_ids[state.num_consumed:]
+        if new and not state.matcher.is_error():
+            if not state.matcher.consume_tokens(new):
+                logger.warning("request %s left its grammar (%s); only stop tokens are allowed now",
+                               entry.request_id, state.matcher.get_error().split("\n")[0])
+        state.num_consumed += len(new)
+        return state.matcher
+
+    def mask(self, logits: torch.Tensor, filled: tuple[list[int], torch.Tensor]) -> torch.Tensor:
+        """A copy of logits [B, V] with the disallowed tokens of the constrained rows at -inf."""
+        rows, bitmask = filled
+        allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
+        index = torch.tensor(rows, device=logits.device)
+        masked = logits.clone()
+        masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        return masked
