@@ -63,19 +63,32 @@ class StepPlan:
 
 @dataclass(slots=True)
 class TokenLogprobs:
-    """Log-probability of a sampled token and the top alternatives, from the raw model logits."""
+    """Log-probability of a sampled (or prompt) token and the top alternatives, from the model's logits;
+    `rank`: the token's 1-based place among all tokens (prompt logprobs only)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of the prompt tokens at positions first_position, first_position + 1, ... (each given
+    the tokens before it), from one prefill chunk."""
+
+    first_position: int
+    entries: list[TokenLogprobs]
 
 
 @dataclass(slots=True)
 class StepResult:
-    """Sampled tokens for every entry with samples=True (a list each, one token for now)."""
+    """Sampled tokens for every entry with samples=True (a list each, one token for now), and prompt
+    logprobs of the chunks whose requests ask for them."""
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, Any] | None = None
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
 
 
 @dataclass(slots=True)

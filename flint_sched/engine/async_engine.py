@@ -19,7 +19,7 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from flint_sched.core.plan import RequestStepOutput, StepPlan, StepResult
+from flint_sched.core.plan import PromptLogprobs, RequestStepOutput, StepPlan, StepResult
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.engine.output_processor import ChoiceState
 from flint_sched.engine.outputs import CompletionOutput, EngineError, RequestOutput
@@ -48,6 +48,7 @@ class _Request:
     queue: asyncio.Queue
     choices: dict[str, ChoiceState] = field(default_factory=dict)   # scheduler id -> choice
     num_finished: int = 0
+    prompt_logprobs: list | None = None          # computed for the first choice only
 
     @property
     def finished(self) -> bool:
@@ -132,12 +133,16 @@ class AsyncEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = _Request(request_id, prompt_ids, asyncio.Queue())
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(prompt_ids)
         one = dataclasses.replace(params, n=1)
         added = []
         try:
             for index in range(params.n):
                 choice_id = request_id if params.n == 1 else f"{request_id}#{index}"
                 choice_params = one if params.seed is None else dataclasses.replace(one, seed=params.seed + index)
+                if index > 0 and params.prompt_logprobs is not None:
+                    choice_params = dataclasses.replace(choice_params, prompt_logprobs=None)
                 self.scheduler.add_request(choice_id, prompt_ids, choice_params, self.tokenizer.eos_token_ids)
                 added.append(choice_id)
                 request.choices[choice_id] = ChoiceState(index, choice_params, self.tokenizer)
@@ -211,7 +216,8 @@ class AsyncEngine:
         request.num_finished = len(request.choices)
         outputs = [c.output.snapshot() for c in request.choices.values()]
         request.queue.put_nowait(error if error is not None else
-                                 RequestOutput(request.request_id, request.prompt_token_ids, outputs, True))
+                                 RequestOutput(request.request_id, request.prompt_token_ids, outputs, True,
+                                               request.prompt_logprobs))
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -236,6 +242,8 @@ class AsyncEngine:
                     in_flight = None
                     continue
                 outputs = self.scheduler.update(plan, result)
+                if result.prompt_logprobs:
+                    self._collect_prompt_logprobs(result.prompt_logprobs)
                 in_flight = self._start_step()
                 self._process(outputs)
                 await asyncio.sleep(0)
@@ -269,6 +277,15 @@ class AsyncEngine:
             return None
         return plan, self._worker.submit(self.executor.execute, plan)
 
+    def _collect_prompt_logprobs(self, chunks: dict[str, PromptLogprobs]) -> None:
+        """Store each chunk's prompt logprobs by position (a chunk recomputed after preemption rewrites
+        the same values)."""
+        for choice_id, chunk in chunks.items():
+            request = self._choice_owner.get(choice_id)
+            if request is not None and request.prompt_logprobs is not None:
+                first = chunk.first_position
+                request.prompt_logprobs[first: first + len(chunk.entries)] = chunk.entries
+
     def _process(self, outputs: list[RequestStepOutput]) -> None:
         for step in outputs:
             request = self._choice_owner.get(step.request_id)
@@ -293,7 +310,7 @@ class AsyncEngine:
                         for c in request.choices.values() if c.output not in changed]
             outputs.sort(key=lambda c: c.index)
         request.queue.put_nowait(RequestOutput(request.request_id, request.prompt_token_ids, outputs,
-                                               request.finished))
+                                               request.finished, request.prompt_logprobs))
 
     def _fail_plan(self, plan: StepPlan, error: Exception) -> None:
         failed = {self._choice_owner[e.request_id] for e in plan.scheduled_requests

@@ -38,6 +38,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]    # the choices this update changed (all of them at the end)
     finished: bool                     # every choice has finished
+    # when asked for: None, then per prompt position p >= 1 the logprobs of token p (filled as the
+    # prefill goes; complete from the first sampled token on), as vLLM's RequestOutput has them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class EngineError(RuntimeError):

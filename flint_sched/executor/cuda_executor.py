@@ -28,6 +28,7 @@ from flint_sched.executor.graphs import FIRST_GRAPH_LAYERS, GROUPED_BATCH_SIZES,
 from flint_sched.executor.kernel_ops import KernelOps, KernelWeights
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.limits import ExecutorLimits
+from flint_sched.executor.prompt_logprobs import prompt_logprobs
 from flint_sched.executor.sampler import sampled_step
 from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.executor.torch_ops import AttentionOps, StepRows
@@ -137,7 +138,8 @@ class CudaExecutor:
         logits = torch.cat([first_logits, self.last_logits])
         self.last_logits = logits[[where[e.request_id] for e in entries if e.samples]]
         logprobs = {**(first.logprobs or {}), **(second.logprobs or {})}
-        return StepResult({**first.sampled_token_ids, **second.sampled_token_ids}, logprobs or None)
+        return StepResult({**first.sampled_token_ids, **second.sampled_token_ids}, logprobs or None,
+                          second.prompt_logprobs)
 
     def _decode_graph(self, b: int, fused: bool = True) -> tuple[str, int] | None:
         """(variant, padded rows) of the graph for b decode rows, or None past the largest: the fused
@@ -169,14 +171,19 @@ class CudaExecutor:
         rows = StepRows.from_entries(entries, self.device)
         sampling = [e for e in entries if e.samples]
         c, t, n = self.config, rows.token_ids.numel(), len(sampling)
+        m = rows.logit_rows.numel()          # n sampling rows, then the prompt-logprob rows
         ops = KernelOps(self.weights, "prompt", t,
                         torch.empty(2, t, c.hidden_size, dtype=torch.bfloat16, device=self.device),
-                        torch.empty(n, c.vocab_size, dtype=torch.bfloat16, device=self.device),
-                        torch.empty(n, dtype=torch.int64, device=self.device),
+                        torch.empty(m, c.vocab_size, dtype=torch.bfloat16, device=self.device),
+                        torch.empty(m, dtype=torch.int64, device=self.device),
                         token_ids=rows.token_ids, attention_ops=AttentionOps(self.attention_model, self.kv, rows),
-                        sample_rows=rows.sample_rows)
-        self.last_logits = forward(ops, c, layer_outputs=self.layer_outputs)
-        return self._choose(sampling, ops.next_tokens, graph_sampler=False) if sampling else StepResult({})
+                        sample_rows=rows.logit_rows)
+        logits = forward(ops, c, layer_outputs=self.layer_outputs)
+        self.last_logits = logits[:n]
+        result = self._choose(sampling, ops.next_tokens[:n], graph_sampler=False) if sampling else StepResult({})
+        if rows.prompt_spans:
+            result.prompt_logprobs = prompt_logprobs(logits[n:], entries, rows.prompt_spans)
+        return result
 
     def _choose(self, entries: list, greedy_tokens: torch.Tensor, graph_sampler: bool) -> StepResult:
         """One token per entry from `last_logits` (its rows in entry order): the greedy ids the step

@@ -4,7 +4,8 @@ Each constrained request has one llguidance matcher, made from the compiler's ca
 sampling step (no output yet: a fresh one, even if a finished request left one under the same id).
 A matcher follows the scheduler's record: at every sampling step it first consumes the tokens of
 `output_token_ids` it has not seen (the one sampled last step), so it never needs to be told what
-was accepted, and preemption changes nothing. The masks are filled on the host (llguidance, in parallel threads for several rows) while the device
+was accepted, and preemption changes nothing. A constraint that begins after a token (the end of
+the reasoning) leaves the row free until that token has come. The masks are filled on the host (llguidance, in parallel threads for several rows) while the device
 still runs the step, then copied over as bits:
 
     bitmask [rows, ceil(V / 32)] int32, bit j of word w  <->  token 32 * w + j allowed
@@ -32,6 +33,7 @@ class _Grammar:
     matcher: llguidance.LLMatcher
     params: StructuredOutputsParams
     num_consumed: int = 0
+    started: bool = True
 
 
 def constrained(entry: ScheduledRequest) -> bool:
@@ -73,27 +75,35 @@ class GrammarMasks:
             return None
         matchers = [self._advanced(entries[row]) for row in rows]
         bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.compiler.ll_tokenizer.vocab_size)
-        if len(rows) == 1:
-            llguidance.torch.fill_next_token_bitmask(matchers[0], bitmask, 0)
-        else:
+        active = [(m, i) for i, m in enumerate(matchers) if m is not None]     # the others stay all ones
+        if len(active) == 1:
+            llguidance.torch.fill_next_token_bitmask(active[0][0], bitmask, active[0][1])
+        elif active:
             if self._pool is None:
                 self._pool = llguidance.LLExecutor()
-            llguidance.torch.fill_next_token_bitmask_par(self._pool, [(m, i) for i, m in enumerate(matchers)],
-                                                         bitmask)
-        for i, matcher in enumerate(matchers):
+            llguidance.torch.fill_next_token_bitmask_par(self._pool, active, bitmask)
+        for matcher, i in active:
             if matcher.is_error():           # nothing fits any more: let it end on a stop token
                 bitmask[i] = 0
                 for token in self.compiler.tokenizer.eos_token_ids:
                     bitmask[i, token // 32] |= _bit(token % 32)
         return rows, bitmask
 
-    def _advanced(self, entry: ScheduledRequest) -> llguidance.LLMatcher:
-        """The entry's matcher, after the output tokens it has not consumed yet."""
+    def _advanced(self, entry: ScheduledRequest) -> llguidance.LLMatcher | None:
+        """The entry's matcher, after the output tokens it has not consumed yet (None: not begun)."""
         params = entry.sampling_params.structured_outputs
         state = self.grammars.get(entry.request_id)
         if state is None or not entry.output_token_ids or state.params != params:
-            state = self.grammars[entry.request_id] = _Grammar(self.compiler.new_matcher(params), params)
+            state = _Grammar(self.compiler.new_matcher(params), params, started=params.begin_after_token is None)
+            self.grammars[entry.request_id] = state
         new = entry.output_token_ids[state.num_consumed:]
+        if not state.started:
+            state.num_consumed += len(new)
+            if params.begin_after_token not in new:
+                return None
+            state.started = True
+            new = new[new.index(params.begin_after_token) + 1:]
+            state.num_consumed -= len(new)
         if new and not state.matcher.is_error():
             if not state.matcher.consume_tokens(new):
                 logger.warning("request %s left its grammar (%s); only stop tokens are allowed now",

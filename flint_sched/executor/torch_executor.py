@@ -1,7 +1,8 @@
 """TorchExecutor: runs a StepPlan with torch ops on any device (the portable path, CI's ground).
 
 All tokens of the step (prefill chunks and decodes of many requests) go through `forward` with
-`TorchOps` (executor/torch_ops.py); only the last token of a sampling entry reaches the LM head.
+`TorchOps` (executor/torch_ops.py); only the last token of a sampling entry reaches the LM head
+(and the prompt tokens of a request that asks for prompt logprobs).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from flint_sched.executor.forward import forward
 from flint_sched.executor.grammar_masks import GrammarMasks
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.limits import ExecutorLimits
+from flint_sched.executor.prompt_logprobs import prompt_logprobs
 from flint_sched.executor.sampler import sampled_step
 from flint_sched.executor.torch_ops import StepRows, TorchOps
 from flint_sched.model.reference import FlintReference
@@ -59,7 +61,10 @@ class TorchExecutor:
         rows = StepRows.from_entries(entries, self.device)
         logits = forward(TorchOps(self.model, self.kv, rows), self.config, layer_outputs=self.layer_outputs)
         sampling = [e for e in entries if e.samples]
-        return self.sample(logits, sampling) if sampling else StepResult({})
+        result = self.sample(logits[:len(sampling)], sampling) if sampling else StepResult({})
+        if rows.prompt_spans:
+            result.prompt_logprobs = prompt_logprobs(logits[len(sampling):], entries, rows.prompt_spans)
+        return result
 
     def sample(self, logits: torch.Tensor, entries: list[ScheduledRequest]) -> StepResult:
         """One token per entry from its fp32 logits row (one batched pass, one read-back)."""

@@ -8,13 +8,14 @@ model/reference.py (`FlintReference` holds the weights in the compute dtype).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from flint_sched.core.plan import ScheduledRequest
 from flint_sched.executor.kv_cache import KVCache
+from flint_sched.executor.prompt_logprobs import prompt_rows, prompt_spans
 from flint_sched.model.reference import FlintReference, apply_rope, attention_with_sinks, rms_norm
 
 QUERY_BLOCK = 256   # query rows per attention call on full layers: scores are [heads, rows, context]
@@ -32,13 +33,16 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: 
 @dataclass
 class StepRows:
     """The step's rows as tensors: token ids, absolute positions, and per entry its block table;
-    `sample_rows`: the last row of each entry that samples (the rows whose logits are needed)."""
+    `sample_rows`: the last row of each entry that samples; `logit_rows`: the rows whose logits are
+    needed, those then the prompt-logprob rows of `prompt_spans` (executor/prompt_logprobs.py)."""
 
     entries: list[ScheduledRequest]
     token_ids: torch.Tensor
     positions: torch.Tensor
     tables: list[torch.Tensor]
     sample_rows: torch.Tensor
+    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    logit_rows: torch.Tensor | None = None
 
     @classmethod
     def from_entries(cls, entries: list[ScheduledRequest], device: torch.device) -> StepRows:
@@ -50,7 +54,10 @@ class StepRows:
             ends += e.num_tokens
             if e.samples:
                 rows.append(ends - 1)
-        return cls(entries, ids, positions, tables, torch.tensor(rows, dtype=torch.long, device=device))
+        spans = prompt_spans(entries)
+        sample_rows = torch.tensor(rows, dtype=torch.long, device=device)
+        logit_rows = torch.tensor(rows + prompt_rows(spans), dtype=torch.long, device=device) if spans else sample_rows
+        return cls(entries, ids, positions, tables, sample_rows, spans, logit_rows)
 
 
 class AttentionOps:
@@ -135,5 +142,5 @@ class TorchOps(AttentionOps):
         return residual + self.model.moe(i, x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        last = self.rms_norm(h[self.rows.sample_rows], "model.norm.weight")
+        last = self.rms_norm(h[self.rows.logit_rows], "model.norm.weight")
         return self.linear(last, "lm_head.weight").float()

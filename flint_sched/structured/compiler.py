@@ -8,6 +8,7 @@ invalid schema, regex or grammar (the server's 400); call it off the event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections import OrderedDict
@@ -64,6 +65,7 @@ class GrammarCompiler:
 
     def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """The matcher of `params` in its start state (shared: copy it before use); ValueError if invalid."""
+        params = dataclasses.replace(params, begin_after_token=None)
         with self._lock:
             matcher = self._cache.get(params)
             if matcher is not None:

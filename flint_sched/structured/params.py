@@ -4,7 +4,8 @@ Exactly one of `json` (a JSON schema), `json_object` (any JSON object), `regex`,
 some strings) or `grammar` (Lark or GBNF/EBNF) is set. Values are normalized when built (the schema
 to its compact JSON text, choices to a tuple), so equal constraints compare and hash equal: the
 compiler caches by this object. `strict` makes unsupported JSON-schema keywords an error instead
-of being ignored (OpenAI's `json_schema.strict`).
+of being ignored (OpenAI's `json_schema.strict`). `begin_after_token`: the output is free until this
+token has been generated (the reasoning's end, `</think>`, as vLLM leaves reasoning unconstrained).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     strict: bool = False
+    begin_after_token: int | None = None
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -40,6 +42,9 @@ class StructuredOutputsParams:
             if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
                 raise ValueError(f"choice must be a non-empty list of strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
+        if self.begin_after_token is not None and (isinstance(self.begin_after_token, bool)
+                                                   or not isinstance(self.begin_after_token, int)):
+            raise ValueError(f"begin_after_token must be a token id, got {self.begin_after_token!r}")
         if not isinstance(self.strict, bool):
             raise ValueError(f"strict must be a bool, got {self.strict!r}")
 
