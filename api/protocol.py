@@ -11,7 +11,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from flint_sched.core.plan import TokenLogprobs
 from flint_sched.sampling_params import SamplingParams
+from flint_sched.structured import StructuredOutputsParams
 
 
 class Schema(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -50,9 +52,40 @@ class StreamOptions(Schema, kw_only=True):
 
 
 class ResponseFormat(Schema, kw_only=True):
-    """OpenAI's `response_format`: only "text" is served (no guided decoding yet)."""
+    """OpenAI's `response_format`: "text", "json_object", or "json_schema" with {name, schema, strict}."""
     type: str
     json_schema: dict[str, Any] | None = None
+
+
+class StructuredOutputsRequest(Schema, kw_only=True):
+    """vLLM's `structured_outputs` request field: one of these."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+
+
+class ConstraintFields(Schema, kw_only=True):
+    """The output constraints and prompt logprobs that chat and completions requests share (vLLM's names)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    prompt_logprobs: int | None = None
+
+
+class PromptLogprob(Reply, kw_only=True):
+    """One entry of vLLM's `prompt_logprobs` (a dict from token id to these, per prompt position)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class ContentPart(Schema, kw_only=True):
@@ -159,7 +192,9 @@ MAX_N = 128
 MIN_LOGPROB = -9999.0        # JSON has no -inf; vLLM clamps the same way
 
 
-def sampling_params(request, *, max_tokens: int, logprobs: int | None, skip_special_tokens: bool) -> SamplingParams:
+def sampling_params(request, *, max_tokens: int, logprobs: int | None, skip_special_tokens: bool,
+                    structured_outputs: StructuredOutputsParams | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams from a chat or completions request (ValueError names the field)."""
     if request.n > MAX_N:
         raise ValueError(f"n must be <= {MAX_N}, got {request.n}")
@@ -182,6 +217,8 @@ def sampling_params(request, *, max_tokens: int, logprobs: int | None, skip_spec
         max_tokens=max_tokens,
         ignore_eos=request.ignore_eos,
         skip_special_tokens=skip_special_tokens,
+        structured_outputs=structured_outputs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -193,6 +230,24 @@ def token_text(tokenizer, token_id: int) -> tuple[str, list[int]]:
 
 def clamp_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
+
+
+def prompt_logprobs_json(tokenizer, entries: list[TokenLogprobs | None]) -> list[dict[int, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then per token {id: logprob, rank,
+    decoded_token} for the prompt token and its top alternatives (ranks 1, 2, ...)."""
+    result: list[dict[int, PromptLogprob] | None] = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        ranked = [(entry.token_id, entry.logprob, entry.rank)]
+        ranked += [(token_id, logprob, rank) for rank, (token_id, logprob) in enumerate(entry.top, 1)]
+        item: dict[int, PromptLogprob] = {}
+        for token_id, logprob, rank in ranked:
+            item.setdefault(token_id, PromptLogprob(logprob=clamp_logprob(logprob), rank=rank,
+                                                    decoded_token=token_text(tokenizer, token_id)[0]))
+        result.append(item)
+    return result
 
 
 def decode_request(body: bytes, schema: type[msgspec.Struct]) -> Any:

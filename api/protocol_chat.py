@@ -9,7 +9,16 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from flint_sched.api.protocol import ChatMessage, ChatTool, Reply, ResponseFormat, Schema, StreamOptions, Usage
+from flint_sched.api.protocol import (
+    ChatMessage,
+    ChatTool,
+    ConstraintFields,
+    PromptLogprob,
+    Reply,
+    Schema,
+    StreamOptions,
+    Usage,
+)
 
 
 class NamedFunction(Schema, kw_only=True):
@@ -21,7 +30,7 @@ class NamedToolChoice(Schema, kw_only=True):
     function: NamedFunction
 
 
-class ChatCompletionRequest(Schema, kw_only=True):
+class ChatCompletionRequest(ConstraintFields, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     model: str | None = None
     frequency_penalty: float = 0.0
@@ -36,7 +45,6 @@ class ChatCompletionRequest(Schema, kw_only=True):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    response_format: ResponseFormat | None = None
     temperature: float | None = None
     top_p: float | None = None
     tools: list[ChatTool] | None = None
@@ -105,6 +113,7 @@ class ChatCompletionResponse(Reply, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class DeltaFunctionCall(Schema, kw_only=True):

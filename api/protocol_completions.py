@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from flint_sched.api.protocol import Reply, Schema, StreamOptions, Usage
+from flint_sched.api.protocol import ConstraintFields, PromptLogprob, Reply, Schema, StreamOptions, Usage
 
 Prompt = str | list[str | int | list[int]]
 
 
-class CompletionRequest(Schema, kw_only=True):
+class CompletionRequest(ConstraintFields, kw_only=True):
     prompt: Prompt
     model: str | None = None
     best_of: int | None = None
@@ -55,6 +55,7 @@ class CompletionChoice(Reply, kw_only=True):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(Reply, kw_only=True):

@@ -173,6 +173,11 @@ class ServingContext:
         return self.state.tokenizer
 
     @property
+    def grammar_compiler(self):
+        """The engine's grammar cache: what a request compiles here (off the loop), its steps find."""
+        return self.state.parts.grammar_compiler
+
+    @property
     def max_model_len(self) -> int:
         return self.state.max_model_len
 

@@ -7,6 +7,7 @@ per choice a role chunk, then a chunk per visible change, its finish chunk; usag
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +25,7 @@ from flint_sched.api.protocol import (
     ChatMessage,
     clamp_logprob,
     message_dicts,
+    prompt_logprobs_json,
     sampling_params,
     token_text,
     usage,
@@ -52,10 +54,14 @@ from flint_sched.api.streaming import (
     sse_error,
     sse_event,
 )
+from flint_sched.api.parsers.reasoning import THINK_END
+from flint_sched.api.structured_outputs import compiled, requested_constraint
 from flint_sched.api.tool_choice import ToolPolicy, ends_in_reasoning, force_call, tool_policy
+from flint_sched.api.tool_grammar import tool_call_grammar
 from flint_sched.core.plan import TokenLogprobs
 from flint_sched.engine.outputs import CompletionOutput, EngineError
 from flint_sched.sampling_params import SamplingParams
+from flint_sched.structured import StructuredOutputsParams
 from flint_sched.tokenizer import render_chat
 
 if TYPE_CHECKING:
@@ -106,10 +112,8 @@ def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> Prepare
     policy = tool_policy(request, ctx.config.tool_flags)
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise bad_request(f"response_format {request.response_format.type!r} is not supported: structured output "
-                          "(JSON mode, JSON schemas) needs guided decoding, which this server does not do yet; "
-                          "ask for text", "response_format")
+    if request.stream and request.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not available when streaming", "prompt_logprobs")
     if request.top_logprobs is not None:
         if not request.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -122,6 +126,7 @@ def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> Prepare
     prompt += prompt_suffix
     thinking = ends_in_reasoning(prompt)
     prompt_ids = ctx.encode(prompt, "messages")
+    constraint = output_constraint(ctx, request, policy, thinking)
     reasoning_parser = ctx.config.reasoning_parser
     # NOTE: the parsers read GLM's tags, which are special tokens in our vocabulary: keep them in the text
     parses = reasoning_parser is not None or policy.parser_tools is not None
@@ -130,7 +135,8 @@ def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> Prepare
         params = sampling_params(
             request, max_tokens=ctx.max_tokens(requested, len(prompt_ids)),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
-            skip_special_tokens=False if parses else request.skip_special_tokens)
+            skip_special_tokens=False if parses else request.skip_special_tokens,
+            structured_outputs=constraint, prompt_logprobs=request.prompt_logprobs)
     except ValueError as error:
         raise from_value_error(error, _REQUEST_FIELDS) from error
 
@@ -140,6 +146,24 @@ def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> Prepare
 
     return PreparedChat(request, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, prompt_ids, params,
                         policy, parser_prefix, new_parser)
+
+
+def output_constraint(ctx: ServingContext, request: ChatCompletionRequest, policy: ToolPolicy,
+                      thinking: bool) -> StructuredOutputsParams | None:
+    """The grammar of a forced tool call, else the requested constraint (it begins once the reasoning
+    ends, when the output starts in it), compiled here; None when the output is free."""
+    forced = tool_call_grammar(policy)
+    if forced is not None:
+        compiled(ctx.grammar_compiler, forced, "tools")
+        return forced
+    found = requested_constraint(request)
+    if found is None:
+        return None
+    constraint, field = found
+    if thinking and THINK_END in ctx.tokenizer.special_tokens:
+        constraint = dataclasses.replace(constraint, begin_after_token=ctx.tokenizer.special_tokens[THINK_END])
+    compiled(ctx.grammar_compiler, constraint, field)
+    return constraint
 
 
 def top_logprob(tokenizer, token_id: int, logprob: float) -> TopLogprob:
@@ -257,7 +281,11 @@ async def create_chat_completion(ctx: ServingContext, request: Request, body: by
     if final is None:
         return Response(status_code=499)
     choices = [full_choice(ctx, prepared, out) for out in final.outputs]
+    prompt_logprobs = None
+    if final.prompt_logprobs is not None:
+        prompt_logprobs = prompt_logprobs_json(ctx.tokenizer, final.prompt_logprobs)
     response = ChatCompletionResponse(id=prepared.request_id, created=prepared.created, model=prepared.model,
                                       choices=choices, usage=usage(len(prepared.prompt_token_ids),
-                                                                   sum(len(o.token_ids) for o in final.outputs)))
+                                                                   sum(len(o.token_ids) for o in final.outputs)),
+                                      prompt_logprobs=prompt_logprobs)
     return Response(msgspec.json.encode(response), media_type="application/json")

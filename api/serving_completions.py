@@ -1,7 +1,8 @@
 """`POST /v1/completions`: one engine request per prompt, n choices each, merged into one response.
 
 Choice i of prompt p has index p * n + i. `echo` puts the prompt text before the output (in the
-stream: as each choice's first chunk); `suffix` and echo together with logprobs are refused (400).
+stream: as each choice's first chunk); with `logprobs` its logprobs start with the prompt's tokens
+(prompt logprobs; not when streaming). `suffix` is refused (400).
 `text_offset` counts characters of the tokens' texts from the start of the choice's output.
 """
 
@@ -19,7 +20,15 @@ from starlette.responses import Response
 
 from flint_sched.api.errors import bad_request, from_value_error
 from flint_sched.api.limits import MAX_CHOICES_PER_REQUEST, too_long
-from flint_sched.api.protocol import MIN_LOGPROB, clamp_logprob, sampling_params, token_text, usage
+from flint_sched.api.protocol import (
+    MIN_LOGPROB,
+    clamp_logprob,
+    prompt_logprobs_json,
+    sampling_params,
+    token_text,
+    usage,
+)
+from flint_sched.api.structured_outputs import compiled, requested_constraint
 from flint_sched.api.protocol_completions import (
     CompletionChoice,
     CompletionChunk,
@@ -76,9 +85,11 @@ def check_supported(request: CompletionRequest, max_logprobs: int = MAX_LOGPROBS
     most = min(MAX_LOGPROBS, max_logprobs)
     if request.logprobs is not None and not 0 <= request.logprobs <= most:
         raise bad_request(f"logprobs must be in [0, {most}] (--max-logprobs)", "logprobs")
-    if request.echo and request.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute",
-                          "logprobs")
+    if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= most:
+        raise bad_request(f"prompt_logprobs must be in [0, {most}] (--max-logprobs)", "prompt_logprobs")
+    if request.stream and (request.prompt_logprobs is not None or request.echo and request.logprobs is not None):
+        raise bad_request("prompt logprobs (prompt_logprobs, or echo with logprobs) are not available when "
+                          "streaming", "prompt_logprobs" if request.prompt_logprobs is not None else "echo")
 
 
 def prepare_prompts(ctx: ServingContext, request: CompletionRequest) -> list[PreparedPrompt]:
@@ -88,6 +99,12 @@ def prepare_prompts(ctx: ServingContext, request: CompletionRequest) -> list[Pre
     if len(prompts) * request.n > MAX_CHOICES_PER_REQUEST:
         raise bad_request(f"{len(prompts)} prompts x n={request.n} choices: at most {MAX_CHOICES_PER_REQUEST} "
                           "choices per request", "prompt")
+    found = requested_constraint(request)
+    if found is not None:
+        compiled(ctx.grammar_compiler, *found)
+    prompt_logprobs = request.prompt_logprobs
+    if request.echo and request.logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
     prepared = []
     for prompt in prompts:
         if not isinstance(prompt, str) and len(prompt) >= ctx.max_model_len:
@@ -96,7 +113,8 @@ def prepare_prompts(ctx: ServingContext, request: CompletionRequest) -> list[Pre
         text = prompt if isinstance(prompt, str) else (ctx.tokenizer.decode(ids) if request.echo else "")
         try:
             params = sampling_params(request, max_tokens=ctx.max_tokens(request.max_tokens, len(ids)),
-                                     logprobs=request.logprobs, skip_special_tokens=request.skip_special_tokens)
+                                     logprobs=request.logprobs, skip_special_tokens=request.skip_special_tokens,
+                                     structured_outputs=found[0] if found else None, prompt_logprobs=prompt_logprobs)
         except ValueError as error:
             raise from_value_error(error, _REQUEST_FIELDS) from error
         prepared.append(PreparedPrompt(ids, text, params))
@@ -119,13 +137,30 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprobs], start_offset: i
     return CompletionLogprobs(text_offset=offsets, token_logprobs=values, tokens=tokens, top_logprobs=tops), offset
 
 
-def full_choice(ctx: ServingContext, index: int, prompt: PreparedPrompt, echo: bool,
-                out: CompletionOutput) -> CompletionChoice:
+def echoed_logprobs(tokenizer, prompt_ids: list[int], entries: list[TokenLogprobs | None],
+                    out: CompletionOutput) -> CompletionLogprobs:
+    """echo + logprobs: the prompt's tokens (the first without a logprob, as vLLM), then the output's."""
+    first = token_text(tokenizer, prompt_ids[0])[0]
+    head = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first], top_logprobs=[None])
+    rest, offset = completion_logprobs(tokenizer, [e for e in entries[1:] if e is not None], len(first))
+    tail, _ = completion_logprobs(tokenizer, out.logprobs or [], offset)
+    return CompletionLogprobs(**{name: getattr(head, name) + getattr(rest, name) + getattr(tail, name)
+                                 for name in CompletionLogprobs.__struct_fields__})
+
+
+def full_choice(ctx: ServingContext, index: int, prompt: PreparedPrompt, request: CompletionRequest,
+                final: RequestOutput, out: CompletionOutput) -> CompletionChoice:
     logprobs = None
-    if out.logprobs is not None:
+    if request.echo and out.logprobs is not None and final.prompt_logprobs is not None:
+        logprobs = echoed_logprobs(ctx.tokenizer, prompt.token_ids, final.prompt_logprobs, out)
+    elif out.logprobs is not None:
         logprobs, _ = completion_logprobs(ctx.tokenizer, out.logprobs, 0)
-    return CompletionChoice(index=index, text=(prompt.text if echo else "") + out.text, logprobs=logprobs,
-                            finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+    prompt_logprobs = None
+    if request.prompt_logprobs is not None and final.prompt_logprobs is not None:
+        prompt_logprobs = prompt_logprobs_json(ctx.tokenizer, final.prompt_logprobs)
+    return CompletionChoice(index=index, text=(prompt.text if request.echo else "") + out.text, logprobs=logprobs,
+                            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                            prompt_logprobs=prompt_logprobs)
 
 
 @dataclass
@@ -214,7 +249,7 @@ async def create_completion(ctx: ServingContext, request: Request, body: bytes) 
     if finals is None:
         return Response(status_code=499)
     n = completion.n
-    choices = [full_choice(ctx, p * n + out.index, prompts[p], completion.echo, out)
+    choices = [full_choice(ctx, p * n + out.index, prompts[p], completion, final, out)
                for p, final in enumerate(finals) for out in final.outputs]
     num_prompt = sum(len(p.token_ids) for p in prompts)
     num_completion = sum(len(out.token_ids) for final in finals for out in final.outputs)

@@ -227,9 +227,21 @@ BAD_CHAT = [
     ("stream options without stream", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("unknown model", {"model": "gpt-9", "messages": MESSAGES}, 400, "model"),
-    ("json mode", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("json schema", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+    ("json schema without a schema", {"messages": MESSAGES, "response_format": {"type": "json_schema",
+                                                                              "json_schema": {"name": "x"}}},
      400, "response_format"),
+    ("invalid json schema", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, 400, "response_format"),
+    ("unsupported keyword when strict", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": {"type": "array", "uniqueItems": True}}}}, 400, "response_format"),
+    ("unknown response format", {"messages": MESSAGES, "response_format": {"type": "yaml"}}, 400, "response_format"),
+    ("invalid regex", {"messages": MESSAGES, "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs"),
+    ("invalid grammar", {"messages": MESSAGES, "guided_grammar": "start: nothing_defined"}, 400, "guided_grammar"),
+    ("empty choice", {"messages": MESSAGES, "guided_choice": []}, 400, "guided_choice"),
+    ("two constraints", {"messages": MESSAGES, "guided_regex": "a", "response_format": {"type": "json_object"}},
+     400, "guided_regex"),
+    ("prompt logprobs when streaming", {"messages": MESSAGES, "stream": True, "prompt_logprobs": 1}, 400,
+     "prompt_logprobs"),
 ]
 
 
@@ -253,7 +265,8 @@ def test_plain_text_response_format_is_served(http):
 def test_bad_completions_input_and_routes(http):
     for body, param in (({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": []}, "prompt"),
                         ({"prompt": ["a", 1]}, "prompt"), ({"prompt": ""}, None),
-                        ({"prompt": [5, 99999]}, None), ({"prompt": "x", "echo": True, "logprobs": 1}, "logprobs")):
+                        ({"prompt": [5, 99999]}, None), ({"prompt": "x", "guided_json": {"type": 3}}, "guided_json"),
+                        ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo")):
         response = http.post("/v1/completions", json=body)
         assert response.status_code == 400, (body, response.text)
         assert error_of(response)["param"] == param

@@ -5,8 +5,9 @@ sampling step (no output yet: a fresh one, even if a finished request left one u
 A matcher follows the scheduler's record: at every sampling step it first consumes the tokens of
 `output_token_ids` it has not seen (the one sampled last step), so it never needs to be told what
 was accepted, and preemption changes nothing. A constraint that begins after a token (the end of
-the reasoning) leaves the row free until that token has come. The masks are filled on the host (llguidance, in parallel threads for several rows) while the device
-still runs the step, then copied over as bits:
+the reasoning) leaves the row free until that token has come. The masks are filled on the host
+(llguidance, in parallel threads for several rows) while the device still runs the step, then
+copied over as bits:
 
     bitmask [rows, ceil(V / 32)] int32, bit j of word w  <->  token 32 * w + j allowed
 """
