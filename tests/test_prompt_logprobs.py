@@ -1,0 +1,74 @@
+"""Prompt logprobs (vLLM's `prompt_logprobs`) through the engine on the CPU: equal to a log-softmax of
+the reference's logits at every prompt position, across prefill chunks, for the requests that ask."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from flint_sched.checkpoint.make import dummy_checkpoint
+from flint_sched.engine import EngineConfig
+from flint_sched.engine.builder import build_engine, build_parts
+from flint_sched.executor.prompt_logprobs import prompt_spans
+from flint_sched.executor.torch_executor import dense_weights
+from flint_sched.model.reference import FlintReference
+from flint_sched.sampling_params import SamplingParams
+
+
+def run(parts, requests):
+    async def main():
+        engine = build_engine(parts)
+        engine.start()
+        try:
+            async def last(stream):
+                out = None
+                async for out in stream:
+                    pass
+                return out
+            return await asyncio.gather(*(last(engine.add_request(p, sp)) for p, sp in requests))
+        finally:
+            await engine.shutdown()
+    return asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_equal_the_reference_across_chunks(tiny_short_window):
+    ckpt = dummy_checkpoint(tiny_short_window, "bf16", seed=3, device="cpu")
+    # a 13-token budget splits the prompts into odd chunks, shared with other requests' steps
+    parts = build_parts(EngineConfig(device="cpu", max_num_seqs=4, max_num_batched_tokens=13, block_size=4,
+                                     num_kv_blocks=200), progress=False, checkpoint=ckpt)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(4000) for _ in range(n)] for n in (41, 2, 17)]
+    requests = [(prompts[0], SamplingParams(max_tokens=3, prompt_logprobs=4, n=2)),
+                (prompts[1], SamplingParams(max_tokens=2, prompt_logprobs=0)),
+                (prompts[2], SamplingParams(max_tokens=5, temperature=0.0))]
+    outputs = run(parts, requests)
+    reference = FlintReference(ckpt.config, dense_weights(ckpt.weights, torch.float32, torch.device("cpu")))
+    for (ids, params), out in zip(requests[:2], outputs[:2], strict=True):
+        assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+        want = torch.log_softmax(reference.forward(ids), dim=-1)          # row p: the token after p
+        for position in range(1, len(ids)):
+            got = out.prompt_logprobs[position]
+            row = want[position - 1]
+            assert got.token_id == ids[position]
+            torch.testing.assert_close(torch.tensor(got.logprob), row[ids[position]], atol=1e-4, rtol=0)
+            assert got.rank == int((row > row[ids[position]]).sum()) + 1
+            top_values, top_ids = torch.topk(row, params.prompt_logprobs)
+            assert [t for t, _ in got.top] == top_ids.tolist()
+            torch.testing.assert_close(torch.tensor([v for _, v in got.top]), top_values, atol=1e-4, rtol=0)
+    assert outputs[2].prompt_logprobs is None
+    # the request without prompt logprobs gets the same greedy tokens as when it runs alone
+    alone = run(parts, [requests[2]])[0]
+    assert alone.outputs[0].token_ids == outputs[2].outputs[0].token_ids
+
+
+def test_only_the_chunks_that_ask_get_logit_rows():
+    from flint_sched.core.plan import ScheduledRequest
+    ask, no = SamplingParams(prompt_logprobs=1), SamplingParams()
+    prompt = list(range(10))
+    entries = [ScheduledRequest("a", prompt[0:4], 0, [], 0, False, ask, prompt, [], False),   # rows 0..3: tokens 1..4
+               ScheduledRequest("b", prompt[0:6], 0, [], 1, False, no, prompt, [], False),
+               ScheduledRequest("c", prompt[6:10], 6, [], 2, True, ask, prompt, [], False),   # rows 6..8: tokens 7..9
+               ScheduledRequest("d", [5], 10, [], 3, True, ask, prompt, [9], False)]          # a decode: none
+    assert prompt_spans(entries) == [(0, 0, 4), (2, 10, 3)]
