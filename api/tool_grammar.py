@@ -72,7 +72,7 @@ def _arguments(rules: list[str], i: int, function: dict, opened: bool) -> str:
         pairs.append(f"{_literal(name)} {KEY_END} {VALUE_START} {value} {VALUE_END}")
 
     def rest(start: int) -> str:
-        return " ".join(f"{KEY_START} {pairs[k]}" + ("" if names[k] in required else "?")
+        return " ".join(f"({KEY_START} {pairs[k]})" + ("" if names[k] in required else "?")
                         for k in range(start, len(names)))
 
     if not opened:
