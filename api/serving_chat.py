@@ -150,8 +150,9 @@ def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> Prepare
 
 def output_constraint(ctx: ServingContext, request: ChatCompletionRequest, policy: ToolPolicy,
                       thinking: bool) -> StructuredOutputsParams | None:
-    """The grammar of a forced tool call, else the requested constraint (it begins once the reasoning
-    ends, when the output starts in it), compiled here; None when the output is free."""
+    """The grammar of a forced tool call, else the requested constraint (with a reasoning parser and
+    the output starting in reasoning, it begins once the reasoning ends, as in vLLM), compiled here;
+    None when the output is free."""
     forced = tool_call_grammar(policy)
     if forced is not None:
         compiled(ctx.grammar_compiler, forced, "tools")
@@ -160,7 +161,7 @@ def output_constraint(ctx: ServingContext, request: ChatCompletionRequest, polic
     if found is None:
         return None
     constraint, field = found
-    if thinking and THINK_END in ctx.tokenizer.special_tokens:
+    if thinking and ctx.config.reasoning_parser is not None and THINK_END in ctx.tokenizer.special_tokens:
         constraint = dataclasses.replace(constraint, begin_after_token=ctx.tokenizer.special_tokens[THINK_END])
     compiled(ctx.grammar_compiler, constraint, field)
     return constraint

@@ -55,3 +55,10 @@ def test_bench_host_and_disconnect_storm_smoke(request):
     report = run_async(disconnect_storm.storm(args))
     assert report["statuses"] == {"200": 12} and sum(report["outcomes"].values()) == 12
     assert report["outcomes"].get("dropped", 0) > 0 and not any(report["idle_gauges"].values())
+
+
+def test_bench_structured_smoke():
+    from flint_sched.benchmarks.bench_structured import run
+    from flint_sched.tokenizer import build_tokenizer
+    result = run(build_tokenizer(512, seed=0), batch=3, device="cpu", num_steps=4)
+    assert result["grammar_ms"] > 0 and result["plain_ms"] > 0 and result["fill_ms"] > 0

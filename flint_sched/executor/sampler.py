@@ -118,8 +118,10 @@ def sample_batch(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_
     raw = logits
     logits = logits.clone()
     edit_logits(logits, entries, eos_token_ids)
-    if filled is not None:
-        index = torch.tensor(filled[0], device=logits.device)
+    banned = [row for row in (filled[0] if filled else ())
+              if len(entries[row].output_token_ids) < entries[row].sampling_params.min_tokens]
+    if banned:                       # min_tokens may have banned the only tokens the grammar allows
+        index = torch.tensor(banned, device=logits.device)
         edited = logits[index]
         dead = torch.isneginf(edited).all(dim=-1, keepdim=True)
         logits[index] = torch.where(dead, raw[index], edited)
