@@ -112,8 +112,12 @@ def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> Prepare
     policy = tool_policy(request, ctx.config.tool_flags)
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
-    if request.stream and request.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs is not available when streaming", "prompt_logprobs")
+    if request.prompt_logprobs is not None:
+        most = min(MAX_TOP_LOGPROBS, ctx.config.max_logprobs)
+        if not 0 <= request.prompt_logprobs <= most:
+            raise bad_request(f"prompt_logprobs must be in [0, {most}] (--max-logprobs)", "prompt_logprobs")
+        if request.stream:
+            raise bad_request("prompt_logprobs is not available when streaming", "prompt_logprobs")
     if request.top_logprobs is not None:
         if not request.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")

@@ -2,7 +2,8 @@
 
 Choice i of prompt p has index p * n + i. `echo` puts the prompt text before the output (in the
 stream: as each choice's first chunk); with `logprobs` its logprobs start with the prompt's tokens
-(prompt logprobs; not when streaming). `suffix` is refused (400).
+(prompt logprobs: in a stream the echo chunk comes with the choice's first output). `suffix` is
+refused (400); `prompt_logprobs` when streaming too, as in vLLM.
 `text_offset` counts characters of the tokens' texts from the start of the choice's output.
 """
 
@@ -87,9 +88,8 @@ def check_supported(request: CompletionRequest, max_logprobs: int = MAX_LOGPROBS
         raise bad_request(f"logprobs must be in [0, {most}] (--max-logprobs)", "logprobs")
     if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= most:
         raise bad_request(f"prompt_logprobs must be in [0, {most}] (--max-logprobs)", "prompt_logprobs")
-    if request.stream and (request.prompt_logprobs is not None or request.echo and request.logprobs is not None):
-        raise bad_request("prompt logprobs (prompt_logprobs, or echo with logprobs) are not available when "
-                          "streaming", "prompt_logprobs" if request.prompt_logprobs is not None else "echo")
+    if request.stream and request.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not available when streaming", "prompt_logprobs")
 
 
 def prepare_prompts(ctx: ServingContext, request: CompletionRequest) -> list[PreparedPrompt]:
@@ -137,14 +137,21 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprobs], start_offset: i
     return CompletionLogprobs(text_offset=offsets, token_logprobs=values, tokens=tokens, top_logprobs=tops), offset
 
 
+def prompt_token_logprobs(tokenizer, prompt_ids: list[int],
+                          entries: list[TokenLogprobs | None]) -> tuple[CompletionLogprobs, int]:
+    """echo + logprobs: the prompt's tokens, the first without a logprob (as vLLM); the next offset."""
+    first = token_text(tokenizer, prompt_ids[0])[0]
+    rest, offset = completion_logprobs(tokenizer, [e for e in entries[1:] if e is not None], len(first))
+    return CompletionLogprobs(text_offset=[0, *rest.text_offset], token_logprobs=[None, *rest.token_logprobs],
+                              tokens=[first, *rest.tokens], top_logprobs=[None, *rest.top_logprobs]), offset
+
+
 def echoed_logprobs(tokenizer, prompt_ids: list[int], entries: list[TokenLogprobs | None],
                     out: CompletionOutput) -> CompletionLogprobs:
-    """echo + logprobs: the prompt's tokens (the first without a logprob, as vLLM), then the output's."""
-    first = token_text(tokenizer, prompt_ids[0])[0]
-    head = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first], top_logprobs=[None])
-    rest, offset = completion_logprobs(tokenizer, [e for e in entries[1:] if e is not None], len(first))
+    """The prompt's tokens, then the output's."""
+    head, offset = prompt_token_logprobs(tokenizer, prompt_ids, entries)
     tail, _ = completion_logprobs(tokenizer, out.logprobs or [], offset)
-    return CompletionLogprobs(**{name: getattr(head, name) + getattr(rest, name) + getattr(tail, name)
+    return CompletionLogprobs(**{name: getattr(head, name) + getattr(tail, name)
                                  for name in CompletionLogprobs.__struct_fields__})
 
 
@@ -184,8 +191,12 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
     offsets = [0] * (n * len(s.prompts))
     num_tokens = [0] * len(offsets)
     finished = [False] * len(offsets)
-    if s.request.echo:
+    # echo + logprobs: a choice's echo waits for its first output, which has the prompt logprobs
+    scored_echo = s.request.echo and s.request.logprobs is not None
+    echoed = [not s.request.echo] * len(offsets)
+    if s.request.echo and not scored_echo:
         for index in range(len(offsets)):
+            echoed[index] = True
             text = s.prompts[index // n].text
             yield s.chunk([CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None)])
     try:
@@ -195,6 +206,13 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
                 num_tokens[index] = len(output.token_ids)
                 if finished[index]:
                     continue
+                if not echoed[index] and out.prompt_logprobs is not None:
+                    echoed[index] = True
+                    prompt = s.prompts[prompt_index]
+                    logprobs, offsets[index] = prompt_token_logprobs(s.ctx.tokenizer, prompt.token_ids,
+                                                                     out.prompt_logprobs)
+                    yield s.chunk([CompletionChoice(index=index, text=prompt.text, logprobs=logprobs,
+                                                    finish_reason=None)])
                 finished[index] = output.finished
                 logprobs = None
                 if output.delta_logprobs:

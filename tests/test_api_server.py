@@ -266,7 +266,7 @@ def test_bad_completions_input_and_routes(http):
     for body, param in (({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": []}, "prompt"),
                         ({"prompt": ["a", 1]}, "prompt"), ({"prompt": ""}, None),
                         ({"prompt": [5, 99999]}, None), ({"prompt": "x", "guided_json": {"type": 3}}, "guided_json"),
-                        ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo")):
+                        ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs")):
         response = http.post("/v1/completions", json=body)
         assert response.status_code == 400, (body, response.text)
         assert error_of(response)["param"] == param

@@ -135,3 +135,16 @@ def test_echo_with_logprobs_scores_the_prompt(client):
     scored = client.completions.create(model="flint-tiny", prompt=prompt, max_tokens=1, echo=True, logprobs=0,
                                        temperature=0.0).choices[0].logprobs
     assert scored.token_logprobs[:-1] == lp.token_logprobs[:len(scored.token_logprobs) - 1]
+
+
+def test_a_streamed_echo_with_logprobs_matches_the_full_answer(client):
+    prompt = "the cat sat"
+    full = client.completions.create(model="flint-tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=1,
+                                     temperature=0.0, n=2).choices[0]
+    chunks = list(client.completions.create(model="flint-tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=1,
+                                            temperature=0.0, n=2, stream=True))
+    mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == 0]
+    assert mine[0].text == prompt and mine[0].logprobs.token_logprobs[0] is None
+    assert "".join(c.text for c in mine) == full.text
+    assert [t for c in mine if c.logprobs for t in c.logprobs.tokens] == full.logprobs.tokens
+    assert [o for c in mine if c.logprobs for o in c.logprobs.text_offset] == full.logprobs.text_offset

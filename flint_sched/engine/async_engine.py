@@ -48,7 +48,8 @@ class _Request:
     queue: asyncio.Queue
     choices: dict[str, ChoiceState] = field(default_factory=dict)   # scheduler id -> choice
     num_finished: int = 0
-    prompt_logprobs: list | None = None          # computed for the first choice only
+    # by every choice, so it is complete at each choice's first output (a stream's echo needs that)
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -141,8 +142,6 @@ class AsyncEngine:
             for index in range(params.n):
                 choice_id = request_id if params.n == 1 else f"{request_id}#{index}"
                 choice_params = one if params.seed is None else dataclasses.replace(one, seed=params.seed + index)
-                if index > 0 and params.prompt_logprobs is not None:
-                    choice_params = dataclasses.replace(choice_params, prompt_logprobs=None)
                 self.scheduler.add_request(choice_id, prompt_ids, choice_params, self.tokenizer.eos_token_ids)
                 added.append(choice_id)
                 request.choices[choice_id] = ChoiceState(index, choice_params, self.tokenizer)
