@@ -100,6 +100,34 @@ def test_block_tables_follow_rows_changes_torch_steps_and_preemption(ckpt, num_b
     check_against_reference(ckpt, prompts, decode_logits, outputs)
 
 
+def test_prompt_logprobs_match_the_reference(ckpt):
+    """Prompt logprobs from the prompt path's extra LM-head rows, over three prefill chunks.
+    NOTE: written without a GPU at hand (structured-output branch); the bound follows the logits
+    check below (bf16: relative error near 1e-2)."""
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 4096, (300,), generator=gen).tolist()
+    config = ckpt.config
+    kv = KVCache(config, 512, 16, 2, torch.bfloat16, "cuda")
+    ex = CudaExecutor(config, ckpt.weights, kv, (), MAX_MODEL_LEN, "cuda")
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=128, num_blocks=512,
+                                      max_model_len=MAX_MODEL_LEN, block_size=16, sliding_window=config.sliding_window,
+                                      fused_max_seqs=ex.limits.fused_max_batch))
+    sched.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1, ignore_eos=True))
+    got = {}
+    while sched.has_unfinished_requests():
+        plan = sched.schedule()
+        result = ex.execute(plan)
+        for chunk in (result.prompt_logprobs or {}).values():
+            got.update({chunk.first_position + i: entry.logprob for i, entry in enumerate(chunk.entries)})
+        sched.update(plan, result)
+    assert sorted(got) == list(range(1, len(prompt)))
+    ref = FlintReference(config, ckpt.weights, dtype=torch.float32, device="cuda")
+    want = torch.log_softmax(ref.forward(prompt), dim=-1)
+    expected = want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].cpu()
+    actual = torch.tensor([got[p] for p in range(1, len(prompt))])
+    assert float((actual - expected).norm() / expected.norm()) < 2e-2
+
+
 def check_against_reference(ckpt, prompts, decode_logits, outputs):
     ref = FlintReference(ckpt.config, ckpt.weights, dtype=torch.float32, device="cuda")
     full = {f"r{n}": ref.forward(p + outputs[f"r{n}"]) for n, p in enumerate(prompts)}

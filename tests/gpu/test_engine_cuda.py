@@ -50,3 +50,36 @@ async def test_concurrent_requests_through_the_cuda_executor(parts):
         assert variants == {"fused", "grouped"}, f"decode graphs run: {variants}"
     finally:
         await engine.shutdown()
+
+
+async def test_json_schemas_hold_through_the_cuda_executor(parts):
+    """Constrained rows (grammar masks on the GPU logits) beside plain ones, fused and grouped steps.
+    NOTE: written without a GPU at hand (structured-output branch)."""
+    import json
+
+    import jsonschema
+
+    from flint_sched.structured import StructuredOutputsParams
+    schema = {"type": "object", "additionalProperties": False, "required": ["id", "tags"],
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                             "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["a", "b", "c"]}}}}
+    constrained = SamplingParams(temperature=1.0, max_tokens=64,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+    plain = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+    engine = build_engine(parts)
+    engine.start()
+    try:
+        async def last(stream):
+            out = None
+            async for out in stream:
+                pass
+            return out
+
+        requests = [([7 + n, 11, 13], constrained if n % 2 else plain) for n in range(40)]
+        results = await asyncio.gather(*(last(engine.add_request(p, sp)) for p, sp in requests))
+        for (_, params), result in zip(requests, results):
+            if params is constrained:
+                assert result.outputs[0].finish_reason == "stop"
+                jsonschema.validate(json.loads(result.outputs[0].text), schema)
+    finally:
+        await engine.shutdown()
