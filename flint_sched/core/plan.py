@@ -8,7 +8,7 @@ during execute() and never mutates them; after update() they may have grown.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flint_sched.core.request import FinishReason
@@ -48,6 +48,8 @@ class StepPlan:
     path is "fused" when every entry is a one-token decode and there are at most
     fused_max_seqs of them, else "grouped". preempted_request_ids and finished_request_ids
     name requests whose executor-side state (ring slot contents, sampler state) must be dropped.
+    ring_copies: (source slot, destination slot) copies of whole rings (every sliding layer), done
+    in order before the forward: prefix-cache snapshots and restores (core/prefix_cache.py).
     """
 
     scheduled_requests: list[ScheduledRequest]
@@ -55,10 +57,12 @@ class StepPlan:
     path: ExecutionPath
     preempted_request_ids: list[str]
     finished_request_ids: list[str]
+    ring_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled_requests
+        """Nothing to run: no entries and no ring copies."""
+        return not self.scheduled_requests and not self.ring_copies
 
 
 @dataclass(slots=True)
@@ -87,6 +91,7 @@ class RequestStepOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     logprobs: Any = None
+    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
 
     @property
     def finished(self) -> bool:

@@ -51,6 +51,9 @@ class Request:
         "all_token_ids",
         "num_computed_tokens",
         "num_preemptions",
+        "num_cached_tokens",
+        "block_keys",
+        "num_keyed_blocks",
         "status",
         "stop_reason",
         "_stop_eos_ids",
@@ -78,6 +81,9 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        self.num_cached_tokens: int | None = None   # prompt tokens the first admission found cached
+        self.block_keys: list[bytes] = []           # prefix-cache keys of full blocks (block_hash.py)
+        self.num_keyed_blocks = 0                   # leading blocks of the table that are cached
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self._stop_eos_ids = frozenset() if sampling_params.ignore_eos else self.eos_token_ids
