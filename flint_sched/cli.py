@@ -102,6 +102,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes seen before (on by default, as in vLLM v1)")
+    p.add_argument("--num-ring-snapshots", type=int, default=None, metavar="N",
+                   help="prefix caching: sliding-window ring snapshots kept, each the size of one request's "
+                        "rings (default: --max-num-seqs)")
     _add_source_args(p)
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
@@ -163,6 +168,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(
         model=model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=int(args.vllm_block_size or 16),
+        enable_prefix_caching=args.enable_prefix_caching, num_ring_snapshots=args.num_ring_snapshots,
         **_engine_args(args))
     step_timeout_s = args.engine_iteration_timeout_s
     step_timeout_s = DEFAULT_ENGINE_ITERATION_TIMEOUT_S if step_timeout_s is None else step_timeout_s

@@ -47,6 +47,7 @@ class _Request:
     queue: asyncio.Queue
     choices: dict[str, ChoiceState] = field(default_factory=dict)   # scheduler id -> choice
     num_finished: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -206,7 +207,8 @@ class AsyncEngine:
         request.num_finished = len(request.choices)
         outputs = [c.output.snapshot() for c in request.choices.values()]
         request.queue.put_nowait(error if error is not None else
-                                 RequestOutput(request.request_id, request.prompt_token_ids, outputs, True))
+                                 RequestOutput(request.request_id, request.prompt_token_ids, outputs, True,
+                                               request.num_cached_tokens))
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -270,6 +272,7 @@ class AsyncEngine:
             if request is None:
                 continue
             choice = request.choices[step.request_id]
+            request.num_cached_tokens = max(request.num_cached_tokens, step.num_cached_tokens)
             out = choice.apply(step)
             if choice.stopped_by_string and step.finish_reason is None:
                 self.scheduler.finish_request(step.request_id, "stop")
@@ -288,9 +291,14 @@ class AsyncEngine:
                         for c in request.choices.values() if c.output not in changed]
             outputs.sort(key=lambda c: c.index)
         request.queue.put_nowait(RequestOutput(request.request_id, request.prompt_token_ids, outputs,
-                                               request.finished))
+                                               request.finished, request.num_cached_tokens))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); False when prefix caching is off."""
+        return self.scheduler.reset_prefix_cache()
 
     def _fail_plan(self, plan: StepPlan, error: Exception) -> None:
+        self.scheduler.reset_prefix_cache()         # the step may have left its ring copies undone
         failed = {self._choice_owner[e.request_id] for e in plan.scheduled_requests
                   if e.request_id in self._choice_owner}
         for request in failed:

@@ -27,6 +27,8 @@ class EngineConfig:
     revision: str | None = None              # of Hugging Face Hub names (model, config, tokenizer)
     download_dir: str | None = None          # the Hugging Face cache to use; None: huggingface_hub's
     enforce_eager: bool = False              # CUDA executor: no CUDA graphs
+    enable_prefix_caching: bool = True       # as vLLM v1: on unless turned off
+    num_ring_snapshots: int | None = None    # prefix-cache ring snapshots; None: max_num_seqs
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "cpu_kv_cache_bytes"):
@@ -36,6 +38,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_ring_snapshots is not None and self.num_ring_snapshots < 1:
+            raise ValueError(f"num_ring_snapshots must be >= 1, got {self.num_ring_snapshots}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.executor not in ("auto", "torch", "cuda"):

@@ -38,6 +38,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]    # the choices this update changed (all of them at the end)
     finished: bool                     # every choice has finished
+    num_cached_tokens: int = 0         # prompt tokens served from the prefix cache (the most of any choice)
 
 
 class EngineError(RuntimeError):
