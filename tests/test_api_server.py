@@ -307,3 +307,26 @@ def test_prefix_cache_shows_in_usage_metrics_and_resets(client, http):
     assert http.post("/reset_prefix_cache").status_code == 200
     again = client.chat.completions.create(model="flint-tiny", messages=messages, max_tokens=2, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_bench_serve_agent_reports_ttft_by_turn_and_the_hit_rate(server, capsys, tmp_path):
+    """`bench serve --dataset-name agent` against flint-tiny: a session's turn t+1 is sent after its turn t,
+    so it hits the cache of turn t's prompt; the table has TTFT by turn and /metrics' hit rate."""
+    import argparse
+
+    from flint_sched.benchmarks.serve import main
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    args = parser.parse_args(["--disable-tqdm", "--base-url", server.base_url, "--dataset-name", "agent",
+                              "--num-prompts", "6", "--agent-num-turns", "3", "--agent-system-prompt-len", "40",
+                              "--agent-tool-result-len", "20", "--agent-output-len", "3", "--max-concurrency", "2",
+                              "--seed", str(time.time_ns() % 10_000), "--save-result", "--result-dir", str(tmp_path),
+                              "--result-filename", "agent.json", "--no-plot"])
+    assert main.run(args) == 0
+    table = capsys.readouterr().out
+    assert "Median TTFT turn 2 (ms), 2 req" in table and "Hit rate (/metrics, %)" in table
+    result = json.loads((tmp_path / "agent.json").read_text())
+    assert set(result["median_ttft_by_turn_ms"]) == {"0", "1", "2"} and result["median_ttft_later_turns_ms"] > 0
+    assert result["total_cached_tokens"] > 0
+    assert result["prefix_cache_hits"] >= result["total_cached_tokens"] > 0
+    assert 0 < result["prefix_cache_hit_rate"] < 1
