@@ -193,6 +193,7 @@ class Scheduler:
         Entries of requests finished since schedule() (aborts, stop strings) are skipped.
         """
         outputs: list[RequestStepOutput] = []
+        cache, block_size = self.prefix_cache, self.config.block_size
         sampled = result.sampled_token_ids
         logprobs = result.logprobs
         for entry in plan.scheduled_requests:
@@ -208,8 +209,10 @@ class Scheduler:
             if entry.samples and not sampled.get(entry.request_id):
                 raise ValueError(f"StepResult has no sampled token for {entry.request_id!r}")
             request.num_computed_tokens += len(entry.token_ids)
-            if self.prefix_cache is not None:
-                self.prefix_cache.computed(request, self.kv_allocator.get(entry.request_id))
+            if cache is not None and (
+                not entry.samples or request.num_computed_tokens // block_size > request.num_keyed_blocks
+            ):  # a chunk that samples never ends at a snapshot position: only filled blocks matter
+                cache.computed(request, self.kv_allocator.get(entry.request_id))
             if not entry.samples:
                 continue
             new_token_ids = sampled[entry.request_id]

@@ -113,7 +113,8 @@ class CudaExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         entries = plan.scheduled_requests
         self.inputs.forget(plan)
-        self.kv.copy_rings(plan.ring_copies)         # prefix-cache snapshots and restores, before any write
+        if plan.ring_copies:                          # prefix-cache snapshots and restores, before any write
+            self.kv.copy_rings(plan.ring_copies)
         if not entries:
             return StepResult({})
         decodes = [e for e in entries if e.num_tokens == 1 and e.samples]

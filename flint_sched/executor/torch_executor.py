@@ -50,7 +50,8 @@ class TorchExecutor:
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepResult:
         entries = plan.scheduled_requests
-        self.kv.copy_rings(plan.ring_copies)
+        if plan.ring_copies:
+            self.kv.copy_rings(plan.ring_copies)
         if not entries:
             return StepResult({})
         rows = StepRows.from_entries(entries, self.device)
