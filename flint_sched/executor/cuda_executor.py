@@ -3,7 +3,7 @@
     plan                                   variant    how
     <= 8 one-token decodes ("fused")       fused      CUDA graph per batch size 1..8
     more decodes, up to the largest size   grouped    CUDA graph per padded batch size (graphs.py)
-    prompt chunks (mixed steps), or more   prompt     eager launches; attention in torch for now
+    prompt chunks (mixed steps), or more   prompt     eager launches; prefill attention kernels
 
 Every variant shares one KVCache and the same weights. Decode steps copy their inputs into static
 buffers (step_inputs.py) and read back the greedy ids, or sample in a graph (graph_sampler.py), or
@@ -29,11 +29,10 @@ from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.limits import ExecutorLimits
 from flint_sched.executor.sampler import sampled_step
 from flint_sched.executor.step_inputs import DecodeInputs
-from flint_sched.executor.torch_ops import AttentionOps, StepRows
 from flint_sched.executor.workspace import Workspaces
 from flint_sched.kernels import attention as attn
 from flint_sched.kernels.linear import MAX_TOKENS, concat_rows
-from flint_sched.model.reference import FlintReference
+from flint_sched.kernels.prefill_attention import Chunk, prefill_metadata
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 FUSED_MAX_BATCH = MAX_TOKENS      # the GEMV and small-batch MoE kernels' limit (kernels/linear.py)
@@ -43,6 +42,19 @@ def supports(config: FlintConfig) -> bool:
     """The kernels' fixed shapes: head_dim 128, 8 query heads per KV head, at most 8 KV heads."""
     return (config.head_dim == attn.HEAD_DIM and config.num_queries_per_kv == attn.GROUP
             and config.num_key_value_heads <= attn.MAX_KV_HEADS and config.hidden_size % 64 == 0)
+
+
+def prompt_rows(entries: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of a prompt step's rows (entries one after another), and the last row of each entry
+    that samples (the rows whose logits are needed)."""
+    ids, sample_rows, end = [], [], 0
+    for e in entries:
+        ids.extend(e.token_ids)
+        end += e.num_tokens
+        if e.samples:
+            sample_rows.append(end - 1)
+    return (torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(sample_rows, dtype=torch.long, device=device))
 
 
 def _kernel_weight(w: torch.Tensor | NVFP4Tensor, device: torch.device):
@@ -76,8 +88,6 @@ class CudaExecutor:
         self.weights = KernelWeights(config, self.w, qkv, kv_cache, self.ws, pdl)
         self.inputs = DecodeInputs(max_rows, max_model_len, kv_cache.block_size, self.device)
         self.graphs = StepGraphs(self.device, graph_segments(config.num_hidden_layers, first_graph_layers))
-        # Norm weights and sinks for the torch attention of prompt steps (views of self.w).
-        self.attention_model = FlintReference(config, self.w, torch.bfloat16, self.device)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         if self.device.type == "cuda":
@@ -162,15 +172,16 @@ class CudaExecutor:
 
     def _prompt(self, entries: list) -> StepResult:
         """Prompt chunks (or more decodes than any graph): eager launches over all their rows."""
-        rows = StepRows.from_entries(entries, self.device)
+        token_ids, sample_rows = prompt_rows(entries, self.device)
+        prefill = prefill_metadata([Chunk(e.start_position, e.num_tokens, e.ring_slot, e.block_table) for e in entries],
+                                   self.kv.block_size, self.kv.window, self.device)
         sampling = [e for e in entries if e.samples]
-        c, t, n = self.config, rows.token_ids.numel(), len(sampling)
+        c, t, n = self.config, token_ids.numel(), len(sampling)
         ops = KernelOps(self.weights, "prompt", t,
                         torch.empty(2, t, c.hidden_size, dtype=torch.bfloat16, device=self.device),
                         torch.empty(n, c.vocab_size, dtype=torch.bfloat16, device=self.device),
                         torch.empty(n, dtype=torch.int64, device=self.device),
-                        token_ids=rows.token_ids, attention_ops=AttentionOps(self.attention_model, self.kv, rows),
-                        sample_rows=rows.sample_rows)
+                        token_ids=token_ids, prefill=prefill, sample_rows=sample_rows)
         self.last_logits = forward(ops, c, layer_outputs=self.layer_outputs)
         return self._choose(sampling, ops.next_tokens, graph_sampler=False) if sampling else StepResult({})
 
