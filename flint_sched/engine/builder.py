@@ -31,6 +31,7 @@ class EngineParts:
     executor: object          # TorchExecutor or CudaExecutor: execute(StepPlan) -> StepResult
     device: torch.device
     origins: dict[str, str] = field(default_factory=dict)   # model / config / tokenizer -> where it came from
+    async_scheduling: bool = False    # schedule and launch step N+1 before step N's tokens are read back
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,10 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
         sliding_window=ckpt.config.sliding_window,
         fused_max_seqs=executor.limits.fused_max_batch,
     )
-    return EngineParts(ckpt, scheduler_config, executor, device, origins)
+    # Async scheduling pays where the host's per-step work would leave the GPU idle: the CUDA
+    # executor (on by default). The torch executor computes its step in launch, so it gains nothing.
+    use_async = config.async_scheduling if config.async_scheduling is not None else not isinstance(executor, TorchExecutor)
+    return EngineParts(ckpt, scheduler_config, executor, device, origins, use_async)
 
 
 def check_executor_possible(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -184,4 +188,4 @@ def _use_cuda_executor(config: EngineConfig, ckpt: Checkpoint, device: torch.dev
 def build_engine(parts: EngineParts) -> AsyncEngine:
     """A fresh engine (scheduler and loop) over already built parts; call start() inside a loop."""
     return AsyncEngine(Scheduler(parts.scheduler_config), parts.executor, parts.checkpoint.tokenizer,
-                       parts.checkpoint.config.vocab_size)
+                       parts.checkpoint.config.vocab_size, async_scheduling=parts.async_scheduling)

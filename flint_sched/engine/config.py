@@ -27,6 +27,7 @@ class EngineConfig:
     revision: str | None = None              # of Hugging Face Hub names (model, config, tokenizer)
     download_dir: str | None = None          # the Hugging Face cache to use; None: huggingface_hub's
     enforce_eager: bool = False              # CUDA executor: no CUDA graphs
+    async_scheduling: bool | None = None     # None: on with the CUDA executor (engine/async_engine.py)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "cpu_kv_cache_bytes"):

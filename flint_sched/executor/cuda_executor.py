@@ -6,14 +6,17 @@
     prompt chunks (mixed steps), or more   prompt     eager launches; prefill attention kernels
 
 Every variant shares one KVCache and the same weights. Decode steps copy their inputs into static
-buffers (step_inputs.py) and read back the greedy ids, or sample in a graph (graph_sampler.py), or
-sample the logits through executor/sampler.py (seeds, logit edits, logprobs). Attention splits
+buffers (step_inputs.py) and keep the greedy ids, or sample in a graph (graph_sampler.py), or
+sample the logits through executor/sampler.py (seeds, logit edits, logprobs). `launch` runs a step
+without waiting for it: the sampled tokens stay on the device for the next step's placeholders and
+reach the host in `collect` (sampled_tokens.py; `execute` is both). Attention splits
 come from the host bound `max_model_len` and lengths are read on the device, so one graph serves
 every context length.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection
 
 import torch
@@ -27,6 +30,7 @@ from flint_sched.executor.graphs import FIRST_GRAPH_LAYERS, GROUPED_BATCH_SIZES,
 from flint_sched.executor.kernel_ops import KernelOps, KernelWeights
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.limits import ExecutorLimits
+from flint_sched.executor.sampled_tokens import LaunchedStep, SampledTokens
 from flint_sched.executor.sampler import sampled_step
 from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.executor.workspace import Workspaces
@@ -86,7 +90,9 @@ class CudaExecutor:
         qkv = {i: self._fuse_qkv(f"model.layers.{i}.self_attn.") for i in range(config.num_hidden_layers)}
         self.ws = Workspaces(config, max_rows, kv_cache.ring.shape[2], self.device)
         self.weights = KernelWeights(config, self.w, qkv, kv_cache, self.ws, pdl)
-        self.inputs = DecodeInputs(max_rows, max_model_len, kv_cache.block_size, self.device)
+        # Every sampling row of a step holds a ring slot: room for one token per slot.
+        self.sampled = SampledTokens(max(kv_cache.ring.shape[2], max_rows), self.device)
+        self.inputs = DecodeInputs(max_rows, max_model_len, kv_cache.block_size, self.device, self.sampled.values)
         self.graphs = StepGraphs(self.device, graph_segments(config.num_hidden_layers, first_graph_layers))
         self.eos_token_ids = frozenset(eos_token_ids)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -121,16 +127,24 @@ class CudaExecutor:
     # -- dispatch ------------------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.launch(plan).collect()
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        """The launched step's tokens on the host (waits for the GPU to reach them)."""
+        return launched.collect()
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Run the step on the GPU without waiting for it (unless its sampling needs the host)."""
         entries = plan.scheduled_requests
         self.inputs.forget(plan)
         if not entries:
-            return StepResult({})
+            return LaunchedStep(result=StepResult({}))
         decodes = [e for e in entries if e.num_tokens == 1 and e.samples]
         graph = self._decode_graph(len(decodes), plan.path == "fused") if decodes else None
         if graph is None:
-            return self._prompt(entries)
+            return self.sampled.record(*self._prompt(entries))
         if len(decodes) == len(entries):
-            return self._decode(entries, *graph)
+            return self.sampled.record(*self._decode(entries, *graph))
         # A mixed step: its decode rows replay their graph, its prompt chunks run eagerly after it
         # (until the prefill attention kernel lets one forward take both, issue 12). The requests
         # are disjoint, so the order of the two parts does not matter.
@@ -138,12 +152,22 @@ class CudaExecutor:
         first = self._decode(decodes, *self._decode_graph(len(decodes)))
         first_logits = self.last_logits.clone()
         second = self._prompt(prompts)
-        done = decodes + [e for e in prompts if e.samples]
+        done = first[0] + second[0]
         where = {e.request_id: row for row, e in enumerate(done)}
         logits = torch.cat([first_logits, self.last_logits])
         self.last_logits = logits[[where[e.request_id] for e in entries if e.samples]]
-        logprobs = {**(first.logprobs or {}), **(second.logprobs or {})}
-        return StepResult({**first.sampled_token_ids, **second.sampled_token_ids}, logprobs or None)
+        if first[2] is None and second[2] is None:
+            return self.sampled.record(done, torch.cat([first[1], second[1]]))
+        first_result, second_result = (self._on_host(*part) for part in (first, second))
+        logprobs = {**(first_result.logprobs or {}), **(second_result.logprobs or {})}
+        return self.sampled.record(done, None, StepResult({**first_result.sampled_token_ids,
+                                                           **second_result.sampled_token_ids}, logprobs or None))
+
+    @staticmethod
+    def _on_host(entries: list, tokens: torch.Tensor | None, result: StepResult | None) -> StepResult:
+        if result is not None:
+            return result
+        return StepResult({e.request_id: [t] for e, t in zip(entries, tokens.tolist(), strict=True)})
 
     def _decode_graph(self, b: int, fused: bool = True) -> tuple[str, int] | None:
         """(variant, padded rows) of the graph for b decode rows, or None past the largest: the fused
@@ -154,9 +178,9 @@ class CudaExecutor:
         rows = padded_batch(b, self.grouped_batch_sizes)
         return None if rows is None else ("grouped", rows)
 
-    def _decode(self, entries: list, variant: str, rows: int) -> StepResult:
+    def _decode(self, entries: list, variant: str, rows: int) -> tuple:
         b = len(entries)
-        self.inputs.fill(entries)
+        self.inputs.fill(entries, self.sampled.sources(entries))
         ops = KernelOps(self.weights, variant, rows, self.ws.hidden, self.ws.logits, self.ws.next_tokens,
                         inputs=self.inputs)
         segment = lambda first, last: forward(ops, self.config, first, last, self.layer_outputs)  # noqa: E731
@@ -170,9 +194,13 @@ class CudaExecutor:
         self.last_logits = self.ws.logits[:b]
         return self._choose(entries, self.ws.next_tokens[:b], graph_sampler=self.use_graphs)
 
-    def _prompt(self, entries: list) -> StepResult:
+    def _prompt(self, entries: list) -> tuple:
         """Prompt chunks (or more decodes than any graph): eager launches over all their rows."""
         token_ids, sample_rows = prompt_rows(entries, self.device)
+        sources = self.sampled.sources(entries)
+        starts = itertools.accumulate((e.num_tokens for e in entries), initial=0)
+        fed = [(row, source) for row, source in zip(starts, sources) if source >= 0]
+        self.sampled.resolve(token_ids, [row for row, _ in fed], [source for _, source in fed])
         prefill = prefill_metadata([Chunk(e.start_position, e.num_tokens, e.ring_slot, e.block_table) for e in entries],
                                    self.kv.block_size, self.kv.window, self.device)
         sampling = [e for e in entries if e.samples]
@@ -183,15 +211,14 @@ class CudaExecutor:
                         torch.empty(n, dtype=torch.int64, device=self.device),
                         token_ids=token_ids, prefill=prefill, sample_rows=sample_rows)
         self.last_logits = forward(ops, c, layer_outputs=self.layer_outputs)
-        return self._choose(sampling, ops.next_tokens, graph_sampler=False) if sampling else StepResult({})
+        return self._choose(sampling, ops.next_tokens, graph_sampler=False)
 
-    def _choose(self, entries: list, greedy_tokens: torch.Tensor, graph_sampler: bool) -> StepResult:
-        """One token per entry from `last_logits` (its rows in entry order): the greedy ids the step
-        computed on the GPU, the graph sampler's draw (decode rows), or executor/sampler.py."""
+    def _choose(self, entries: list, greedy_tokens: torch.Tensor, graph_sampler: bool) -> tuple:
+        """(entries, tokens on the device, None) or (entries, None, a StepResult on the host): one token per
+        entry from `last_logits` (its rows in entry order): the greedy ids the step computed on the GPU,
+        the graph sampler's draw (decode rows), or executor/sampler.py (host work: seeds, edits, logprobs)."""
         if all(e.sampling_params.is_greedy and plain(e) for e in entries):
-            tokens = greedy_tokens.tolist()
-        elif graph_sampler and all(plain(e) and e.sampling_params.seed is None for e in entries):
-            tokens = self.sampler(entries)
-        else:
-            return sampled_step(self.last_logits.float(), entries, self.eos_token_ids, self.generator)
-        return StepResult({e.request_id: [t] for e, t in zip(entries, tokens, strict=True)})
+            return entries, greedy_tokens, None
+        if graph_sampler and all(plain(e) and e.sampling_params.seed is None for e in entries):
+            return entries, self.sampler(entries), None
+        return entries, None, sampled_step(self.last_logits.float(), entries, self.eos_token_ids, self.generator)

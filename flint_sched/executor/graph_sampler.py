@@ -29,17 +29,22 @@ class GraphSampler:
         rows, vocab = logits.shape
         self.vocab = vocab
         self.params = torch.zeros(5, rows, dtype=torch.float32, device=logits.device)
-        self.params_host = torch.zeros_like(self.params, device="cpu", pin_memory=True)
+        # two pinned buffers in turn: filling step N+1's never touches the one step N copies from
+        self._hosts = [torch.zeros_like(self.params, device="cpu", pin_memory=True) for _ in range(2)]
+        self._turn = 0
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=logits.device)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
 
-    def __call__(self, entries) -> list[int]:
-        b, host = len(entries), self.params_host.numpy()
+    def __call__(self, entries) -> torch.Tensor:
+        """The batch's tokens (int64 on the device, in entry order)."""
+        params_host = self._hosts[self._turn]
+        self._turn ^= 1
+        b, host = len(entries), params_host.numpy()
         for row, e in enumerate(entries):
             p = e.sampling_params
             host[:, row] = (1.0 if p.is_greedy else p.temperature, p.top_k if 0 < p.top_k < self.vocab else self.vocab,
                             p.top_p, p.min_p, p.is_greedy)
-        self.params.copy_(self.params_host, non_blocking=True)
+        self.params.copy_(params_host, non_blocking=True)
         # Masks no row needs stay out of the graph (pure temperature sampling sorts nothing).
         key = (b, bool((host[1, :b] < self.vocab).any()), bool((host[2, :b] < 1.0).any()), bool(host[3, :b].any()))
         graph = self.graphs.get(key)
@@ -49,7 +54,7 @@ class GraphSampler:
             with torch.cuda.graph(graph):
                 self._sample(*key)
         graph.replay()
-        return self.tokens[:b].tolist()
+        return self.tokens[:b]
 
     def _sample(self, b: int, use_top_k: bool, use_top_p: bool, use_min_p: bool) -> None:
         temperature, top_k, top_p, min_p, greedy = self.params[:, :b]

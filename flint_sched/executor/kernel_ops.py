@@ -82,6 +82,7 @@ class KernelOps:
         h = self.hidden[0]
         if self.inputs is not None:
             self.inputs.update_block_tables()
+            self.inputs.feed_sampled()
             tokens = self.inputs.tokens[: self.rows]
         else:
             tokens = self.token_ids
