@@ -98,7 +98,8 @@ class CudaExecutor:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)             # the graph sampler's noise (torch's CUDA generator)
-        self.sampler = GraphSampler(self.ws.logits, self.ws.next_tokens)
+        self.sampler = GraphSampler(self.ws.logits, self.ws.next_tokens, self.limits.graph_batch_sizes,
+                                    self.graphs.pool if self.device.type == "cuda" else None)
         # Set to a list (with use_graphs off) to receive each layer's output hidden state [B, hidden].
         self.layer_outputs: list[torch.Tensor] | None = None
         self.last_logits: torch.Tensor | None = None
