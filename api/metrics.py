@@ -168,3 +168,11 @@ class MeteredExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         self.on_plan(plan)
         return self.executor.execute(plan)
+
+    # async scheduling (engine/async_engine.py): the engine uses these only when the executor has them
+    def launch(self, plan: StepPlan):
+        self.on_plan(plan)
+        return self.executor.launch(plan)
+
+    def collect(self, launched) -> StepResult:
+        return self.executor.collect(launched)

@@ -34,6 +34,9 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "half", "float32", "float"),
                    help="compute dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA executor: no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch each step before the previous step's tokens reach the host, so "
+                        "the GPU never waits for the host between steps (default: on with the CUDA executor)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
 
@@ -46,7 +49,7 @@ def _engine_args(args: argparse.Namespace) -> dict:
     return dict(load_format=args.load_format, weight_format=args.weight_format, hf_config_path=args.hf_config_path,
                 tokenizer=args.tokenizer, revision=args.revision, download_dir=args.download_dir,
                 device=args.device, executor=args.executor, dtype=dtype, enforce_eager=args.enforce_eager,
-                seed=args.seed, max_model_len=args.max_model_len)
+                async_scheduling=args.async_scheduling, seed=args.seed, max_model_len=args.max_model_len)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

@@ -60,7 +60,7 @@ COMPAT_FLAGS = (
 NATIVE_FLAGS = (
     "--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--max-num-seqs",
     "--max-num-batched-tokens", "--gpu-memory-utilization", "--hf-config-path", "--tokenizer", "--revision",
-    "--tokenizer-revision", "--download-dir", "--load-format", "--dtype", "--seed", "--enforce-eager",
+    "--tokenizer-revision", "--download-dir", "--load-format", "--dtype", "--seed", "--enforce-eager", "--async-scheduling",
     "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser", "--exclude-tools-when-tool-choice-none",
     "--chat-template", "--default-chat-template-kwargs", "--shutdown-timeout", "--uvicorn-log-level", "--device",
     "--enable-prefix-caching", "--no-enable-prefix-caching",

@@ -16,6 +16,10 @@ from flint_sched.sampling_params import SamplingParams
 
 ExecutionPath = Literal["fused", "grouped"]
 
+# A token the scheduler does not know yet: the one an earlier plan, still running, samples for this
+# request (async scheduling). The executor feeds its own record of that token in its place.
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -96,3 +100,14 @@ class RequestStepOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def fill_placeholders(entries: list[ScheduledRequest], last_tokens: dict[str, int]) -> None:
+    """Replace each entry's PLACEHOLDER_TOKEN by the token the previous step sampled for it (an
+    executor that reads its results on the host; the CUDA executor does this on the device)."""
+    for entry in entries:
+        if entry.token_ids and entry.token_ids[-1] == PLACEHOLDER_TOKEN:
+            if entry.request_id not in last_tokens:
+                raise RuntimeError(f"request {entry.request_id!r} is fed a token that the previous step did not "
+                                   "sample (plans must run in the order they were made)")
+            entry.token_ids[-1] = last_tokens[entry.request_id]

@@ -86,6 +86,14 @@ class PrefixCache:
             return position
         return end
 
+    def awaits_snapshot(self, request: Request) -> bool:
+        """Whether a plan in flight (async scheduling) ends the request at B with no snapshot kept
+        there yet: its next chunk must wait, or it would overwrite the rings before they are copied."""
+        position = self.snapshot_position(request)
+        return (position > request.num_computed_tokens
+                and request.num_computed_tokens + request.num_in_flight_tokens == position
+                and self.keys(request)[position // self.block_size - 1] not in self.allocator.snapshots)
+
     def computed(self, request: Request, allocation: KVAllocation) -> None:
         """After a step: cache the blocks the request has filled, and snapshot its rings at B."""
         num_full = request.num_computed_tokens // self.block_size

@@ -3,7 +3,9 @@
 Each step takes running decodes, then running prefill chunks, then waiting requests in arrival
 order (preempted ones first), within max_num_batched_tokens tokens and max_num_seqs requests.
 Every scheduled request holds blocks for all positions up to the end of its chunk; when blocks run
-out, the newest running request is preempted (recompute). schedule() and update() alternate.
+out, the newest running request is preempted (recompute). update() takes the plans in the order
+schedule() made them; a plan may be made while earlier ones still run (async scheduling: at most one
+plan ahead), and then a running decode's token is PLACEHOLDER_TOKEN, the one the earlier plan samples.
 
     index             0  1  2  3  4  5  6  7  8
     all_token_ids     p0 p1 p2 p3 p4 p5 o0 o1 o2     prompt p0..p5, output o0..o2
@@ -11,6 +13,8 @@ out, the newest running request is preempted (recompute). schedule() and update(
     decode step                               [o2]   token_ids = all[8:9], start_position = 8
     after preemption  num_computed_tokens = 0, so all[0:9] is recomputed like a prompt (in
                       chunks); only the chunk that ends with o2 samples.
+    async             the plan with [o2] still runs (in flight: 1 token, 1 pending output); the
+                      next plan feeds position 9 with PLACEHOLDER_TOKEN, o3 being unknown here.
 
 With prefix caching (core/prefix_cache.py) an admitted request starts at its hit, not at 0, and a
 prefill chunk that crosses the prompt's snapshot position stops there.
@@ -22,7 +26,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from flint_sched.core.kv_allocator import HybridKVAllocator, KVAllocation
-from flint_sched.core.plan import RequestStepOutput, ScheduledRequest, StepPlan, StepResult
+from flint_sched.core.plan import PLACEHOLDER_TOKEN, RequestStepOutput, ScheduledRequest, StepPlan, StepResult
 from flint_sched.core.prefix_cache import NO_HIT, PrefixCache
 from flint_sched.core.request import FinishReason, Request, RequestStatus
 from flint_sched.core.scheduler_config import SchedulerConfig
@@ -43,21 +47,32 @@ class _StepBuilder:
         self.ring_copies = ring_copies
 
     def add(self, request: Request, num_new_tokens: int, allocation: KVAllocation, admitted: bool = False) -> None:
-        start = request.num_computed_tokens
+        start = request.num_computed_tokens + request.num_in_flight_tokens
         end = start + num_new_tokens
+        token_ids = request.all_token_ids[start:end]
+        token_ids += [PLACEHOLDER_TOKEN] * (num_new_tokens - len(token_ids))
+        samples = end == len(request.all_token_ids) + request.num_pending_outputs
         self.entries[request.request_id] = ScheduledRequest(
             request.request_id,
-            request.all_token_ids[start:end],
+            token_ids,
             start,
             allocation.block_table,
             allocation.ring_slot,
-            end == len(request.all_token_ids),
+            samples,
             request.sampling_params,
             request.prompt_token_ids,
             request.output_token_ids,
             admitted and request.num_preemptions > 0,
         )
+        request.num_in_flight_tokens += num_new_tokens
+        request.num_pending_outputs += samples
         self.budget -= num_new_tokens
+
+    def take_back(self, request: Request) -> None:
+        """Drop the request's entry of this plan, if it has one (it is being preempted)."""
+        entry = self.entries.pop(request.request_id, None)
+        if entry is not None:
+            self.budget += len(entry.token_ids)
 
 
 class Scheduler:
@@ -159,14 +174,16 @@ class Scheduler:
         for request in list(self._running.values()):
             if request.status is not _RUNNING:
                 continue
-            if len(request.all_token_ids) - request.num_computed_tokens == 1:
+            if cache is not None and request.num_in_flight_tokens and cache.awaits_snapshot(request):
+                continue   # its rings are copied at B only after the chunk in flight is updated
+            num_left = _num_left(request)
+            if num_left == 1:
                 self._schedule_running(request, 1, step)
-            else:
+            elif num_left > 1:
                 prefilling.append(request)
         for request in prefilling:
             if request.status is _RUNNING and step.budget > 0:
-                num_left = len(request.all_token_ids) - request.num_computed_tokens
-                self._schedule_running(request, min(num_left, step.budget), step)
+                self._schedule_running(request, min(_num_left(request), step.budget), step)
         if not step.preempted_request_ids:
             self._admit_waiting(step)
 
@@ -200,6 +217,8 @@ class Scheduler:
             request = self._running.get(entry.request_id)
             if request is None:
                 continue
+            request.num_in_flight_tokens -= len(entry.token_ids)
+            request.num_pending_outputs -= entry.samples
             if request.num_computed_tokens != entry.start_position:
                 raise RuntimeError(
                     f"stale plan for request {entry.request_id!r}: it has "
@@ -240,7 +259,7 @@ class Scheduler:
         return end if self.prefix_cache is None else self.prefix_cache.chunk_end(request, start, end)
 
     def _schedule_running(self, request: Request, num_new_tokens: int, step: _StepBuilder) -> None:
-        start = request.num_computed_tokens
+        start = request.num_computed_tokens + request.num_in_flight_tokens
         end = self._chunk_end(request, start, num_new_tokens)
         allocator = self.kv_allocator
         while not allocator.can_allocate(request.request_id, end):
@@ -284,13 +303,11 @@ class Scheduler:
         request_id, request = self._running.popitem()
         self.kv_allocator.free(request_id)
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_in_flight_tokens = request.num_pending_outputs = 0
         request.num_keyed_blocks = 0
         request.num_preemptions += 1
         self._waiting.appendleft(request)
-        entry = step.entries.pop(request_id, None)
-        if entry is not None:
-            step.budget += len(entry.token_ids)
+        step.take_back(request)
         step.preempted_request_ids.append(request_id)
         return request
 
@@ -304,3 +321,12 @@ class Scheduler:
         request.finish(reason)
         del self._requests[request_id]
         self._finished_since_plan.append(request_id)
+
+
+def _num_left(request: Request) -> int:
+    """Tokens still to feed: the known ones past what is computed or in flight, plus the pending
+    outputs; 0 when the in-flight plans end the request by length (its last token is pending)."""
+    total = len(request.all_token_ids) + request.num_pending_outputs
+    if request.num_pending_outputs and total >= request.max_num_tokens:
+        return 0
+    return total - request.num_computed_tokens - request.num_in_flight_tokens

@@ -31,6 +31,7 @@ class EngineParts:
     executor: object          # TorchExecutor or CudaExecutor: execute(StepPlan) -> StepResult
     device: torch.device
     origins: dict[str, str] = field(default_factory=dict)   # model / config / tokenizer -> where it came from
+    async_scheduling: bool = False    # schedule and launch step N+1 before step N's tokens are read back
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,10 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
         num_ring_snapshots=num_snapshots,
         prefix_cache_key=f"{config.model or 'flint-tiny'}@{config.revision}:{dtype}:seed{config.seed}",
     )
-    return EngineParts(ckpt, scheduler_config, executor, device, origins)
+    # Async scheduling pays where the host's per-step work would leave the GPU idle: the CUDA
+    # executor (on by default). The torch executor computes its step in launch, so it gains nothing.
+    use_async = config.async_scheduling if config.async_scheduling is not None else not isinstance(executor, TorchExecutor)
+    return EngineParts(ckpt, scheduler_config, executor, device, origins, use_async)
 
 
 def check_executor_possible(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -197,5 +201,6 @@ def _use_cuda_executor(config: EngineConfig, ckpt: Checkpoint, device: torch.dev
 def build_engine(parts: EngineParts, scheduler: Scheduler | None = None) -> AsyncEngine:
     """An engine over already built parts, with a fresh scheduler unless one is given (the LLM class
     keeps one, and its prefix cache, across generate calls); call start() inside a loop."""
-    return AsyncEngine(scheduler if scheduler is not None else Scheduler(parts.scheduler_config), parts.executor, parts.checkpoint.tokenizer,
-                       parts.checkpoint.config.vocab_size)
+    return AsyncEngine(scheduler if scheduler is not None else Scheduler(parts.scheduler_config), parts.executor,
+                       parts.checkpoint.tokenizer, parts.checkpoint.config.vocab_size,
+                       async_scheduling=parts.async_scheduling)

@@ -29,6 +29,7 @@ class EngineConfig:
     enforce_eager: bool = False              # CUDA executor: no CUDA graphs
     enable_prefix_caching: bool = True       # as vLLM v1: on unless turned off
     num_ring_snapshots: int | None = None    # prefix-cache ring snapshots; None: max_num_seqs
+    async_scheduling: bool | None = None     # None: on with the CUDA executor (engine/async_engine.py)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "cpu_kv_cache_bytes"):
