@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flint_sched.core import Scheduler, SchedulerConfig, StepResult
+from flint_sched.core.plan import PLACEHOLDER_TOKEN
 from flint_sched.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -31,6 +32,7 @@ class ContentExecutor:
         self.blocks: dict[tuple[int, int], int] = {}
         self.rings: dict[int, dict[int, tuple[int, int]]] = {}
         self.num_restored_tokens = 0
+        self.last: dict[str, int] = {}
 
     def execute(self, plan) -> StepResult:
         bs, w = self.block_size, self.window
@@ -39,6 +41,9 @@ class ContentExecutor:
         sampled = {}
         for e in plan.scheduled_requests:
             tokens = e.prompt_token_ids + e.output_token_ids
+            if len(tokens) < e.end_position:      # async scheduling: fed the token the last plan sampled
+                assert e.token_ids[-1] == PLACEHOLDER_TOKEN and len(tokens) + 1 == e.end_position
+                tokens = tokens + [self.last[e.request_id]]
             ring = self.rings.setdefault(e.ring_slot, {})
             for p in range(e.start_position):
                 assert self.blocks.get((e.block_table[p // bs], p % bs)) == tokens[p], f"{e.request_id} block row {p}"
@@ -49,6 +54,7 @@ class ContentExecutor:
                 ring[p % w] = (p, tokens[p])
             if e.samples:
                 sampled[e.request_id] = [sum(tokens[-3:]) % VOCAB]
+        self.last = {rid: t[-1] for rid, t in sampled.items()}
         return StepResult(sampled)
 
 
@@ -89,23 +95,33 @@ def scenarios(draw):
         st.tuples(st.just("abort"), st.integers(0, 30)),
         st.just(("reset",)),
     ), min_size=1, max_size=40))
-    return config, ops, draw(st.integers(0, 2**16))
+    return config, ops, draw(st.integers(0, 2**16)), draw(st.booleans())
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_traffic_with_shared_prefixes(scenario):
-    config, ops, seed = scenario
+    config, ops, seed, ahead = scenario
     rng = random.Random(seed)
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(3)]
     scheduler = Scheduler(config)
     executor = ContentExecutor(config.block_size, config.sliding_window)
-    added = []
+    added, in_flight = [], []
 
-    def step():
+    def launch():
         plan = scheduler.schedule()
         check_pool(scheduler, plan)
-        scheduler.update(plan, executor.execute(plan))
+        if not plan.is_empty:
+            in_flight.append((plan, executor.execute(plan)))
+
+    def step():
+        """One update; `ahead` (async scheduling): the next plan is made and run before it."""
+        if not in_flight:
+            launch()
+        if ahead and len(in_flight) == 1:
+            launch()
+        if in_flight:
+            scheduler.update(*in_flight.pop(0))
 
     for op in ops:
         if op[0] == "add":
@@ -125,7 +141,7 @@ def test_random_traffic_with_shared_prefixes(scenario):
         elif op[0] == "reset":
             assert scheduler.reset_prefix_cache()
     for _ in range(2000):
-        if not scheduler.has_unfinished_requests():
+        if not scheduler.has_unfinished_requests() and not in_flight:
             break
         step()
     assert not scheduler.has_unfinished_requests()
@@ -152,3 +168,22 @@ def test_hits_happen_in_this_traffic():
     cache = scheduler.prefix_cache
     assert cache.num_hit_tokens == 7 * 20
     assert scheduler.kv_allocator.blocks.num_cached > 0
+
+
+def test_a_snapshot_is_taken_before_the_next_chunk_when_plans_run_ahead():
+    """Async scheduling: the chunk past the snapshot position must not run before the rings are
+    copied, or a later hit restores rings that already hold positions past it."""
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, num_blocks=40, max_model_len=64,
+                             block_size=4, sliding_window=3, enable_prefix_caching=True, num_ring_snapshots=2)
+    scheduler = Scheduler(config)
+    executor = ContentExecutor(4, 3)
+    shared = list(range(1, 23))
+    in_flight = []
+    for i in range(3):
+        scheduler.add_request(f"r{i}", shared + [40 + i], SamplingParams(max_tokens=4, ignore_eos=True))
+        while scheduler.has_unfinished_requests() or in_flight:
+            while len(in_flight) < 2 and not (plan := scheduler.schedule()).is_empty:
+                check_pool(scheduler, plan)
+                in_flight.append((plan, executor.execute(plan)))       # the ring checks run here
+            scheduler.update(*in_flight.pop(0))
+    assert scheduler.prefix_cache.num_hit_tokens == 2 * 20
