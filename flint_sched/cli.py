@@ -102,8 +102,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) requests use for the model (default: MODEL)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most requests running at once (default: 256 on a GPU, 64 on the CPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step, prompt chunks and decodes together (default: 8192 on a GPU, 2048 on the CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes seen before (on by default, as in vLLM v1)")

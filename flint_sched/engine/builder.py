@@ -119,6 +119,7 @@ def _num_blocks(config: EngineConfig, ckpt: Checkpoint, device: torch.device, dt
 def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpoint | None = None) -> EngineParts:
     """Load the checkpoint (unless one is given), size the KV cache, make the executor."""
     device = resolve_device(config.device)
+    config = config.with_limits_for(device.type)
     dtype = _dtype(config, device)
     check_executor_possible(config, device, dtype)
     origins: dict[str, str] = {}
