@@ -3,12 +3,16 @@ limits, the decode inputs (padding rows, block tables kept on the device across 
 tokens fed from the previous step), and the split of a mixed step into its decode rows and its
 prompt chunks."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from flint_sched.core.plan import PLACEHOLDER_TOKEN, ScheduledRequest, StepPlan, StepResult
 from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.graphs import GROUPED_BATCH_SIZES, padded_batch
+from flint_sched.config import preset
+from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.limits import ExecutorLimits
 from flint_sched.executor.sampled_tokens import SampledTokens
 from flint_sched.executor.step_inputs import DecodeInputs
@@ -130,3 +134,27 @@ def test_prompt_steps_reuse_one_grown_routing_workspace():
     assert ws.routing_for(40) is first                               # kept, not made again
     grown = ws.routing_for(300)
     assert grown.max_tokens == 300 and ws.routing_for(100) is grown
+
+
+def test_warm_up_runs_a_prompt_step_then_a_fused_and_a_grouped_decode_on_free_kv():
+    class Warm(SplitExecutor):
+        def __init__(self):
+            super().__init__()
+            self.device, self.max_model_len = torch.device("cpu"), 64
+            self.weights = SimpleNamespace(kv=KVCache(preset("flint-tiny"), num_blocks=40, block_size=4, num_slots=20,
+                                                      dtype=torch.float32, device="cpu"))
+            self.plans = []
+
+        def execute(self, plan):
+            self.plans.append(plan)
+            return StepResult({})
+
+    ex = Warm()
+    ex.warm_up(8192)
+    prompt, fused, grouped = ex.plans
+    [p] = prompt.scheduled_requests
+    assert p.num_tokens == 62 and p.start_position == 0                # max_model_len - 2
+    assert [e.start_position for e in fused.scheduled_requests] == [62] and fused.path == "fused"
+    assert len(grouped.scheduled_requests) == 16 and {e.ring_slot for e in grouped.scheduled_requests} == set(range(16))
+    assert all(len(e.block_table) * 4 > e.end_position - 1 for plan in ex.plans for e in plan.scheduled_requests)
+

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +23,7 @@ from flint_sched.engine.config import EngineConfig
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.torch_executor import TorchExecutor
 
+logger = logging.getLogger(__name__)
 ACTIVATION_RESERVE_BYTES = 4 << 30   # GPU memory kept back for activations and graphs
 
 
@@ -141,6 +144,7 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
                                 device, config.seed)
         if config.enforce_eager:
             executor.use_graphs = False
+        _warm_up(executor, config.max_num_batched_tokens, progress)
     else:
         executor = TorchExecutor(ckpt.config, ckpt.weights, kv, ckpt.tokenizer.eos_token_ids, dtype, device,
                                  config.seed)
@@ -160,6 +164,20 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
     # executor (on by default). The torch executor computes its step in launch, so it gains nothing.
     use_async = config.async_scheduling if config.async_scheduling is not None else not isinstance(executor, TorchExecutor)
     return EngineParts(ckpt, scheduler_config, executor, device, origins, use_async)
+
+
+def _warm_up(executor, max_prompt_tokens: int, progress: bool) -> None:
+    """Compile the kernels and capture the first graphs now, not during the first requests. A
+    failure here is only logged: the steps that need those kernels report it themselves."""
+    start = time.perf_counter()
+    try:
+        executor.warm_up(max_prompt_tokens)
+    except Exception:
+        logger.warning("the CUDA executor's warm-up failed; kernels compile on first use", exc_info=True)
+        return
+    if progress:
+        print(f"flint-sched: kernels compiled and first CUDA graphs captured in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr)
 
 
 def check_executor_possible(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:

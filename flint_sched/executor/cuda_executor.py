@@ -23,7 +23,7 @@ import torch
 
 from flint_sched.checkpoint.common import Weights
 from flint_sched.config import FlintConfig
-from flint_sched.core.plan import StepPlan, StepResult
+from flint_sched.core.plan import ScheduledRequest, StepPlan, StepResult
 from flint_sched.executor.forward import forward
 from flint_sched.executor.graph_sampler import GraphSampler, plain
 from flint_sched.executor.graphs import FIRST_GRAPH_LAYERS, GROUPED_BATCH_SIZES, StepGraphs, graph_segments, padded_batch
@@ -38,6 +38,7 @@ from flint_sched.kernels import attention as attn
 from flint_sched.kernels.linear import MAX_TOKENS, concat_rows
 from flint_sched.kernels.prefill_attention import Chunk, prefill_metadata
 from flint_sched.quant.nvfp4 import NVFP4Tensor
+from flint_sched.sampling_params import SamplingParams
 
 FUSED_MAX_BATCH = MAX_TOKENS      # the GEMV and small-batch MoE kernels' limit (kernels/linear.py)
 
@@ -129,6 +130,30 @@ class CudaExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.launch(plan).collect()
+
+    def warm_up(self, max_prompt_tokens: int) -> None:
+        """Compile the kernels and capture the smallest graphs before the first request: a prompt
+        step of up to max_prompt_tokens tokens, then a fused and a grouped decode step, on free KV
+        blocks and ring slots (nothing reads them before a request writes them). On a machine whose
+        kernel cache is cold the first requests otherwise wait for ~20 s of NVRTC compiles."""
+        kv, greedy = self.kv, SamplingParams(temperature=0.0)
+        slots, bs = kv.ring.shape[2], kv.block_size
+        n = max(1, min(max_prompt_tokens, self.max_model_len - 2, (kv.full.shape[2] - 1) * bs))
+        table = list(range(n // bs + 1))
+
+        def entry(rid: str, tokens: list[int], start: int, slot: int) -> ScheduledRequest:
+            return ScheduledRequest(rid, tokens, start, table, slot, True, greedy, [], [], False)
+
+        ids = [f"warm-up-{i}" for i in range(min(slots, self.grouped_batch_sizes[0]))]
+        plans = [StepPlan([entry(ids[0], [0] * n, 0, 0)], n, "grouped", [], []),     # position n fits the table
+                 StepPlan([entry(ids[0], [0], n, 0)], 1, "fused", [], [])]
+        if len(ids) > FUSED_MAX_BATCH:
+            plans.append(StepPlan([entry(i, [0], n, slot) for slot, i in enumerate(ids)], len(ids), "grouped", [], []))
+        for plan in plans:
+            self.execute(plan)
+        self.inputs.forget(StepPlan([], 0, "fused", [], ids))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """The launched step's tokens on the host (waits for the GPU to reach them)."""
