@@ -45,10 +45,15 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int] = []
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 def _adopt_reasoning_content(part: ChatMessage | ChatDelta) -> None:

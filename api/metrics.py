@@ -26,7 +26,8 @@ TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 100
 
 
 class EngineCollector:
-    """Scrape-time gauges of the engine's state: requests, KV blocks, ring slots, preemptions."""
+    """Scrape-time gauges of the engine's state: requests, KV blocks, ring slots; counters of
+    preemptions and of prefix-cache queries and hits (tokens)."""
 
     def __init__(self, get_engine: Callable, model_name: str):
         self.get_engine = get_engine
@@ -60,6 +61,16 @@ class EngineCollector:
                                           labels=["model_name"])
         preemptions.add_metric([self.model_name], float(engine.num_preemptions))
         yield preemptions
+        cache = scheduler.prefix_cache
+        for name, doc, value in (
+            ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             0 if cache is None else cache.num_queried_tokens),
+            ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             0 if cache is None else cache.num_hit_tokens),
+        ):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(value))
+            yield family
 
 
 class ServerMetrics:
@@ -157,3 +168,11 @@ class MeteredExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         self.on_plan(plan)
         return self.executor.execute(plan)
+
+    # async scheduling (engine/async_engine.py): the engine uses these only when the executor has them
+    def launch(self, plan: StepPlan):
+        self.on_plan(plan)
+        return self.executor.launch(plan)
+
+    def collect(self, launched) -> StepResult:
+        return self.executor.collect(launched)

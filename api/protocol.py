@@ -36,15 +36,21 @@ class ErrorResponse(Reply, kw_only=True):
     error: ErrorInfo
 
 
+class PromptTokensDetails(Reply, kw_only=True):
+    cached_tokens: int          # prompt tokens served from the prefix cache
+
+
 class Usage(Reply, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> Usage:
     return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                 total_tokens=num_prompt_tokens + num_completion_tokens)
+                 total_tokens=num_prompt_tokens + num_completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
 
 
 class StreamOptions(Schema, kw_only=True):

@@ -268,6 +268,12 @@ def metrics(ctx: ServingContext) -> Response:
     return Response(ctx.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
+def reset_prefix_cache(ctx: ServingContext) -> Response:
+    """vLLM's POST /reset_prefix_cache: forget every cached prefix (running requests keep theirs)."""
+    ctx.engine.reset_prefix_cache()
+    return Response(status_code=200)
+
+
 def version(ctx: ServingContext) -> Response:
     return _json(VersionResponse(version=__version__))
 
@@ -318,6 +324,7 @@ def build_app(engine_state: EngineState, server_config: ServerConfig, lifecycle:
         Route("/detokenize", _post(detokenize), methods=["POST"]),
         Route("/health", _get(health), methods=["GET"]),
         Route("/metrics", _get(metrics), methods=["GET"]),
+        Route("/reset_prefix_cache", _get(reset_prefix_cache), methods=["POST"]),
         Route("/version", _get(version), methods=["GET"]),
         Route("/openapi.json", _get(openapi), methods=["GET"]),
     ]

@@ -247,8 +247,10 @@ async def chat_events(ctx: ServingContext, prepared: PreparedChat, stream) -> As
     for index in range(n):
         yield prepared.chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
     num_tokens = [0] * n
+    num_cached_tokens = 0
     try:
         async for out in stream:
+            num_cached_tokens = max(num_cached_tokens, out.num_cached_tokens)
             for output in out.outputs:
                 num_tokens[output.index] = len(output.token_ids)
                 if choices[output.index].finished:
@@ -264,7 +266,7 @@ async def chat_events(ctx: ServingContext, prepared: PreparedChat, stream) -> As
         await stream.aclose()
     options = prepared.request.stream_options
     if options is not None and options.include_usage:
-        yield prepared.chunk([], usage(len(prepared.prompt_token_ids), sum(num_tokens)))
+        yield prepared.chunk([], usage(len(prepared.prompt_token_ids), sum(num_tokens), num_cached_tokens))
     yield SSE_DONE
 
 
@@ -291,6 +293,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request, body: by
         prompt_logprobs = prompt_logprobs_json(ctx.tokenizer, final.prompt_logprobs)
     response = ChatCompletionResponse(id=prepared.request_id, created=prepared.created, model=prepared.model,
                                       choices=choices, usage=usage(len(prepared.prompt_token_ids),
-                                                                   sum(len(o.token_ids) for o in final.outputs)),
+                                                                   sum(len(o.token_ids) for o in final.outputs),
+                                                                   final.num_cached_tokens),
                                       prompt_logprobs=prompt_logprobs)
     return Response(msgspec.json.encode(response), media_type="application/json")

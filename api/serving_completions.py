@@ -190,6 +190,7 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
     n = s.request.n
     offsets = [0] * (n * len(s.prompts))
     num_tokens = [0] * len(offsets)
+    num_cached_tokens = [0] * len(streams)
     finished = [False] * len(offsets)
     # echo + logprobs: a choice's echo waits for its first output, which has the prompt logprobs
     scored_echo = s.request.echo and s.request.logprobs is not None
@@ -201,6 +202,7 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
             yield s.chunk([CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None)])
     try:
         async for prompt_index, out in merge_streams(streams):
+            num_cached_tokens[prompt_index] = max(num_cached_tokens[prompt_index], out.num_cached_tokens)
             for output in out.outputs:
                 index = prompt_index * n + output.index
                 num_tokens[index] = len(output.token_ids)
@@ -228,7 +230,7 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
         return
     options = s.request.stream_options
     if options is not None and options.include_usage:
-        yield s.chunk([], usage(sum(len(p.token_ids) for p in s.prompts), sum(num_tokens)))
+        yield s.chunk([], usage(sum(len(p.token_ids) for p in s.prompts), sum(num_tokens), sum(num_cached_tokens)))
     yield SSE_DONE
 
 
@@ -272,5 +274,6 @@ async def create_completion(ctx: ServingContext, request: Request, body: bytes) 
     num_prompt = sum(len(p.token_ids) for p in prompts)
     num_completion = sum(len(out.token_ids) for final in finals for out in final.outputs)
     response = CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=usage(num_prompt, num_completion))
+                                  usage=usage(num_prompt, num_completion,
+                                              sum(final.num_cached_tokens for final in finals)))
     return Response(msgspec.json.encode(response), media_type="application/json")

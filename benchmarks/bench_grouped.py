@@ -5,7 +5,8 @@ down, finalize: five launches) replayed in a CUDA graph over rotating weight set
 Bytes = weights of the distinct experts touched (+ shared + router) + activations in and out;
 FLOPs = 2 * (routed + shared rows) * 3 * I * H + router. Peers: torch._grouped_mm (BF16, same
 routing, sorted rows prepared outside the timing) and cuBLAS (torch.matmul) for the dense shapes.
-Run on the GPU machine: python3 benchmarks/bench_grouped.py [--pdl] [--tokens ...]
+--paths old tiled: the MoE layer on the swap-AB expert GEMMs and on the tiled ones (expert_gemm.cu).
+Run on the GPU machine: python3 benchmarks/bench_grouped.py [--pdl] [--tokens ...] [--paths ...]
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from flint_sched.benchmarks.graph_timing import num_sets, reps_for, time_graph  # noqa: E402
-from flint_sched.kernels import grouped, grouped_linear, grouped_moe, moe_grouped, moe_routing_workspace  # noqa: E402
+from flint_sched.kernels import (expert_gemm, grouped, grouped_linear, grouped_moe, moe_grouped,  # noqa: E402
+                                 moe_routing_workspace)
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize  # noqa: E402
 
 HIDDEN, EXPERTS, TOP_K, INTER, SCALING = 2048, 256, 6, 512, 2.5
@@ -79,7 +81,11 @@ def forced_tiles(tiles: int):
         grouped_moe.moe_tiles_per_cta = real
 
 
-def bench_moe(fmt: str, sets: list[dict], m: int, pdl: bool, impl: str = "moe_grouped") -> list[Row]:
+PATHS = {"auto": None, "old": False, "tiled": True}
+
+
+def bench_moe(fmt: str, sets: list[dict], m: int, pdl: bool, impl: str = "moe_grouped", tiled: bool | None = None,
+              peers: bool = True) -> list[Row]:
     x = torch.randn(m, HIDDEN, device="cuda").bfloat16()
     residual = torch.randn_like(x)
     out = torch.empty_like(x)
@@ -87,7 +93,8 @@ def bench_moe(fmt: str, sets: list[dict], m: int, pdl: bool, impl: str = "moe_gr
 
     def run(s):
         return moe_grouped(x, s["router"], s["bias"], TOP_K, SCALING, s["gate"], s["up"], s["down"],
-                           s["shared_gate"], s["shared_up"], s["shared_down"], residual, ws, out=out, pdl=pdl)
+                           s["shared_gate"], s["shared_up"], s["shared_down"], residual, ws, out=out, pdl=pdl,
+                           tiled=tiled)
 
     run(sets[0])
     ids = ws.ids[:m].clone()
@@ -100,7 +107,7 @@ def bench_moe(fmt: str, sets: list[dict], m: int, pdl: bool, impl: str = "moe_gr
     flops = 2 * pairs * 3 * INTER * HIDDEN + 2 * m * EXPERTS * HIDDEN
     us = time_graph([lambda s=s: run(s) for s in sets], reps_for(len(sets), 10 if m >= 1024 else 40), replays=5)
     rows = [Row(f"MoE layer ({distinct} exp)", impl, fmt, m, us, moved, flops)]
-    if fmt == "bf16" and PEERS and impl == "moe_grouped":
+    if fmt == "bf16" and PEERS and peers:
         rows += bench_grouped_mm(x, ids, m, moved, flops)
     return rows
 
@@ -158,12 +165,16 @@ def bench_dense(name: str, n: int, k: int, m: int, formats: list[str]) -> list[R
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024, 8192])
-    parser.add_argument("--dense-tokens", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--dense-tokens", type=int, nargs="*", default=[16, 64, 256])
     parser.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"])
     parser.add_argument("--pdl", action="store_true")
     parser.add_argument("--moe-tiles", type=int, nargs="+", default=[0],
                         help="16-row weight tiles per CTA of the MoE GEMMs to compare (1, 4; 0: the launcher's choice)")
     parser.add_argument("--no-peers", action="store_true", help="skip torch._grouped_mm")
+    parser.add_argument("--paths", nargs="+", default=["auto"], choices=sorted(PATHS),
+                        help="MoE expert GEMMs: the launcher's choice, the swap-AB ones, the tiled ones")
+    parser.add_argument("--tiled-configs", nargs="+", default=[], choices=sorted(expert_gemm.CONFIGS),
+                        help="tiled configs to compare (default: expert_gemm.DEFAULT_CONFIG)")
     parser.add_argument("--define", action="append", default=[], metavar="SETS",
                         help="compare compile-time settings of the grouped GEMMs, e.g. "
                              "'NVFP4_UNROLL=8,GG_MIN_CTAS=2' (repeatable; the defaults are always run)")
@@ -188,14 +199,25 @@ def main() -> None:
         per_set = sum(nbytes(probe[k]) for k in ("gate", "up", "down"))
         sets = [probe] + [moe_set(fmt) for _ in range(num_sets(per_set, MAX_SETS) - 1)]
         for m in args.tokens:
-            for tiles in args.moe_tiles:
-                for tuning in [""] + args.define:
-                    grouped.TUNING.clear()
-                    grouped.TUNING.update({k: int(v) for k, v in (d.split("=") for d in tuning.split(",") if d)})
-                    name = " ".join(filter(None, ["moe_grouped", f"t{tiles}" if tiles else "", tuning]))
-                    with forced_tiles(tiles):
-                        add(bench_moe(fmt, sets, m, args.pdl, name))
-                grouped.TUNING.clear()
+            first = True
+            for path in args.paths:
+                configs = args.tiled_configs if path == "tiled" and args.tiled_configs else [""]
+                for config in configs:
+                    default = dict(expert_gemm.DEFAULT_CONFIG)
+                    if config:
+                        expert_gemm.DEFAULT_CONFIG[fmt] = config
+                    for tiles in args.moe_tiles:
+                        for tuning in [""] + args.define:
+                            grouped.TUNING.clear()
+                            grouped.TUNING.update({k: int(v) for k, v in
+                                                   (d.split("=") for d in tuning.split(",") if d)})
+                            name = " ".join(filter(None, ["moe_grouped" if path == "auto" else path, config,
+                                                          f"t{tiles}" if tiles else "", tuning]))
+                            with forced_tiles(tiles):
+                                add(bench_moe(fmt, sets, m, args.pdl, name, PATHS[path], peers=first))
+                            first = False
+                        grouped.TUNING.clear()
+                    expert_gemm.DEFAULT_CONFIG.update(default)
         del sets, probe
         torch.cuda.empty_cache()
     for name, n, k in DENSE:

@@ -7,6 +7,9 @@ step's time, slept in the worker thread as the GPU would run it).
 Per case: decode steps per second, host milliseconds per step (wall time less the executor's,
 divided by the steps) and, with a GPU time, the share of the wall time the GPU would sit idle
 between steps (the loop overlaps step N's host work with step N+1's execution; what is left shows).
+With `--async-scheduling both`, each case also runs with the engine's async scheduling: the fake
+executor then keeps a GPU timeline (a launched step starts when the previous one ends, or at its
+launch if later) and `collect` sleeps until its step's end, as a CUDA event wait would.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 
 from flint_sched.checkpoint.make import dummy_checkpoint
 from flint_sched.config import preset
-from flint_sched.core.plan import StepPlan, StepResult
+from flint_sched.core.plan import StepPlan, StepResult, fill_placeholders
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.core.scheduler_config import SchedulerConfig
 from flint_sched.engine.async_engine import GIL_SWITCH_INTERVAL_S, AsyncEngine
@@ -38,6 +41,7 @@ class FakeExecutor:
         self.steps, self.busy_s = 0, 0.0
         self.starts: list[float] = []
         self.ends: list[float] = []
+        self.last: dict[str, int] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
@@ -50,14 +54,33 @@ class FakeExecutor:
         self.busy_s += self.ends[-1] - start
         return StepResult(tokens)
 
+    def launch(self, plan: StepPlan) -> tuple[float, StepResult]:
+        """Queue the step on the fake GPU's timeline; the host returns at once."""
+        fill_placeholders(plan.scheduled_requests, self.last)
+        now = time.perf_counter()
+        start = max(now, self.ends[-1]) if self.ends else now
+        self.starts.append(start)
+        self.ends.append(start + self.gpu_s)
+        self.busy_s += self.gpu_s
+        self.steps += 1
+        tokens = {e.request_id: [self.rng.randrange(300, self.vocab)] for e in plan.scheduled_requests if e.samples}
+        self.last = {rid: t[-1] for rid, t in tokens.items()}
+        return self.ends[-1], StepResult(tokens)
+
+    def collect(self, launched: tuple[float, StepResult]) -> StepResult:
+        end, result = launched
+        if (wait := end - time.perf_counter()) > 0:
+            time.sleep(wait)
+        return result
+
 
 async def run_case(tokenizer, vocab: int, streams: int, tokens: int, gpu_ms: float,
-                   switch_interval_s: float | None = None) -> dict:
+                   switch_interval_s: float | None = None, async_scheduling: bool = False) -> dict:
     executor = FakeExecutor(vocab, gpu_ms)
     config = SchedulerConfig(max_num_seqs=streams, max_num_batched_tokens=max(2048, streams),
                              num_blocks=streams * (tokens // 16 + 8), max_model_len=tokens + 128, block_size=16,
                              fused_max_seqs=executor.limits.fused_max_batch)
-    engine = AsyncEngine(Scheduler(config), executor, tokenizer, vocab)
+    engine = AsyncEngine(Scheduler(config), executor, tokenizer, vocab, async_scheduling=async_scheduling)
     engine.start()
     if switch_interval_s is not None:
         sys.setswitchinterval(switch_interval_s)
@@ -76,7 +99,8 @@ async def run_case(tokenizer, vocab: int, streams: int, tokens: int, gpu_ms: flo
     await engine.shutdown()
     host_ms = (wall - executor.busy_s) / executor.steps * 1e3
     gaps = sorted(b - a for a, b in zip(step_ends[:-1], step_starts[1:]))
-    return {"streams": streams, "gpu_ms": gpu_ms, "steps": executor.steps, "steps_per_s": executor.steps / wall,
+    return {"streams": streams, "gpu_ms": gpu_ms, "async": async_scheduling, "steps": executor.steps,
+            "steps_per_s": executor.steps / wall,
             "median_gap_ms": 1e3 * gaps[len(gaps) // 2] if gaps else 0.0,
             "host_ms_per_step": host_ms, "gpu_idle_share": 1 - executor.busy_s / wall if gpu_ms else None,
             "tokens_per_s": streams * tokens / wall}
@@ -89,20 +113,24 @@ def main() -> int:
     p.add_argument("--gpu-ms", default="0,10", help="the fake executor's step time(s) in ms")
     p.add_argument("--switch-interval", default="", help="also run with these GIL switch intervals in s "
                    "(the engine sets async_engine.GIL_SWITCH_INTERVAL_S), e.g. 0.005 for CPython's default")
+    p.add_argument("--async-scheduling", default="both", choices=("off", "on", "both"),
+                   help="run the engine without, with, or both ways (%(default)s)")
     args = p.parse_args()
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     tokenizer = dummy_checkpoint(preset("flint-tiny"), "bf16", 0, "cpu").tokenizer
     vocab = preset("flint-tiny").vocab_size
-    print("| streams | GPU ms/step | switch s | steps/s | host ms/step | gap ms (median) | GPU idle | output tok/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| streams | GPU ms/step | async | switch s | steps/s | host ms/step | gap ms (median) | GPU idle | output tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     intervals = [None] + [float(s) for s in args.switch_interval.split(",") if s]
     for streams in (int(s) for s in args.streams.split(",")):
         for gpu_ms in (float(g) for g in args.gpu_ms.split(",")):
-            for interval in intervals:
-                r = run_async(run_case(tokenizer, vocab, streams, args.tokens, gpu_ms, interval))
+            for interval, mode in ((i, m) for i in intervals for m in modes):
+                r = run_async(run_case(tokenizer, vocab, streams, args.tokens, gpu_ms, interval, mode))
                 idle = "–" if r["gpu_idle_share"] is None else f"{100 * r['gpu_idle_share']:.1f} %"
                 shown = GIL_SWITCH_INTERVAL_S if interval is None else interval
-                print(f"| {streams} | {gpu_ms:g} | {shown:g} | {r['steps_per_s']:.1f} | {r['host_ms_per_step']:.2f} | "
-                      f"{r['median_gap_ms']:.2f} | {idle} | {r['tokens_per_s']:.0f} |", flush=True)
+                print(f"| {streams} | {gpu_ms:g} | {'on' if mode else 'off'} | {shown:g} | {r['steps_per_s']:.1f} | "
+                      f"{r['host_ms_per_step']:.2f} | {r['median_gap_ms']:.2f} | {idle} | {r['tokens_per_s']:.0f} |",
+                      flush=True)
     return 0
 
 

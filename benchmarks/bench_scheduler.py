@@ -26,7 +26,8 @@ def fake_execute(plan: StepPlan, step_index: int) -> StepResult:
     )
 
 
-def run(num_requests: int, prompt_len: int, num_steps: int, block_size: int) -> list[float]:
+def run(num_requests: int, prompt_len: int, num_steps: int, block_size: int,
+        enable_prefix_caching: bool = False) -> list[float]:
     num_warmup_steps = 50
     max_num_batched_tokens = 8192
     max_prefill_steps = -(-num_requests * prompt_len // max_num_batched_tokens)
@@ -38,11 +39,14 @@ def run(num_requests: int, prompt_len: int, num_steps: int, block_size: int) -> 
         num_blocks=num_requests * -(-max_model_len // block_size),
         max_model_len=max_model_len,
         block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching,
+        num_ring_snapshots=num_requests if enable_prefix_caching else 0,
     )
     scheduler = Scheduler(config)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(num_requests):
-        scheduler.add_request(f"req-{i}", list(range(prompt_len)), params, eos_token_ids={2})
+        prompt = [i * prompt_len + j for j in range(prompt_len)]         # no shared prefixes
+        scheduler.add_request(f"req-{i}", prompt, params, eos_token_ids={2})
 
     step_index = 0
     while True:
@@ -74,12 +78,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--num-steps", type=int, default=2000)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
     args = parser.parse_args()
-    timings_us = sorted(run(args.num_requests, args.prompt_len, args.num_steps, args.block_size))
+    timings_us = sorted(run(args.num_requests, args.prompt_len, args.num_steps, args.block_size,
+                            args.enable_prefix_caching))
     p99 = timings_us[min(len(timings_us) - 1, int(0.99 * len(timings_us)))]
     median = statistics.median(timings_us)
     print(
-        f"schedule()+update(), {args.num_requests} running decodes, {args.num_steps} steps: "
+        f"schedule()+update(), {args.num_requests} running decodes, {args.num_steps} steps, prefix caching "
+        f"{'on' if args.enable_prefix_caching else 'off'}: "
         f"mean {statistics.fmean(timings_us):.1f} µs, median {median:.1f} µs, p99 {p99:.1f} µs "
         f"per step (goal <= {GOAL_US:.0f} µs: {'met' if median <= GOAL_US else 'MISSED'})"
     )

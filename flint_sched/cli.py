@@ -34,6 +34,9 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "half", "float32", "float"),
                    help="compute dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA executor: no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch each step before the previous step's tokens reach the host, so "
+                        "the GPU never waits for the host between steps (default: on with the CUDA executor)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
 
@@ -46,7 +49,7 @@ def _engine_args(args: argparse.Namespace) -> dict:
     return dict(load_format=args.load_format, weight_format=args.weight_format, hf_config_path=args.hf_config_path,
                 tokenizer=args.tokenizer, revision=args.revision, download_dir=args.download_dir,
                 device=args.device, executor=args.executor, dtype=dtype, enforce_eager=args.enforce_eager,
-                seed=args.seed, max_model_len=args.max_model_len)
+                async_scheduling=args.async_scheduling, seed=args.seed, max_model_len=args.max_model_len)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -99,9 +102,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) requests use for the model (default: MODEL)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most requests running at once (default: 256 on a GPU, 64 on the CPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step, prompt chunks and decodes together (default: 8192 on a GPU, 2048 on the CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes seen before (on by default, as in vLLM v1)")
+    p.add_argument("--num-ring-snapshots", type=int, default=None, metavar="N",
+                   help="prefix caching: sliding-window ring snapshots kept, each the size of one request's "
+                        "rings (default: --max-num-seqs)")
     _add_source_args(p)
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
@@ -163,6 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(
         model=model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=int(args.vllm_block_size or 16),
+        enable_prefix_caching=args.enable_prefix_caching, num_ring_snapshots=args.num_ring_snapshots,
         **_engine_args(args))
     step_timeout_s = args.engine_iteration_timeout_s
     step_timeout_s = DEFAULT_ENGINE_ITERATION_TIMEOUT_S if step_timeout_s is None else step_timeout_s

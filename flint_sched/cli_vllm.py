@@ -35,9 +35,8 @@ COMPAT_FLAGS = (
     CompatFlag(("--disable-log-requests",), None, "ignored: requests are not logged"),
     CompatFlag(("--enable-log-requests",), None, "ignored: requests are not logged"),
     CompatFlag(("--disable-log-stats",), None, "ignored: no periodic stats log (see /metrics)"),
-    CompatFlag(("--enable-prefix-caching",), None,
-               "ignored: prefix caching is not implemented yet, so this has no effect"),
-    CompatFlag(("--no-enable-prefix-caching",), None, "ignored: prefix caching is not implemented yet"),
+    CompatFlag(("--enable-prompt-tokens-details",), None,
+               "ignored: usage always has prompt_tokens_details.cached_tokens, as OpenAI's"),
     CompatFlag(("--enable-chunked-prefill",), None, "ignored: prompts are always prefilled in chunks"),
     CompatFlag(("--kv-cache-dtype",), "DTYPE", "auto: supported; others (fp8, ...): refused"),
     CompatFlag(("--max-logprobs",), "N", "supported, up to 20: the most logprobs a request may ask for"),
@@ -61,9 +60,10 @@ COMPAT_FLAGS = (
 NATIVE_FLAGS = (
     "--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--max-num-seqs",
     "--max-num-batched-tokens", "--gpu-memory-utilization", "--hf-config-path", "--tokenizer", "--revision",
-    "--tokenizer-revision", "--download-dir", "--load-format", "--dtype", "--seed", "--enforce-eager",
+    "--tokenizer-revision", "--download-dir", "--load-format", "--dtype", "--seed", "--enforce-eager", "--async-scheduling",
     "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser", "--exclude-tools-when-tool-choice-none",
     "--chat-template", "--default-chat-template-kwargs", "--shutdown-timeout", "--uvicorn-log-level", "--device",
+    "--enable-prefix-caching", "--no-enable-prefix-caching",
 )
 
 

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from flint_sched.core.scheduler import Scheduler
 from flint_sched.engine.builder import build_engine, build_parts
 from flint_sched.engine.config import EngineConfig
 from flint_sched.engine.outputs import RequestOutput
@@ -29,6 +30,11 @@ class LLM:
     def __init__(self, model: str | None = None, progress: bool = True, **engine_args: Any):
         self.config = EngineConfig(model=model, **engine_args)
         self.parts = build_parts(self.config, progress)
+        self.scheduler = Scheduler(self.parts.scheduler_config)     # its prefix cache outlives each call
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's LLM.reset_prefix_cache; False with caching off."""
+        return self.scheduler.reset_prefix_cache()
 
     @property
     def tokenizer(self):
@@ -46,7 +52,7 @@ class LLM:
         return run_async(self._generate(list(prompts), params))
 
     async def _generate(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
-        engine = build_engine(self.parts)
+        engine = build_engine(self.parts, self.scheduler)
         engine.start()
         try:
             streams = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]

@@ -147,3 +147,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when sampling is argmax (temperature 0, as vLLM compares: below 1e-5)."""
         return self.temperature < _GREEDY_TEMPERATURE
+
+
+def reads_history(params: SamplingParams) -> bool:
+    """Whether choosing a token reads the request's earlier output tokens (penalties count them,
+    min_tokens bans eos until enough are out, a grammar's mask follows them): such a request cannot sample before the previous
+    step's token is known on the host (async scheduling waits for it)."""
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+                or params.min_tokens or params.structured_outputs is not None)

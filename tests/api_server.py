@@ -154,7 +154,8 @@ def _start_all(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) 
     script = base / "script.json"
     tools = ["--enable-auto-tool-choice", "--tool-call-parser", "glm47", "--reasoning-parser", "glm47"]
     servers = {
-        "real": start_server("real", [*tools, "--max-model-len", "2048", "--max-num-seqs", "64"],
+        # async scheduling as on a GPU (the CUDA executor's default), so the HTTP tests run through it
+        "real": start_server("real", [*tools, "--max-model-len", "2048", "--max-num-seqs", "64", "--async-scheduling"],
                              base / "cache", base),
         "scripted": start_server("scripted", [*tools, "--exclude-tools-when-tool-choice-none", "--api-key", API_KEY,
                                               "--served-model-name", SCRIPTED_MODEL, "--scripted-executor",

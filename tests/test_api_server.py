@@ -291,3 +291,55 @@ def test_openai_client_raises_on_bad_input(client):
     with pytest.raises(openai.BadRequestError, match="model `other` does not exist"):
         client.chat.completions.create(model="other", messages=MESSAGES, max_tokens=2)
     assert json.loads(info.value.response.text)["error"]["type"] == "invalid_request_error"
+
+
+def test_prefix_cache_shows_in_usage_metrics_and_resets(client, http):
+    """A repeated prompt is served from the cache up to its last block boundary (blocks of 16):
+    usage says so (streamed too), /metrics counts queries and hits, /reset_prefix_cache forgets."""
+    system = f"Prefix test {time.time_ns()}: " + " ".join(f"word{i}" for i in range(60))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Say hi."}]
+    before = http.get("/metrics").text
+    first = client.chat.completions.create(model="flint-tiny", messages=messages, max_tokens=2, temperature=0)
+    num_prompt = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    expected = (num_prompt - 1) // 16 * 16
+    stream = client.chat.completions.create(model="flint-tiny", messages=messages, max_tokens=2, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+    assert usage.prompt_tokens == num_prompt and usage.prompt_tokens_details.cached_tokens == expected
+    after = http.get("/metrics").text
+    hits = metric(after, "flint:prefix_cache_hits_total") - metric(before, "flint:prefix_cache_hits_total")
+    queries = metric(after, "flint:prefix_cache_queries_total") - metric(before, "flint:prefix_cache_queries_total")
+    assert hits == expected and queries == 2 * num_prompt
+    text = system + " Complete this."
+    cold = client.completions.create(model="flint-tiny", prompt=text, max_tokens=2, temperature=0)
+    warm = client.completions.create(model="flint-tiny", prompt=text, max_tokens=2, temperature=0)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details.cached_tokens == (warm.usage.prompt_tokens - 1) // 16 * 16 > 0
+    assert warm.choices[0].text == cold.choices[0].text
+    assert http.post("/reset_prefix_cache").status_code == 200
+    again = client.chat.completions.create(model="flint-tiny", messages=messages, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_bench_serve_agent_reports_ttft_by_turn_and_the_hit_rate(server, capsys, tmp_path):
+    """`bench serve --dataset-name agent` against flint-tiny: a session's turn t+1 is sent after its turn t,
+    so it hits the cache of turn t's prompt; the table has TTFT by turn and /metrics' hit rate."""
+    import argparse
+
+    from flint_sched.benchmarks.serve import main
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    args = parser.parse_args(["--disable-tqdm", "--base-url", server.base_url, "--dataset-name", "agent",
+                              "--num-prompts", "6", "--agent-num-turns", "3", "--agent-system-prompt-len", "40",
+                              "--agent-tool-result-len", "20", "--agent-output-len", "3", "--max-concurrency", "2",
+                              "--seed", str(time.time_ns() % 10_000), "--save-result", "--result-dir", str(tmp_path),
+                              "--result-filename", "agent.json", "--no-plot"])
+    assert main.run(args) == 0
+    table = capsys.readouterr().out
+    assert "Median TTFT turn 2 (ms), 2 req" in table and "Hit rate (/metrics, %)" in table
+    result = json.loads((tmp_path / "agent.json").read_text())
+    assert set(result["median_ttft_by_turn_ms"]) == {"0", "1", "2"} and result["median_ttft_later_turns_ms"] > 0
+    assert result["total_cached_tokens"] > 0
+    assert result["prefix_cache_hits"] >= result["total_cached_tokens"] > 0
+    assert 0 < result["prefix_cache_hit_rate"] < 1

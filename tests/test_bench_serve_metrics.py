@@ -245,3 +245,34 @@ def test_file_dataset(tmp_path):
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(ValueError):
         datasets.file_requests(tmp_path / "empty.txt", 1, 5)
+
+
+def test_ttft_by_turn_and_cached_tokens():
+    def outcome(turn, ttft_s, cached):
+        return RequestOutcome(True, start_s=0.0, end_s=1.0, token_times_s=[ttft_s], turn=turn, cached_tokens=cached)
+
+    metrics = compute_metrics([outcome(0, 0.4, 0), outcome(0, 0.6, 0), outcome(1, 0.1, 64), outcome(2, 0.05, 128),
+                               outcome(2, 0.07, 128)], duration_s=1.0)
+    assert {t: s["median"] for t, s in metrics.ttft_by_turn.items()} == pytest.approx({0: 500, 1: 100, 2: 60})
+    assert [s["count"] for s in metrics.ttft_by_turn.values()] == [2, 1, 1 + 1]
+    assert metrics.ttft_later_turns["median"] == pytest.approx(70)
+    assert metrics.cached_tokens == 320
+    plain = compute_metrics([REQ_A, REQ_B], duration_s=1.0)
+    assert plain.ttft_by_turn == {} and plain.ttft_later_turns is None and plain.cached_tokens is None
+
+
+def test_prefix_cache_counters_from_metrics_text():
+    from flint_sched.benchmarks.serve.server_metrics import hit_rate, parse_prefix_cache
+    text = """# HELP flint:prefix_cache_queries_total Prefix cache queries
+# TYPE flint:prefix_cache_queries_total counter
+flint:prefix_cache_queries_total{model_name="m"} 1000.0
+flint:prefix_cache_hits_total{model_name="m"} 600.0
+flint:num_preemptions_total{model_name="m"} 3.0
+"""
+    assert parse_prefix_cache(text) == {"queries": 1000.0, "hits": 600.0}
+    assert parse_prefix_cache(text.replace("flint:", "vllm:")) == {"queries": 1000.0, "hits": 600.0}
+    assert parse_prefix_cache("flint:num_preemptions_total 3.0\n") is None
+    rate = hit_rate({"queries": 200.0, "hits": 100.0}, {"queries": 1000.0, "hits": 600.0})
+    assert rate == {"queries": 800.0, "hits": 500.0, "hit_rate": 0.625}
+    assert hit_rate(None, {"queries": 1.0, "hits": 1.0}) is None
+    assert math.isnan(hit_rate({"queries": 5.0, "hits": 0.0}, {"queries": 5.0, "hits": 0.0})["hit_rate"])

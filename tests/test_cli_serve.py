@@ -17,11 +17,11 @@ def serve_args(*argv):
 
 def test_common_vllm_launch_flags_are_accepted_with_notices():
     args = serve_args("-tp", "1", "--disable-log-requests", "--dtype", "auto", "--trust-remote-code",
-                      "--enable-prefix-caching", "--kv-cache-dtype", "auto", "--max-logprobs", "5",
+                      "--enable-prompt-tokens-details", "--kv-cache-dtype", "auto", "--max-logprobs", "5",
                       "--block-size", "32")
     notices = cli_vllm.check(args)
     assert any(n.startswith("--tensor-parallel-size 1: ignored") for n in notices)
-    assert any("prefix caching is not implemented yet" in n for n in notices)
+    assert any(n.startswith("--enable-prompt-tokens-details: ignored") for n in notices)
     assert any(n.startswith("--trust-remote-code") for n in notices)
     assert not any(flag in n for n in notices for flag in ("kv-cache-dtype", "max-logprobs", "block-size"))
     assert args.vllm_block_size == "32"                 # they mean something here
@@ -126,3 +126,10 @@ async def test_max_logprobs_caps_what_a_request_may_ask(tiny_config):
 def test_one_revision_for_every_hub_name(capsys):
     assert main(["generate", "--prompt", "x", "--revision", "v1", "--tokenizer-revision", "v2"]) == 2
     assert "one revision applies to every hub name" in capsys.readouterr().err
+
+
+def test_prefix_caching_is_on_unless_turned_off():
+    assert serve_args().enable_prefix_caching is True
+    assert serve_args("--enable-prefix-caching").enable_prefix_caching is True
+    assert serve_args("--no-enable-prefix-caching").enable_prefix_caching is False
+    assert serve_args("--num-ring-snapshots", "8").num_ring_snapshots == 8

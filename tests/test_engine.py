@@ -205,3 +205,48 @@ def test_a_model_too_big_for_the_host_is_refused_before_anything_is_made(tmp_pat
     with pytest.raises(ValueError, match="weights need about 159 GB.*GPU"):
         build_parts(EngineConfig(model="flint", device="cpu"), progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_engine_prefix_caching_on_by_default_and_off_on_request(ckpt):
+    """A repeated prompt reports its cached tokens and gives the same greedy tokens; with caching
+    off nothing is cached and no snapshot slots are made."""
+    prompt = list(range(3, 40))                          # 37 tokens, blocks of 4: hit at 36
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def twice(parts):
+        engine = build_engine(parts)
+        engine.start()
+        try:
+            first = (await collect(engine.add_request(prompt, params)))[1]
+            second = (await collect(engine.add_request(prompt, params)))[1]
+            return first, second, engine
+        finally:
+            await engine.shutdown()
+
+    on = parts_for(ckpt)
+    assert on.scheduler_config.enable_prefix_caching and on.scheduler_config.num_ring_snapshots == 16
+    assert on.executor.kv.ring.shape[2] == 16 + 16
+    first, second, engine = asyncio.run(twice(on))
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 36)
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    assert engine.reset_prefix_cache()
+    off = parts_for(ckpt, enable_prefix_caching=False)
+    assert off.scheduler_config.num_ring_snapshots == 0 and off.executor.kv.ring.shape[2] == 16
+    first, second, engine = asyncio.run(twice(off))
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 0)
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    assert engine.scheduler.prefix_cache is None and not engine.reset_prefix_cache()
+
+
+def test_offline_llm_keeps_its_prefix_cache_across_generate_calls(tmp_path, monkeypatch):
+    from flint_sched.llm import LLM
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
+    llm = LLM("flint-tiny", progress=False, device="cpu", max_num_seqs=2)
+    prompt = list(range(100, 150))                       # 50 tokens, blocks of 16: hit at 48
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = llm.generate(prompt, params)[0]
+    second = llm.generate(prompt, params)[0]
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 48)
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    assert llm.reset_prefix_cache()
+    assert llm.generate(prompt, params)[0].num_cached_tokens == 0

@@ -1,14 +1,20 @@
 """The CUDA executor's host-side plumbing, on the CPU: graph batch sizes, the executor's stated
-limits, the decode inputs (padding rows, block tables kept on the device across steps), and the
-split of a mixed step into its decode rows and its prompt chunks."""
+limits, the decode inputs (padding rows, block tables kept on the device across steps, placeholder
+tokens fed from the previous step), and the split of a mixed step into its decode rows and its
+prompt chunks."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from flint_sched.core.plan import ScheduledRequest, StepPlan, StepResult
+from flint_sched.core.plan import PLACEHOLDER_TOKEN, ScheduledRequest, StepPlan, StepResult
 from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.graphs import GROUPED_BATCH_SIZES, padded_batch
+from flint_sched.config import preset
+from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.limits import ExecutorLimits
+from flint_sched.executor.sampled_tokens import SampledTokens
 from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.executor.torch_executor import TorchExecutor
 from flint_sched.sampling_params import SamplingParams
@@ -32,20 +38,20 @@ def test_limits_are_validated_and_the_torch_path_has_no_fused_path():
 
 
 def fields(inputs: DecodeInputs) -> list[list[int]]:
-    return inputs.flat.view(-1)[:-1].view(6, inputs.max_rows).tolist()
+    return inputs.flat.view(-1)[:-1].view(7, inputs.max_rows).tolist()
 
 
 def test_decode_inputs_pad_rows_and_keep_block_tables_across_steps():
     inputs = DecodeInputs(max_rows=4, max_model_len=64, block_size=4, device=torch.device("cpu"))
     dummy = inputs.block_tables_flat.numel() - 1
     inputs.fill([entry("a", [5], 7, [3, 9]), entry("b", [6], 0, [4], slot=2)])
-    tokens, positions, lens, slots, index, value = fields(inputs)
-    assert tokens[:2] == [5, 6] and positions == [7, 0, -1, -1] and lens == [8, 1, 0, 0] and slots[:2] == [0, 2]
+    tokens, positions, lens, slots, index, value, sources = fields(inputs)
+    assert tokens[:2] == [5, 6] and sources == [-1] * 4 and positions == [7, 0, -1, -1] and lens == [8, 1, 0, 0] and slots[:2] == [0, 2]
     assert index == [dummy] * 4 and int(inputs.num_rows) == 2          # new rows: copied, no scatter
     assert inputs.block_tables[0, :2].tolist() == [3, 9] and inputs.block_tables[1, 0] == 4
     # a grows by one block: one scatter entry, applied by update_block_tables (inside the graph)
     inputs.fill([entry("a", [5], 8, [3, 9, 11]), entry("b", [6], 1, [4], slot=2)])
-    index, value = fields(inputs)[4:]
+    index, value = fields(inputs)[4:6]
     assert index[0] == 0 * inputs.block_tables.shape[1] + 2 and value[0] == 11 and index[1:] == [dummy] * 3
     inputs.update_block_tables()
     assert inputs.block_tables[0, :3].tolist() == [3, 9, 11]
@@ -57,6 +63,20 @@ def test_decode_inputs_pad_rows_and_keep_block_tables_across_steps():
         inputs.fill([entry("d", [1], 0, list(range(17)))])
 
 
+def test_a_placeholder_row_is_fed_the_previous_steps_token_on_the_device():
+    sampled = SampledTokens(8, torch.device("cpu"))
+    first = [entry("a", [5], 7, [3, 9]), entry("b", [6], 0, [4], slot=2)]
+    sampled.record(first, torch.tensor([41, 42]))                     # what the previous step sampled
+    inputs = DecodeInputs(max_rows=4, max_model_len=64, block_size=4, device=torch.device("cpu"),
+                          sampled=sampled.values)
+    second = [entry("b", [PLACEHOLDER_TOKEN], 1, [4], slot=2), entry("c", [9], 3, [5])]
+    inputs.fill(second, sampled.sources(second))
+    inputs.feed_sampled()
+    assert inputs.tokens.tolist() == [42, 9, 0, 0]
+    with pytest.raises(RuntimeError, match="did not sample"):
+        sampled.sources([entry("z", [PLACEHOLDER_TOKEN], 1, [4])])
+
+
 class SplitExecutor(CudaExecutor):
     """The dispatch of CudaExecutor without a GPU: decode and prompt parts recorded, logits faked
     (one row per sampled entry holding its request's number)."""
@@ -64,18 +84,19 @@ class SplitExecutor(CudaExecutor):
     def __init__(self):                                   # noqa: D107 - no GPU state
         self.grouped_batch_sizes = GROUPED_BATCH_SIZES
         self.inputs = DecodeInputs(256, 64, 4, torch.device("cpu"))
+        self.sampled = SampledTokens(512, torch.device("cpu"))
         self.calls = []
 
     def _decode(self, entries, variant, rows):
         self.calls.append((variant, rows, [e.request_id for e in entries]))
         self.last_logits = torch.tensor([[float(e.request_id[1:])] for e in entries])
-        return StepResult({e.request_id: [1] for e in entries})
+        return entries, None, StepResult({e.request_id: [1] for e in entries})
 
     def _prompt(self, entries):
         self.calls.append(("prompt", None, [e.request_id for e in entries]))
         sampling = [e for e in entries if e.samples]
         self.last_logits = torch.tensor([[float(e.request_id[1:])] for e in sampling]).reshape(len(sampling), 1)
-        return StepResult({e.request_id: [2] for e in sampling})
+        return sampling, None, StepResult({e.request_id: [2] for e in sampling})
 
 
 @pytest.mark.parametrize("num_decodes, variant, rows", [(3, "fused", 4), (12, "grouped", 16)])
@@ -113,3 +134,27 @@ def test_prompt_steps_reuse_one_grown_routing_workspace():
     assert ws.routing_for(40) is first                               # kept, not made again
     grown = ws.routing_for(300)
     assert grown.max_tokens == 300 and ws.routing_for(100) is grown
+
+
+def test_warm_up_runs_a_prompt_step_then_a_fused_and_a_grouped_decode_on_free_kv():
+    class Warm(SplitExecutor):
+        def __init__(self):
+            super().__init__()
+            self.device, self.max_model_len = torch.device("cpu"), 64
+            self.weights = SimpleNamespace(kv=KVCache(preset("flint-tiny"), num_blocks=40, block_size=4, num_slots=20,
+                                                      dtype=torch.float32, device="cpu"))
+            self.plans = []
+
+        def execute(self, plan):
+            self.plans.append(plan)
+            return StepResult({})
+
+    ex = Warm()
+    ex.warm_up(8192)
+    prompt, fused, grouped = ex.plans
+    [p] = prompt.scheduled_requests
+    assert p.num_tokens == 62 and p.start_position == 0                # max_model_len - 2
+    assert [e.start_position for e in fused.scheduled_requests] == [62] and fused.path == "fused"
+    assert len(grouped.scheduled_requests) == 16 and {e.ring_slot for e in grouped.scheduled_requests} == set(range(16))
+    assert all(len(e.block_table) * 4 > e.end_position - 1 for plan in ex.plans for e in plan.scheduled_requests)
+

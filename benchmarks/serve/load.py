@@ -63,7 +63,8 @@ async def _open_stream(client: AsyncFlintClient, target: Target, request: BenchR
 
 async def send_request(client: AsyncFlintClient, target: Target, request: BenchRequest) -> RequestOutcome:
     """Streams one request and times each chunk that carries generated text; errors become a failed outcome."""
-    outcome = RequestOutcome(success=False, prompt_tokens=request.prompt_len, start_s=time.perf_counter())
+    outcome = RequestOutcome(success=False, prompt_tokens=request.prompt_len, start_s=time.perf_counter(),
+                             turn=request.turn)
     try:
         async with await _open_stream(client, target, request) as stream:
             async for chunk in stream:
@@ -73,6 +74,8 @@ async def send_request(client: AsyncFlintClient, target: Target, request: BenchR
                 if chunk.usage is not None:
                     outcome.prompt_tokens = chunk.usage.prompt_tokens or outcome.prompt_tokens
                     outcome.usage_output_tokens = chunk.usage.completion_tokens
+                    if chunk.usage.prompt_tokens_details is not None:
+                        outcome.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens
         outcome.success = True
     except FlintAPIError as e:
         outcome.error = f"HTTP {e.status} {e.type or 'error'}: {e.message[:200]}"

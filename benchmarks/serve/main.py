@@ -26,6 +26,7 @@ from flint_sched.api.client_types import FlintError
 from flint_sched.benchmarks.serve import datasets, report
 from flint_sched.benchmarks.serve.load import Target, run_requests, send_request
 from flint_sched.benchmarks.serve.metrics import LATENCY_METRICS, compute_metrics, parse_goodput
+from flint_sched.benchmarks.serve.server_metrics import hit_rate, scrape_prefix_cache
 
 PROG = "flint-sched bench serve"
 
@@ -196,10 +197,27 @@ async def _benchmark(args: argparse.Namespace, plan: Plan) -> list[tuple[str, di
             model = listed[0].id
         target = Target(plan.api, model, args.ignore_eos, plan.extra_body)
 
+        finished_turns: dict[tuple[int, int], asyncio.Event] = {}
+
         async def send(request):
-            return await send_request(client, target, request)
+            """An agent's turn t+1 goes after its turn t has finished (when both are in this run): the
+            agent reads the answer first, and the next prompt can then hit the cache of the last one."""
+            if request.session is None:
+                return await send_request(client, target, request)
+            previous = finished_turns.get((request.session, request.turn - 1))
+            if previous is not None:
+                await previous.wait()
+            try:
+                return await send_request(client, target, request)
+            finally:
+                finished_turns[(request.session, request.turn)].set()
+
+        def expect_turns(requests):
+            finished_turns.clear()
+            finished_turns.update({(r.session, r.turn): asyncio.Event() for r in requests if r.session is not None})
 
         if plan.warmups:
+            expect_turns(plan.warmups)
             outcomes, _ = await run_requests(plan.warmups, send, request_rate=math.inf, burstiness=1.0,
                                              max_concurrency=plan.points[0][1], max_duration_s=args.max_duration,
                                              rng=np.random.default_rng(args.seed))
@@ -208,6 +226,8 @@ async def _benchmark(args: argparse.Namespace, plan: Plan) -> list[tuple[str, di
         runs = []
         for rate, concurrency in plan.points:
             label = f"rate {rate:g}/s" + (f", concurrency {concurrency}" if concurrency else "")
+            expect_turns(plan.requests)
+            cache_before = await scrape_prefix_cache(args.base_url)
             with tqdm(total=len(plan.requests), desc=label, unit="req", disable=args.disable_tqdm) as bar:
                 outcomes, duration_s = await run_requests(
                     plan.requests, send, request_rate=rate, burstiness=args.burstiness, max_concurrency=concurrency,
@@ -219,8 +239,12 @@ async def _benchmark(args: argparse.Namespace, plan: Plan) -> list[tuple[str, di
                       "burstiness": args.burstiness, "max_concurrency": concurrency, "ignore_eos": args.ignore_eos,
                       "num_warmups": len(plan.warmups), "max_duration": args.max_duration, "seed": args.seed,
                       "goodput_slos_ms": plan.slos_ms or None}
+            cache = hit_rate(cache_before, await scrape_prefix_cache(args.base_url))
             metrics = compute_metrics(outcomes, duration_s, plan.percentiles, plan.slos_ms)
-            runs.append((label, report.build_result(config, metrics)))
+            result = report.build_result(config, metrics)
+            if cache is not None:
+                result |= {f"prefix_cache_{key}": value for key, value in cache.items()}
+            runs.append((label, result))
         return runs
 
 

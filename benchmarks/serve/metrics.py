@@ -25,6 +25,8 @@ class RequestOutcome:
     prompt_tokens: int = 0  # the server's usage when given, else the dataset's estimate
     usage_output_tokens: int | None = None  # the server's usage; None: count chunks
     error: str = ""
+    turn: int | None = None  # the agent dataset's turn (0: a session's first request)
+    cached_tokens: int | None = None  # the server's usage.prompt_tokens_details.cached_tokens, when given
 
     @property
     def output_tokens(self) -> int:
@@ -115,6 +117,9 @@ class BenchmarkMetrics:
     tpots_s: list[float]
     itls_s: list[float]
     e2els_s: list[float]
+    ttft_by_turn: dict[int, dict[str, float]] = field(default_factory=dict)  # turn -> summarize() + count
+    ttft_later_turns: dict[str, float] | None = None  # summarize() of TTFTs from the second turn on
+    cached_tokens: int | None = None  # sum of usage cached_tokens; None when no response gave it
 
 
 def compute_metrics(outcomes: list[RequestOutcome], duration_s: float, percentiles: tuple[float, ...] = (90, 99),
@@ -133,6 +138,13 @@ def compute_metrics(outcomes: list[RequestOutcome], duration_s: float, percentil
     per_s = 1 / duration_s if duration_s > 0 else math.nan
     good = sum(meets_slos(lat, slos_ms) for lat in latencies) if slos_ms else None
     values = {"ttft": ttfts, "tpot": tpots, "itl": itls, "e2el": e2els}
+    turns = sorted({o.turn for o in done if o.turn is not None})
+    by_turn = {}
+    for t in turns:
+        ttfts_of_turn = [lat.ttft_s for o, lat in zip(done, latencies) if o.turn == t]
+        by_turn[t] = summarize(ttfts_of_turn, percentiles) | {"count": len(ttfts_of_turn)}
+    later = [lat.ttft_s for o, lat in zip(done, latencies) if o.turn is not None and o.turn >= 1]
+    cached = [o.cached_tokens for o in done if o.cached_tokens is not None]
     return BenchmarkMetrics(
         duration_s=duration_s, completed=len(done), failed=len(outcomes) - len(done), errors=dict(errors),
         total_input_tokens=sum(input_lens), total_output_tokens=sum(output_lens),
@@ -140,4 +152,6 @@ def compute_metrics(outcomes: list[RequestOutcome], duration_s: float, percentil
         total_token_throughput=(sum(input_lens) + sum(output_lens)) * per_s,
         request_goodput=None if good is None else good * per_s,
         summaries={name: summarize(values[name], percentiles) for name in LATENCY_METRICS},
-        input_lens=input_lens, output_lens=output_lens, ttfts_s=ttfts, tpots_s=tpots, itls_s=itls, e2els_s=e2els)
+        input_lens=input_lens, output_lens=output_lens, ttfts_s=ttfts, tpots_s=tpots, itls_s=itls, e2els_s=e2els,
+        ttft_by_turn=by_turn, ttft_later_turns=summarize(later, percentiles) if turns else None,
+        cached_tokens=sum(cached) if cached else None)

@@ -28,6 +28,11 @@ def build_result(config: dict[str, Any], metrics: BenchmarkMetrics) -> dict[str,
     }
     for name, summary in metrics.summaries.items():
         result |= {f"{stat}_{name}_ms": value for stat, value in summary.items()}
+    if metrics.ttft_later_turns is not None:
+        result["median_ttft_by_turn_ms"] = {str(t): s["median"] for t, s in metrics.ttft_by_turn.items()}
+        result["num_requests_by_turn"] = {str(t): s["count"] for t, s in metrics.ttft_by_turn.items()}
+        result |= {f"{stat}_ttft_later_turns_ms": value for stat, value in metrics.ttft_later_turns.items()}
+    result["total_cached_tokens"] = metrics.cached_tokens
     return result | {"input_lens": metrics.input_lens, "output_lens": metrics.output_lens,
                      "ttfts": metrics.ttfts_s, "tpots": metrics.tpots_s, "itls": metrics.itls_s,
                      "e2els": metrics.e2els_s}
@@ -59,11 +64,31 @@ def format_table(result: dict[str, Any], metrics_shown: tuple[str, ...] = LATENC
         stats = [key[: -len(f"_{name}_ms")] for key in result if key.endswith(f"_{name}_ms")]
         lines += [_line(f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} {name.upper()} (ms)",
                         result[f"{stat}_{name}_ms"]) for stat in stats]
+    lines += _cache_lines(result)
     if result["errors"]:
         lines.append(" Failures ".center(WIDTH, "-"))
         lines += [f"{count:>6} x {reason}" for reason, count in sorted(result["errors"].items(), key=lambda x: -x[1])]
     lines.append("=" * WIDTH)
     return "\n".join(lines)
+
+
+def _cache_lines(result: dict[str, Any]) -> list[str]:
+    """TTFT by agent turn, and the prefix cache (usage's cached tokens, the server's hit rate)."""
+    lines = []
+    if "median_ttft_by_turn_ms" in result:
+        lines.append(" Time to First Token by Turn ".center(WIDTH, "-"))
+        lines += [_line(f"Median TTFT turn {t} (ms), {result['num_requests_by_turn'][t]} req", value)
+                  for t, value in result["median_ttft_by_turn_ms"].items()]
+        lines.append(_line("Median TTFT from turn 1 on (ms)", result["median_ttft_later_turns_ms"]))
+    if result.get("total_cached_tokens") is not None or result.get("prefix_cache_hit_rate") is not None:
+        lines.append(" Prefix Cache ".center(WIDTH, "-"))
+        if result.get("total_cached_tokens") is not None:
+            lines.append(_line("Cached prompt tokens (usage)", result["total_cached_tokens"]))
+        if result.get("prefix_cache_hit_rate") is not None:
+            lines += [_line("Queried tokens (/metrics)", int(result["prefix_cache_queries"])),
+                      _line("Hit tokens (/metrics)", int(result["prefix_cache_hits"])),
+                      _line("Hit rate (/metrics, %)", 100 * result["prefix_cache_hit_rate"])]
+    return lines
 
 
 def format_sweep_table(results: list[dict[str, Any]], param: str) -> str:

@@ -1,8 +1,11 @@
 """Bookkeeping for Flint's two KV caches, on integers only (the tensors live in the executor).
 
-Every block id and ring slot is either free or owned by exactly one request; free + used == total,
-and freeing an id that is already free raises. A request's block table only grows (by appends)
-until the request frees everything at once; a freed table list is dropped, never cleared.
+Every ring slot is either free or owned by exactly one request. Blocks live in a BlockPool
+(block_pool.py): free, cached (ref 0, evictable) or held by one or more requests (a prefix hit
+shares cached blocks); free + cached + used == total, and freeing what is not held raises. A
+request's block table only grows (by appends) until the request frees everything at once; a freed
+table list is dropped, never cleared. Ring snapshots (ring_snapshots.py) take the slot ids after
+the running requests' ones.
 
     full-attention layers (14): position p -> block block_table[p // block_size], row p % block_size
                                 one block holds K and V of all 14 layers for block_size positions
@@ -14,7 +17,10 @@ until the request frees everything at once; a freed table list is dropped, never
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+from flint_sched.core.block_pool import BlockPool
+from flint_sched.core.ring_snapshots import RingSnapshots
 
 
 class IdPool:
@@ -82,52 +88,61 @@ class HybridKVAllocator:
     """Paged blocks for the full-attention layers plus one ring slot per running request."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, num_ring_slots: int, sliding_window: int = 513
+        self, num_blocks: int, block_size: int, num_ring_slots: int, sliding_window: int = 513,
+        num_ring_snapshots: int = 0,
     ) -> None:
         for name, value in (("block_size", block_size), ("sliding_window", sliding_window)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.block_size = block_size
         self.sliding_window = sliding_window
-        self._blocks = IdPool(num_blocks, "block")
         self._ring_slots = IdPool(num_ring_slots, "ring slot")
+        self.snapshots = RingSnapshots(num_ring_slots, num_ring_snapshots)
+        self.blocks = BlockPool(num_blocks, on_evict=self.snapshots.drop)
         self._allocations: dict[str, KVAllocation] = {}
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold KV for positions 0 .. num_tokens-1."""
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Whether the request can hold KV for num_tokens positions (taking a ring slot if new)."""
+    def can_allocate(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Whether the request can hold KV for num_tokens positions (taking a ring slot if new);
+        a new request may start its table with cached_blocks (a prefix hit), which it shares."""
         num_blocks = -(-num_tokens // self.block_size)
         allocation = self._allocations.get(request_id)
         if allocation is None:
-            return self._ring_slots.num_free > 0 and num_blocks <= self._blocks.num_free
-        return num_blocks - len(allocation.block_table) <= self._blocks.num_free
+            num_free = self.blocks.num_free - self.blocks.num_evictable(cached_blocks)
+            return self._ring_slots.num_free > 0 and num_blocks - len(cached_blocks) <= num_free
+        return num_blocks - len(allocation.block_table) <= self.blocks.num_free
 
-    def allocate(self, request_id: str, num_tokens: int) -> KVAllocation:
-        """Grow the request's holding to cover num_tokens positions; all or nothing."""
+    def allocate(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> KVAllocation:
+        """Grow the request's holding to cover num_tokens positions; all or nothing. A new request's
+        table starts with cached_blocks (shared, never written), then fresh blocks."""
         allocation = self._allocations.get(request_id)
-        num_held = 0 if allocation is None else len(allocation.block_table)
+        if allocation is not None and cached_blocks:
+            raise ValueError(f"request {request_id!r} already holds blocks: cached blocks start a table")
+        num_held = len(cached_blocks) if allocation is None else len(allocation.block_table)
         num_new_blocks = -(-num_tokens // self.block_size) - num_held
-        if num_new_blocks > self._blocks.num_free:
+        num_free = self.blocks.num_free - self.blocks.num_evictable(cached_blocks)
+        if num_new_blocks > num_free:
             raise RuntimeError(
-                f"out of blocks: request {request_id!r} needs {num_new_blocks}, "
-                f"{self._blocks.num_free} free"
+                f"out of blocks: request {request_id!r} needs {num_new_blocks}, {num_free} free"
             )
         if allocation is None:
-            allocation = KVAllocation([], self._ring_slots.allocate(1)[0])
+            allocation = KVAllocation(list(cached_blocks), self._ring_slots.allocate(1)[0])
+            self.blocks.share(cached_blocks)
             self._allocations[request_id] = allocation
         if num_new_blocks > 0:
-            allocation.block_table.extend(self._blocks.allocate(num_new_blocks))
+            allocation.block_table.extend(self.blocks.allocate(num_new_blocks))
         return allocation
 
     def free(self, request_id: str) -> None:
-        """Return the request's blocks and ring slot; raises ValueError if it holds none."""
+        """Drop the request's hold on its blocks and return its ring slot; raises ValueError if it
+        holds none. Cached blocks nobody holds stay cached until evicted."""
         allocation = self._allocations.pop(request_id, None)
         if allocation is None:
             raise ValueError(f"request {request_id!r} holds no KV cache (freed twice?)")
-        self._blocks.free(allocation.block_table)
+        self.blocks.free(allocation.block_table)
         self._ring_slots.free((allocation.ring_slot,))
 
     def get(self, request_id: str) -> KVAllocation | None:
@@ -135,19 +150,19 @@ class HybridKVAllocator:
 
     @property
     def num_total_blocks(self) -> int:
-        return self._blocks.num_total
+        return self.blocks.num_total
 
     @property
     def num_free_blocks(self) -> int:
-        return self._blocks.num_free
+        return self.blocks.num_free
 
     @property
     def num_used_blocks(self) -> int:
-        return self._blocks.num_used
+        return self.blocks.num_used
 
     @property
     def block_usage(self) -> float:
-        return self._blocks.num_used / self._blocks.num_total
+        return self.blocks.num_used / self.blocks.num_total
 
     @property
     def num_total_ring_slots(self) -> int:

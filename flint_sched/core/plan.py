@@ -8,13 +8,17 @@ during execute() and never mutates them; after update() they may have grown.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flint_sched.core.request import FinishReason
 from flint_sched.sampling_params import SamplingParams
 
 ExecutionPath = Literal["fused", "grouped"]
+
+# A token the scheduler does not know yet: the one an earlier plan, still running, samples for this
+# request (async scheduling). The executor feeds its own record of that token in its place.
+PLACEHOLDER_TOKEN = -1
 
 
 @dataclass(slots=True)
@@ -48,6 +52,8 @@ class StepPlan:
     path is "fused" when every entry is a one-token decode and there are at most
     fused_max_seqs of them, else "grouped". preempted_request_ids and finished_request_ids
     name requests whose executor-side state (ring slot contents, sampler state) must be dropped.
+    ring_copies: (source slot, destination slot) copies of whole rings (every sliding layer), done
+    in order before the forward: prefix-cache snapshots and restores (core/prefix_cache.py).
     """
 
     scheduled_requests: list[ScheduledRequest]
@@ -55,10 +61,12 @@ class StepPlan:
     path: ExecutionPath
     preempted_request_ids: list[str]
     finished_request_ids: list[str]
+    ring_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled_requests
+        """Nothing to run: no entries and no ring copies."""
+        return not self.scheduled_requests and not self.ring_copies
 
 
 @dataclass(slots=True)
@@ -100,7 +108,19 @@ class RequestStepOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     logprobs: Any = None
+    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def fill_placeholders(entries: list[ScheduledRequest], last_tokens: dict[str, int]) -> None:
+    """Replace each entry's PLACEHOLDER_TOKEN by the token the previous step sampled for it (an
+    executor that reads its results on the host; the CUDA executor does this on the device)."""
+    for entry in entries:
+        if entry.token_ids and entry.token_ids[-1] == PLACEHOLDER_TOKEN:
+            if entry.request_id not in last_tokens:
+                raise RuntimeError(f"request {entry.request_id!r} is fed a token that the previous step did not "
+                                   "sample (plans must run in the order they were made)")
+            entry.token_ids[-1] = last_tokens[entry.request_id]

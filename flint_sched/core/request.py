@@ -3,6 +3,10 @@
 Invariants: all_token_ids == prompt_token_ids + output_token_ids, and
 0 <= num_computed_tokens <= len(all_token_ids) <= max_num_tokens, where
 max_num_tokens = min(len(prompt) + max_tokens, max_model_len). Only the scheduler mutates a Request.
+
+With async scheduling a plan may be made while earlier ones run: `num_in_flight_tokens` counts the
+tokens of plans scheduled and not yet updated, `num_pending_outputs` the tokens those plans will
+sample (known to the executor, not yet to the scheduler).
 """
 
 from __future__ import annotations
@@ -50,7 +54,12 @@ class Request:
         "output_token_ids",
         "all_token_ids",
         "num_computed_tokens",
+        "num_in_flight_tokens",
+        "num_pending_outputs",
         "num_preemptions",
+        "num_cached_tokens",
+        "block_keys",
+        "num_keyed_blocks",
         "status",
         "stop_reason",
         "_stop_eos_ids",
@@ -77,7 +86,12 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_in_flight_tokens = 0
+        self.num_pending_outputs = 0
         self.num_preemptions = 0
+        self.num_cached_tokens: int | None = None   # prompt tokens the first admission found cached
+        self.block_keys: list[bytes] = []           # prefix-cache keys of full blocks (block_hash.py)
+        self.num_keyed_blocks = 0                   # leading blocks of the table that are cached
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self._stop_eos_ids = frozenset() if sampling_params.ignore_eos else self.eos_token_ids

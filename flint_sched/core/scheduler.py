@@ -3,7 +3,9 @@
 Each step takes running decodes, then running prefill chunks, then waiting requests in arrival
 order (preempted ones first), within max_num_batched_tokens tokens and max_num_seqs requests.
 Every scheduled request holds blocks for all positions up to the end of its chunk; when blocks run
-out, the newest running request is preempted (recompute). schedule() and update() alternate.
+out, the newest running request is preempted (recompute). update() takes the plans in the order
+schedule() made them; a plan may be made while earlier ones still run (async scheduling: at most one
+plan ahead), and then a running decode's token is PLACEHOLDER_TOKEN, the one the earlier plan samples.
 
     index             0  1  2  3  4  5  6  7  8
     all_token_ids     p0 p1 p2 p3 p4 p5 o0 o1 o2     prompt p0..p5, output o0..o2
@@ -11,6 +13,11 @@ out, the newest running request is preempted (recompute). schedule() and update(
     decode step                               [o2]   token_ids = all[8:9], start_position = 8
     after preemption  num_computed_tokens = 0, so all[0:9] is recomputed like a prompt (in
                       chunks); only the chunk that ends with o2 samples.
+    async             the plan with [o2] still runs (in flight: 1 token, 1 pending output); the
+                      next plan feeds position 9 with PLACEHOLDER_TOKEN, o3 being unknown here.
+
+With prefix caching (core/prefix_cache.py) an admitted request starts at its hit, not at 0, and a
+prefill chunk that crosses the prompt's snapshot position stops there.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from flint_sched.core.kv_allocator import HybridKVAllocator, KVAllocation
-from flint_sched.core.plan import RequestStepOutput, ScheduledRequest, StepPlan, StepResult
+from flint_sched.core.plan import PLACEHOLDER_TOKEN, RequestStepOutput, ScheduledRequest, StepPlan, StepResult
+from flint_sched.core.prefix_cache import NO_HIT, PrefixCache
 from flint_sched.core.request import FinishReason, Request, RequestStatus
 from flint_sched.core.scheduler_config import SchedulerConfig
 from flint_sched.sampling_params import SamplingParams
@@ -30,29 +38,41 @@ _RUNNING = RequestStatus.RUNNING
 class _StepBuilder:
     """The plan being built: entries by request id (so a preempted one can be taken back)."""
 
-    __slots__ = ("budget", "entries", "preempted_request_ids")
+    __slots__ = ("budget", "entries", "preempted_request_ids", "ring_copies")
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, ring_copies: list[tuple[int, int]]) -> None:
         self.budget = budget
         self.entries: dict[str, ScheduledRequest] = {}
         self.preempted_request_ids: list[str] = []
+        self.ring_copies = ring_copies
 
-    def add(self, request: Request, num_new_tokens: int, allocation: KVAllocation) -> None:
-        start = request.num_computed_tokens
+    def add(self, request: Request, num_new_tokens: int, allocation: KVAllocation, admitted: bool = False) -> None:
+        start = request.num_computed_tokens + request.num_in_flight_tokens
         end = start + num_new_tokens
+        token_ids = request.all_token_ids[start:end]
+        token_ids += [PLACEHOLDER_TOKEN] * (num_new_tokens - len(token_ids))
+        samples = end == len(request.all_token_ids) + request.num_pending_outputs
         self.entries[request.request_id] = ScheduledRequest(
             request.request_id,
-            request.all_token_ids[start:end],
+            token_ids,
             start,
             allocation.block_table,
             allocation.ring_slot,
-            end == len(request.all_token_ids),
+            samples,
             request.sampling_params,
             request.prompt_token_ids,
             request.output_token_ids,
-            start == 0 and request.num_preemptions > 0,
+            admitted and request.num_preemptions > 0,
         )
+        request.num_in_flight_tokens += num_new_tokens
+        request.num_pending_outputs += samples
         self.budget -= num_new_tokens
+
+    def take_back(self, request: Request) -> None:
+        """Drop the request's entry of this plan, if it has one (it is being preempted)."""
+        entry = self.entries.pop(request.request_id, None)
+        if entry is not None:
+            self.budget += len(entry.token_ids)
 
 
 class Scheduler:
@@ -65,6 +85,10 @@ class Scheduler:
             block_size=config.block_size,
             num_ring_slots=config.max_num_seqs,
             sliding_window=config.sliding_window,
+            num_ring_snapshots=config.num_ring_snapshots if config.enable_prefix_caching else 0,
+        )
+        self.prefix_cache = (
+            PrefixCache(self.kv_allocator, config.prefix_cache_key) if config.enable_prefix_caching else None
         )
         self._requests: dict[str, Request] = {}
         self._waiting: deque[Request] = deque()
@@ -144,19 +168,22 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Choose this step's requests and chunks, allocating (or preempting) as needed."""
-        step = _StepBuilder(self.config.max_num_batched_tokens)
+        cache = self.prefix_cache
+        step = _StepBuilder(self.config.max_num_batched_tokens, cache.take_snapshot_copies() if cache else [])
         prefilling: list[Request] = []
         for request in list(self._running.values()):
             if request.status is not _RUNNING:
                 continue
-            if len(request.all_token_ids) - request.num_computed_tokens == 1:
+            if cache is not None and request.num_in_flight_tokens and cache.awaits_snapshot(request):
+                continue   # its rings are copied at B only after the chunk in flight is updated
+            num_left = _num_left(request)
+            if num_left == 1:
                 self._schedule_running(request, 1, step)
-            else:
+            elif num_left > 1:
                 prefilling.append(request)
         for request in prefilling:
             if request.status is _RUNNING and step.budget > 0:
-                num_left = len(request.all_token_ids) - request.num_computed_tokens
-                self._schedule_running(request, min(num_left, step.budget), step)
+                self._schedule_running(request, min(_num_left(request), step.budget), step)
         if not step.preempted_request_ids:
             self._admit_waiting(step)
 
@@ -174,6 +201,7 @@ class Scheduler:
             "fused" if is_fused else "grouped",
             step.preempted_request_ids,
             finished_request_ids,
+            step.ring_copies,
         )
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestStepOutput]:
@@ -182,25 +210,31 @@ class Scheduler:
         Entries of requests finished since schedule() (aborts, stop strings) are skipped.
         """
         outputs: list[RequestStepOutput] = []
+        cache, block_size = self.prefix_cache, self.config.block_size
         sampled = result.sampled_token_ids
         logprobs = result.logprobs
         for entry in plan.scheduled_requests:
             request = self._running.get(entry.request_id)
             if request is None:
                 continue
+            request.num_in_flight_tokens -= len(entry.token_ids)
+            request.num_pending_outputs -= entry.samples
             if request.num_computed_tokens != entry.start_position:
                 raise RuntimeError(
                     f"stale plan for request {entry.request_id!r}: it has "
                     f"{request.num_computed_tokens} computed tokens, the plan starts at "
                     f"{entry.start_position} (each plan is updated once, in order)"
                 )
-            if not entry.samples:
-                request.num_computed_tokens += len(entry.token_ids)
-                continue
-            new_token_ids = sampled.get(entry.request_id)
-            if not new_token_ids:
+            if entry.samples and not sampled.get(entry.request_id):
                 raise ValueError(f"StepResult has no sampled token for {entry.request_id!r}")
             request.num_computed_tokens += len(entry.token_ids)
+            if cache is not None and (
+                not entry.samples or request.num_computed_tokens // block_size > request.num_keyed_blocks
+            ):  # a chunk that samples never ends at a snapshot position: only filled blocks matter
+                cache.computed(request, self.kv_allocator.get(entry.request_id))
+            if not entry.samples:
+                continue
+            new_token_ids = sampled[entry.request_id]
             reason = None
             for count, token_id in enumerate(new_token_ids, 1):
                 reason = request.append_output_token(token_id)
@@ -215,43 +249,65 @@ class Scheduler:
                     reason,
                     request.stop_reason,
                     None if logprobs is None else logprobs.get(entry.request_id),
+                    request.num_cached_tokens or 0,
                 )
             )
         return outputs
 
+    def _chunk_end(self, request: Request, start: int, num_new_tokens: int) -> int:
+        end = start + num_new_tokens
+        return end if self.prefix_cache is None else self.prefix_cache.chunk_end(request, start, end)
+
     def _schedule_running(self, request: Request, num_new_tokens: int, step: _StepBuilder) -> None:
-        end = request.num_computed_tokens + num_new_tokens
+        start = request.num_computed_tokens + request.num_in_flight_tokens
+        end = self._chunk_end(request, start, num_new_tokens)
         allocator = self.kv_allocator
         while not allocator.can_allocate(request.request_id, end):
             if self._preempt_newest(step) is request:
                 return
-        step.add(request, num_new_tokens, allocator.allocate(request.request_id, end))
+        step.add(request, end - start, allocator.allocate(request.request_id, end))
 
     def _admit_waiting(self, step: _StepBuilder) -> None:
-        allocator = self.kv_allocator
+        allocator, cache = self.kv_allocator, self.prefix_cache
         while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0]
-            num_left = len(request.all_token_ids) - request.num_computed_tokens
-            num_new_tokens = min(num_left, step.budget)
-            end = request.num_computed_tokens + num_new_tokens
-            if not allocator.can_allocate(request.request_id, end):
+            hit = NO_HIT if cache is None else cache.find(request)
+            start = hit.num_tokens
+            end = self._chunk_end(request, start, min(len(request.all_token_ids) - start, step.budget))
+            if not allocator.can_allocate(request.request_id, end, hit.blocks):
                 return
             self._waiting.popleft()
             request.status = _RUNNING
             self._running[request.request_id] = request
-            step.add(request, num_new_tokens, allocator.allocate(request.request_id, end))
+            allocation = allocator.allocate(request.request_id, end, hit.blocks)
+            request.num_computed_tokens = start
+            request.num_keyed_blocks = len(hit.blocks)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = start
+            if cache is not None:
+                cache.count(request.num_tokens, start)
+            if hit.snapshot_slot is not None:
+                step.ring_copies.append((hit.snapshot_slot, allocation.ring_slot))
+            step.add(request, end - start, allocation, admitted=True)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and ring snapshot (vLLM's reset_prefix_cache); False when
+        prefix caching is off. Requests running keep what they hold."""
+        if self.prefix_cache is None:
+            return False
+        self.prefix_cache.reset()
+        return True
 
     def _preempt_newest(self, step: _StepBuilder) -> Request:
         """Recompute-preempt the most recently admitted running request, even one in this plan."""
         request_id, request = self._running.popitem()
         self.kv_allocator.free(request_id)
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_in_flight_tokens = request.num_pending_outputs = 0
+        request.num_keyed_blocks = 0
         request.num_preemptions += 1
         self._waiting.appendleft(request)
-        entry = step.entries.pop(request_id, None)
-        if entry is not None:
-            step.budget += len(entry.token_ids)
+        step.take_back(request)
         step.preempted_request_ids.append(request_id)
         return request
 
@@ -265,3 +321,12 @@ class Scheduler:
         request.finish(reason)
         del self._requests[request_id]
         self._finished_since_plan.append(request_id)
+
+
+def _num_left(request: Request) -> int:
+    """Tokens still to feed: the known ones past what is computed or in flight, plus the pending
+    outputs; 0 when the in-flight plans end the request by length (its last token is pending)."""
+    total = len(request.all_token_ids) + request.num_pending_outputs
+    if request.num_pending_outputs and total >= request.max_num_tokens:
+        return 0
+    return total - request.num_computed_tokens - request.num_in_flight_tokens

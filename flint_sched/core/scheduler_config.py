@@ -23,6 +23,9 @@ class SchedulerConfig:
     block_size: int = 16
     sliding_window: int = 513
     fused_max_seqs: int = 0      # the executor's limits.fused_max_batch (0: it has no fused path)
+    enable_prefix_caching: bool = False
+    num_ring_snapshots: int = 0  # ring slots kept for prefix-cache snapshots, after the max_num_seqs ones
+    prefix_cache_key: str = ""   # what else changes the KV (model, revision): part of every block key
 
     def __post_init__(self) -> None:
         minimums = {
@@ -33,11 +36,17 @@ class SchedulerConfig:
             "block_size": 1,
             "sliding_window": 1,
             "fused_max_seqs": 0,
+            "num_ring_snapshots": 0,
         }
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if self.enable_prefix_caching and self.num_ring_snapshots < 1:
+            raise ValueError("prefix caching needs num_ring_snapshots >= 1 (a hit restores the sliding "
+                             "layers' rings from a snapshot)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "

@@ -3,8 +3,15 @@
     loop:  [execute N (worker thread)] -> update(N) -> schedule(N+1) -> [execute N+1] ...
                                                                      +-> post-process N (here)
 The scheduler is touched only from the event loop; the executor runs in one worker thread, so the
-CPU work of step N (detokenize, stop strings, streams) overlaps the model work of step N+1. Blocks
-freed while N+1 runs are reallocated only by the next schedule(), after N+1 has finished.
+CPU work of step N (detokenize, stop strings, streams) overlaps the model work of step N+1.
+
+Async scheduling (an executor with launch/collect, `async_scheduling`): step N+1 is scheduled and
+launched before step N's tokens are read back, so the GPU goes from one step to the next without
+waiting for the host; a decode of N+1 is fed the token N samples on the device (PLACEHOLDER_TOKEN
+in the plan). It is used while no request of step N reads its own output history when sampling
+(penalties, min_tokens); a request that finishes in step N (eos, stop string) wastes its slot of
+N+1, whose token is dropped. Blocks freed by update(N) may be reallocated to step N+2, which runs
+after N+1 on the same stream, so N+1's writes never land in another request's blocks after it.
 Watchdog: a step running past `step_timeout_s` kills the loop (a hung GPU never returns); a dead
 loop fails every request in flight, and `join()` tells its owner why, so the server can exit.
 """
@@ -16,6 +23,7 @@ import dataclasses
 import itertools
 import logging
 import sys
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -24,7 +32,7 @@ from flint_sched.core.scheduler import Scheduler
 from flint_sched.engine.output_processor import ChoiceState
 from flint_sched.engine.outputs import CompletionOutput, EngineError, RequestOutput
 from flint_sched.engine.step_worker import StepWorker
-from flint_sched.sampling_params import SamplingParams
+from flint_sched.sampling_params import SamplingParams, reads_history
 from flint_sched.structured.compiler import GrammarCompiler
 from flint_sched.tokenizer import FlintTokenizer
 
@@ -50,6 +58,7 @@ class _Request:
     num_finished: int = 0
     # by every choice, so it is complete at each choice's first output (a stream's echo needs that)
     prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -60,9 +69,13 @@ class AsyncEngine:
     """Owns the scheduler and the executor; see the module docstring for the loop."""
 
     def __init__(self, scheduler: Scheduler, executor, tokenizer: FlintTokenizer, vocab_size: int,
-                 step_timeout_s: float | None = None, grammar_compiler: GrammarCompiler | None = None):
+                 step_timeout_s: float | None = None, async_scheduling: bool = False,
+                 grammar_compiler: GrammarCompiler | None = None):
         self.scheduler = scheduler
         self.executor = executor
+        if async_scheduling and not (hasattr(executor, "launch") and hasattr(executor, "collect")):
+            raise ValueError(f"async scheduling needs an executor with launch/collect, not {type(executor).__name__}")
+        self.async_scheduling = async_scheduling
         self.tokenizer = tokenizer
         self.grammar_compiler = grammar_compiler or GrammarCompiler(tokenizer)
         self.vocab_size = vocab_size
@@ -76,6 +89,7 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
         self.num_preemptions = 0
+        self._unsent_drops: list[str] = []     # finished / preempted ids of plans never executed
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -216,21 +230,26 @@ class AsyncEngine:
         outputs = [c.output.snapshot() for c in request.choices.values()]
         request.queue.put_nowait(error if error is not None else
                                  RequestOutput(request.request_id, request.prompt_token_ids, outputs, True,
-                                               request.prompt_logprobs))
+                                               prompt_logprobs=request.prompt_logprobs,
+                                               num_cached_tokens=request.num_cached_tokens))
 
     # -- the loop ------------------------------------------------------------------------------
 
     async def _loop(self) -> None:
-        in_flight: tuple[StepPlan, asyncio.Future] | None = None
+        in_flight: deque[tuple[StepPlan, asyncio.Future]] = deque()
         try:
             while True:
-                if in_flight is None:
-                    in_flight = self._start_step()
-                    if in_flight is None:
+                if not in_flight:
+                    started = self._start_step()
+                    if started is None:
                         self._wakeup.clear()
                         await self._wakeup.wait()
                         continue
-                plan, future = in_flight
+                    in_flight.append(started)
+                plan, future = in_flight[0]
+                if len(in_flight) == 1 and self._may_run_ahead(plan):
+                    if (ahead := self._start_step()) is not None:
+                        in_flight.append(ahead)
                 try:
                     result: StepResult = await self._finish_step(future)
                 except StepTimeoutError:
@@ -238,12 +257,14 @@ class AsyncEngine:
                 except Exception as e:  # a failing step fails its requests, the loop goes on
                     logger.exception("step failed")
                     self._fail_plan(plan, e)
-                    in_flight = None
+                    in_flight.popleft()
                     continue
+                in_flight.popleft()
                 outputs = self.scheduler.update(plan, result)
                 if result.prompt_logprobs:
                     self._collect_prompt_logprobs(result.prompt_logprobs)
-                in_flight = self._start_step()
+                if not in_flight and (started := self._start_step()) is not None:
+                    in_flight.append(started)
                 self._process(outputs)
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
@@ -257,8 +278,20 @@ class AsyncEngine:
             self._fail_all(e if isinstance(e, StepTimeoutError) else EngineError(f"the engine loop died: {e!r}"))
             raise
 
+    def _may_run_ahead(self, plan: StepPlan) -> bool:
+        """Whether the next step may be scheduled before `plan`'s tokens are known: async scheduling
+        is on and no request that samples in `plan` reads its output history to sample."""
+        return self.async_scheduling and not any(e.samples and reads_history(e.sampling_params)
+                                                 for e in plan.scheduled_requests)
+
     async def _finish_step(self, future: asyncio.Future) -> StepResult:
         """The step's result, or StepTimeoutError once it has run past the watchdog's limit."""
+        if self.async_scheduling:
+            launched = await self._watch(future)
+            future = self._worker.submit(self.executor.collect, launched)
+        return await self._watch(future)
+
+    async def _watch(self, future: asyncio.Future):
         if not self.step_timeout_s:
             return await future
         try:
@@ -272,9 +305,13 @@ class AsyncEngine:
             return None
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted_request_ids)
-        if plan.is_empty:
+        if plan.is_empty:   # not executed: the next plan tells the executor what to drop
+            self._unsent_drops += plan.finished_request_ids + plan.preempted_request_ids
             return None
-        return plan, self._worker.submit(self.executor.execute, plan)
+        if self._unsent_drops:
+            plan.finished_request_ids[:0], self._unsent_drops = self._unsent_drops, []
+        run = self.executor.launch if self.async_scheduling else self.executor.execute
+        return plan, self._worker.submit(run, plan)
 
     def _collect_prompt_logprobs(self, chunks: dict[str, PromptLogprobs]) -> None:
         """Store each chunk's prompt logprobs by position (a chunk recomputed after preemption rewrites
@@ -291,6 +328,7 @@ class AsyncEngine:
             if request is None:
                 continue
             choice = request.choices[step.request_id]
+            request.num_cached_tokens = max(request.num_cached_tokens, step.num_cached_tokens)
             out = choice.apply(step)
             if choice.stopped_by_string and step.finish_reason is None:
                 self.scheduler.finish_request(step.request_id, "stop")
@@ -309,9 +347,15 @@ class AsyncEngine:
                         for c in request.choices.values() if c.output not in changed]
             outputs.sort(key=lambda c: c.index)
         request.queue.put_nowait(RequestOutput(request.request_id, request.prompt_token_ids, outputs,
-                                               request.finished, request.prompt_logprobs))
+                                               request.finished, prompt_logprobs=request.prompt_logprobs,
+                                               num_cached_tokens=request.num_cached_tokens))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); False when prefix caching is off."""
+        return self.scheduler.reset_prefix_cache()
 
     def _fail_plan(self, plan: StepPlan, error: Exception) -> None:
+        self.scheduler.reset_prefix_cache()         # the step may have left its ring copies undone
         failed = {self._choice_owner[e.request_id] for e in plan.scheduled_requests
                   if e.request_id in self._choice_owner}
         for request in failed:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +25,7 @@ from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.torch_executor import TorchExecutor
 from flint_sched.structured.compiler import GrammarCompiler
 
+logger = logging.getLogger(__name__)
 ACTIVATION_RESERVE_BYTES = 4 << 30   # GPU memory kept back for activations and graphs
 
 
@@ -34,6 +37,7 @@ class EngineParts:
     device: torch.device
     origins: dict[str, str] = field(default_factory=dict)   # model / config / tokenizer -> where it came from
     grammar_compiler: GrammarCompiler | None = None          # structured outputs, shared by engine and executor
+    async_scheduling: bool = False    # schedule and launch step N+1 before step N's tokens are read back
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,18 @@ def check_weights_fit(model: FlintConfig, device: torch.device, dtype: torch.dty
                          f"{have / 1e9:.0f} GB: run it on a GPU (--device cuda), or serve flint-tiny")
 
 
+def num_ring_snapshots(config: EngineConfig) -> int:
+    """Ring slots kept for prefix-cache snapshots (0 with caching off): by default one per running
+    request, so each of max_num_seqs conversations keeps its latest turn's snapshot."""
+    if not config.enable_prefix_caching:
+        return 0
+    return config.max_num_seqs if config.num_ring_snapshots is None else config.num_ring_snapshots
+
+
 def _num_blocks(config: EngineConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> int:
     per_block = KVCache.bytes_per_block(ckpt.config, config.block_size, dtype)
-    rings = config.max_num_seqs * KVCache.bytes_per_slot(ckpt.config, dtype)
+    num_slots = config.max_num_seqs + num_ring_snapshots(config)
+    rings = num_slots * KVCache.bytes_per_slot(ckpt.config, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - config.gpu_memory_utilization) * total - ACTIVATION_RESERVE_BYTES - rings
@@ -104,7 +117,7 @@ def _num_blocks(config: EngineConfig, ckpt: Checkpoint, device: torch.device, dt
     num_blocks = int(budget // per_block)
     if num_blocks < 1:
         raise ValueError(f"no memory is left for the KV cache (budget {budget / 2**30:.2f} GiB after weights "
-                         f"and {config.max_num_seqs} ring slots): lower --max-num-seqs or raise "
+                         f"and {num_slots} ring slots): lower --max-num-seqs or raise "
                          "--gpu-memory-utilization")
     return num_blocks
 
@@ -112,6 +125,7 @@ def _num_blocks(config: EngineConfig, ckpt: Checkpoint, device: torch.device, dt
 def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpoint | None = None) -> EngineParts:
     """Load the checkpoint (unless one is given), size the KV cache, make the executor."""
     device = resolve_device(config.device)
+    config = config.with_limits_for(device.type)
     dtype = _dtype(config, device)
     check_executor_possible(config, device, dtype)
     origins: dict[str, str] = {}
@@ -125,13 +139,15 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
     num_blocks = config.num_kv_blocks or _num_blocks(config, ckpt, device, dtype)
     max_model_len = min(config.max_model_len or ckpt.config.max_position_embeddings,
                         ckpt.config.max_position_embeddings, num_blocks * config.block_size)
-    kv = KVCache(ckpt.config, num_blocks, config.block_size, config.max_num_seqs, dtype, device)
+    num_snapshots = num_ring_snapshots(config)
+    kv = KVCache(ckpt.config, num_blocks, config.block_size, config.max_num_seqs + num_snapshots, dtype, device)
     if _use_cuda_executor(config, ckpt, device, dtype):
         from flint_sched.executor.cuda_executor import CudaExecutor
         executor = CudaExecutor(ckpt.config, ckpt.weights, kv, ckpt.tokenizer.eos_token_ids, max_model_len,
                                 device, config.seed)
         if config.enforce_eager:
             executor.use_graphs = False
+        _warm_up(executor, config.max_num_batched_tokens, progress)
     else:
         executor = TorchExecutor(ckpt.config, ckpt.weights, kv, ckpt.tokenizer.eos_token_ids, dtype, device,
                                  config.seed)
@@ -145,8 +161,28 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
         block_size=config.block_size,
         sliding_window=ckpt.config.sliding_window,
         fused_max_seqs=executor.limits.fused_max_batch,
+        enable_prefix_caching=config.enable_prefix_caching,
+        num_ring_snapshots=num_snapshots,
+        prefix_cache_key=f"{config.model or 'flint-tiny'}@{config.revision}:{dtype}:seed{config.seed}",
     )
-    return EngineParts(ckpt, scheduler_config, executor, device, origins, compiler)
+    # Async scheduling pays where the host's per-step work would leave the GPU idle: the CUDA
+    # executor (on by default). The torch executor computes its step in launch, so it gains nothing.
+    use_async = config.async_scheduling if config.async_scheduling is not None else not isinstance(executor, TorchExecutor)
+    return EngineParts(ckpt, scheduler_config, executor, device, origins, compiler, use_async)
+
+
+def _warm_up(executor, max_prompt_tokens: int, progress: bool) -> None:
+    """Compile the kernels and capture the first graphs now, not during the first requests. A
+    failure here is only logged: the steps that need those kernels report it themselves."""
+    start = time.perf_counter()
+    try:
+        executor.warm_up(max_prompt_tokens)
+    except Exception:
+        logger.warning("the CUDA executor's warm-up failed; kernels compile on first use", exc_info=True)
+        return
+    if progress:
+        print(f"flint-sched: kernels compiled and first CUDA graphs captured in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr)
 
 
 def check_executor_possible(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -186,7 +222,9 @@ def _use_cuda_executor(config: EngineConfig, ckpt: Checkpoint, device: torch.dev
     return possible
 
 
-def build_engine(parts: EngineParts) -> AsyncEngine:
-    """A fresh engine (scheduler and loop) over already built parts; call start() inside a loop."""
-    return AsyncEngine(Scheduler(parts.scheduler_config), parts.executor, parts.checkpoint.tokenizer,
-                       parts.checkpoint.config.vocab_size, grammar_compiler=parts.grammar_compiler)
+def build_engine(parts: EngineParts, scheduler: Scheduler | None = None) -> AsyncEngine:
+    """An engine over already built parts, with a fresh scheduler unless one is given (the LLM class
+    keeps one, and its prefix cache, across generate calls); call start() inside a loop."""
+    return AsyncEngine(scheduler if scheduler is not None else Scheduler(parts.scheduler_config), parts.executor,
+                       parts.checkpoint.tokenizer, parts.checkpoint.config.vocab_size,
+                       async_scheduling=parts.async_scheduling, grammar_compiler=parts.grammar_compiler)

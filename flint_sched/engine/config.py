@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+
+
+# (max_num_seqs, max_num_batched_tokens) when not given. On a GPU: 256 requests, the largest decode
+# graph; a budget of 8,192 tokens per step, since prompts read in bigger chunks go faster (H200, NVFP4,
+# one prompt: 10,500 tokens/s in 1K chunks, 44,200 in 8K chunks; benchmarks/RESULTS.md, session 5)
+# at the cost of longer steps for the decodes that share them. On the CPU the torch path's own sizes.
+GPU_DEFAULTS = (256, 8192)
+CPU_DEFAULTS = (64, 2048)
 
 
 @dataclass(frozen=True)
@@ -15,8 +24,8 @@ class EngineConfig:
     tokenizer: str | Path | None = None
     device: str = "auto"
     dtype: str = "auto"                      # auto: float32 on CPU, bfloat16 on GPU
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None          # None: GPU_DEFAULTS / CPU_DEFAULTS by device
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None         # None: the model's, capped by the KV pool
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -27,18 +36,30 @@ class EngineConfig:
     revision: str | None = None              # of Hugging Face Hub names (model, config, tokenizer)
     download_dir: str | None = None          # the Hugging Face cache to use; None: huggingface_hub's
     enforce_eager: bool = False              # CUDA executor: no CUDA graphs
+    enable_prefix_caching: bool = True       # as vLLM v1: on unless turned off
+    num_ring_snapshots: int | None = None    # prefix-cache ring snapshots; None: max_num_seqs
+    async_scheduling: bool | None = None     # None: on with the CUDA executor (engine/async_engine.py)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "cpu_kv_cache_bytes"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_ring_snapshots is not None and self.num_ring_snapshots < 1:
+            raise ValueError(f"num_ring_snapshots must be >= 1, got {self.num_ring_snapshots}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.executor not in ("auto", "torch", "cuda"):
             raise ValueError(f"executor must be auto, torch or cuda, got {self.executor!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+    def with_limits_for(self, device_type: str) -> EngineConfig:
+        """This config with max_num_seqs / max_num_batched_tokens filled in for the device."""
+        seqs, tokens = GPU_DEFAULTS if device_type == "cuda" else CPU_DEFAULTS
+        return dataclasses.replace(self, max_num_seqs=self.max_num_seqs or seqs,
+                                   max_num_batched_tokens=self.max_num_batched_tokens or tokens)
+

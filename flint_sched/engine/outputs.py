@@ -41,6 +41,7 @@ class RequestOutput:
     # when asked for: None, then per prompt position p >= 1 the logprobs of token p (filled as the
     # prefill goes; complete from the first sampled token on), as vLLM's RequestOutput has them
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0         # prompt tokens served from the prefix cache (the most of any choice)
 
 
 class EngineError(RuntimeError):

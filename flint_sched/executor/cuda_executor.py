@@ -3,24 +3,27 @@
     plan                                   variant    how
     <= 8 one-token decodes ("fused")       fused      CUDA graph per batch size 1..8
     more decodes, up to the largest size   grouped    CUDA graph per padded batch size (graphs.py)
-    prompt chunks (mixed steps), or more   prompt     eager launches; attention in torch for now
+    prompt chunks (mixed steps), or more   prompt     eager launches; prefill attention kernels
 
 Every variant shares one KVCache and the same weights. Decode steps copy their inputs into static
-buffers (step_inputs.py) and read back the greedy ids, or sample in a graph (graph_sampler.py), or
-sample the logits through executor/sampler.py (seeds, logit edits, logprobs). Attention splits
+buffers (step_inputs.py) and keep the greedy ids, or sample in a graph (graph_sampler.py), or
+sample the logits through executor/sampler.py (seeds, logit edits, logprobs). `launch` runs a step
+without waiting for it: the sampled tokens stay on the device for the next step's placeholders and
+reach the host in `collect` (sampled_tokens.py; `execute` is both). Attention splits
 come from the host bound `max_model_len` and lengths are read on the device, so one graph serves
 every context length.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection
 
 import torch
 
 from flint_sched.checkpoint.common import Weights
 from flint_sched.config import FlintConfig
-from flint_sched.core.plan import StepPlan, StepResult
+from flint_sched.core.plan import ScheduledRequest, StepPlan, StepResult
 from flint_sched.executor.forward import forward
 from flint_sched.executor.grammar_masks import GrammarMasks
 from flint_sched.executor.graph_sampler import GraphSampler, plain
@@ -28,15 +31,17 @@ from flint_sched.executor.graphs import FIRST_GRAPH_LAYERS, GROUPED_BATCH_SIZES,
 from flint_sched.executor.kernel_ops import KernelOps, KernelWeights
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.limits import ExecutorLimits
-from flint_sched.executor.prompt_logprobs import prompt_logprobs
+from flint_sched.executor.prompt_logprobs import prompt_logprobs, prompt_spans
+from flint_sched.executor.prompt_logprobs import prompt_rows as logprob_rows
+from flint_sched.executor.sampled_tokens import LaunchedStep, SampledTokens
 from flint_sched.executor.sampler import sampled_step
 from flint_sched.executor.step_inputs import DecodeInputs
-from flint_sched.executor.torch_ops import AttentionOps, StepRows
 from flint_sched.executor.workspace import Workspaces
 from flint_sched.kernels import attention as attn
 from flint_sched.kernels.linear import MAX_TOKENS, concat_rows
-from flint_sched.model.reference import FlintReference
+from flint_sched.kernels.prefill_attention import Chunk, prefill_metadata
 from flint_sched.quant.nvfp4 import NVFP4Tensor
+from flint_sched.sampling_params import SamplingParams
 
 FUSED_MAX_BATCH = MAX_TOKENS      # the GEMV and small-batch MoE kernels' limit (kernels/linear.py)
 
@@ -45,6 +50,19 @@ def supports(config: FlintConfig) -> bool:
     """The kernels' fixed shapes: head_dim 128, 8 query heads per KV head, at most 8 KV heads."""
     return (config.head_dim == attn.HEAD_DIM and config.num_queries_per_kv == attn.GROUP
             and config.num_key_value_heads <= attn.MAX_KV_HEADS and config.hidden_size % 64 == 0)
+
+
+def prompt_rows(entries: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of a prompt step's rows (entries one after another), and the last row of each entry
+    that samples (the rows whose logits are needed)."""
+    ids, sample_rows, end = [], [], 0
+    for e in entries:
+        ids.extend(e.token_ids)
+        end += e.num_tokens
+        if e.samples:
+            sample_rows.append(end - 1)
+    return (torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(sample_rows, dtype=torch.long, device=device))
 
 
 def _kernel_weight(w: torch.Tensor | NVFP4Tensor, device: torch.device):
@@ -77,15 +95,16 @@ class CudaExecutor:
         qkv = {i: self._fuse_qkv(f"model.layers.{i}.self_attn.") for i in range(config.num_hidden_layers)}
         self.ws = Workspaces(config, max_rows, kv_cache.ring.shape[2], self.device)
         self.weights = KernelWeights(config, self.w, qkv, kv_cache, self.ws, pdl)
-        self.inputs = DecodeInputs(max_rows, max_model_len, kv_cache.block_size, self.device)
+        # Every sampling row of a step holds a ring slot: room for one token per slot.
+        self.sampled = SampledTokens(max(kv_cache.ring.shape[2], max_rows), self.device)
+        self.inputs = DecodeInputs(max_rows, max_model_len, kv_cache.block_size, self.device, self.sampled.values)
         self.graphs = StepGraphs(self.device, graph_segments(config.num_hidden_layers, first_graph_layers))
-        # Norm weights and sinks for the torch attention of prompt steps (views of self.w).
-        self.attention_model = FlintReference(config, self.w, torch.bfloat16, self.device)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)             # the graph sampler's noise (torch's CUDA generator)
-        self.sampler = GraphSampler(self.ws.logits, self.ws.next_tokens)
+        self.sampler = GraphSampler(self.ws.logits, self.ws.next_tokens, self.limits.graph_batch_sizes,
+                                    self.graphs.pool if self.device.type == "cuda" else None)
         # Set to a list (with use_graphs off) to receive each layer's output hidden state [B, hidden].
         self.layer_outputs: list[torch.Tensor] | None = None
         self.last_logits: torch.Tensor | None = None
@@ -114,18 +133,52 @@ class CudaExecutor:
     # -- dispatch ------------------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.launch(plan).collect()
+
+    def warm_up(self, max_prompt_tokens: int) -> None:
+        """Compile the kernels and capture the smallest graphs before the first request: a prompt
+        step of up to max_prompt_tokens tokens, then a fused and a grouped decode step, on free KV
+        blocks and ring slots (nothing reads them before a request writes them). On a machine whose
+        kernel cache is cold the first requests otherwise wait for ~20 s of NVRTC compiles."""
+        kv, greedy = self.kv, SamplingParams(temperature=0.0)
+        slots, bs = kv.ring.shape[2], kv.block_size
+        n = max(1, min(max_prompt_tokens, self.max_model_len - 2, (kv.full.shape[2] - 1) * bs))
+        table = list(range(n // bs + 1))
+
+        def entry(rid: str, tokens: list[int], start: int, slot: int) -> ScheduledRequest:
+            return ScheduledRequest(rid, tokens, start, table, slot, True, greedy, [], [], False)
+
+        ids = [f"warm-up-{i}" for i in range(min(slots, self.grouped_batch_sizes[0]))]
+        plans = [StepPlan([entry(ids[0], [0] * n, 0, 0)], n, "grouped", [], []),     # position n fits the table
+                 StepPlan([entry(ids[0], [0], n, 0)], 1, "fused", [], [])]
+        if len(ids) > FUSED_MAX_BATCH:
+            plans.append(StepPlan([entry(i, [0], n, slot) for slot, i in enumerate(ids)], len(ids), "grouped", [], []))
+        for plan in plans:
+            self.execute(plan)
+        self.inputs.forget(StepPlan([], 0, "fused", [], ids))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        """The launched step's tokens on the host (waits for the GPU to reach them)."""
+        return launched.collect()
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Run the step on the GPU without waiting for it (unless its sampling needs the host)."""
         entries = plan.scheduled_requests
         self.inputs.forget(plan)
         if self.grammars is not None:
             self.grammars.forget(plan.finished_request_ids)
+        if plan.ring_copies:                          # prefix-cache snapshots and restores, before any write
+            self.kv.copy_rings(plan.ring_copies)
         if not entries:
-            return StepResult({})
+            return LaunchedStep(result=StepResult({}))
         decodes = [e for e in entries if e.num_tokens == 1 and e.samples]
         graph = self._decode_graph(len(decodes), plan.path == "fused") if decodes else None
         if graph is None:
-            return self._prompt(entries)
+            return self.sampled.record(*self._prompt(entries))
         if len(decodes) == len(entries):
-            return self._decode(entries, *graph)
+            return self.sampled.record(*self._decode(entries, *graph))
         # A mixed step: its decode rows replay their graph, its prompt chunks run eagerly after it
         # (until the prefill attention kernel lets one forward take both, issue 12). The requests
         # are disjoint, so the order of the two parts does not matter.
@@ -133,13 +186,23 @@ class CudaExecutor:
         first = self._decode(decodes, *self._decode_graph(len(decodes)))
         first_logits = self.last_logits.clone()
         second = self._prompt(prompts)
-        done = decodes + [e for e in prompts if e.samples]
+        done = first[0] + second[0]
         where = {e.request_id: row for row, e in enumerate(done)}
         logits = torch.cat([first_logits, self.last_logits])
         self.last_logits = logits[[where[e.request_id] for e in entries if e.samples]]
-        logprobs = {**(first.logprobs or {}), **(second.logprobs or {})}
-        return StepResult({**first.sampled_token_ids, **second.sampled_token_ids}, logprobs or None,
-                          second.prompt_logprobs)
+        if first[2] is None and second[2] is None:
+            return self.sampled.record(done, torch.cat([first[1], second[1]]))
+        first_result, second_result = (self._on_host(*part) for part in (first, second))
+        logprobs = {**(first_result.logprobs or {}), **(second_result.logprobs or {})}
+        return self.sampled.record(done, None, StepResult({**first_result.sampled_token_ids,
+                                                           **second_result.sampled_token_ids}, logprobs or None,
+                                                          second_result.prompt_logprobs))
+
+    @staticmethod
+    def _on_host(entries: list, tokens: torch.Tensor | None, result: StepResult | None) -> StepResult:
+        if result is not None:
+            return result
+        return StepResult({e.request_id: [t] for e, t in zip(entries, tokens.tolist(), strict=True)})
 
     def _decode_graph(self, b: int, fused: bool = True) -> tuple[str, int] | None:
         """(variant, padded rows) of the graph for b decode rows, or None past the largest: the fused
@@ -150,9 +213,9 @@ class CudaExecutor:
         rows = padded_batch(b, self.grouped_batch_sizes)
         return None if rows is None else ("grouped", rows)
 
-    def _decode(self, entries: list, variant: str, rows: int) -> StepResult:
+    def _decode(self, entries: list, variant: str, rows: int) -> tuple:
         b = len(entries)
-        self.inputs.fill(entries)
+        self.inputs.fill(entries, self.sampled.sources(entries))
         ops = KernelOps(self.weights, variant, rows, self.ws.hidden, self.ws.logits, self.ws.next_tokens,
                         inputs=self.inputs)
         segment = lambda first, last: forward(ops, self.config, first, last, self.layer_outputs)  # noqa: E731
@@ -166,32 +229,42 @@ class CudaExecutor:
         self.last_logits = self.ws.logits[:b]
         return self._choose(entries, self.ws.next_tokens[:b], graph_sampler=self.use_graphs)
 
-    def _prompt(self, entries: list) -> StepResult:
+    def _prompt(self, entries: list) -> tuple:
         """Prompt chunks (or more decodes than any graph): eager launches over all their rows."""
-        rows = StepRows.from_entries(entries, self.device)
+        token_ids, sample_rows = prompt_rows(entries, self.device)
+        sources = self.sampled.sources(entries)
+        starts = itertools.accumulate((e.num_tokens for e in entries), initial=0)
+        fed = [(row, source) for row, source in zip(starts, sources) if source >= 0]
+        self.sampled.resolve(token_ids, [row for row, _ in fed], [source for _, source in fed])
+        prefill = prefill_metadata([Chunk(e.start_position, e.num_tokens, e.ring_slot, e.block_table) for e in entries],
+                                   self.kv.block_size, self.kv.window, self.device)
         sampling = [e for e in entries if e.samples]
-        c, t, n = self.config, rows.token_ids.numel(), len(sampling)
-        m = rows.logit_rows.numel()          # n sampling rows, then the prompt-logprob rows
+        spans = prompt_spans(entries)        # rows of requests that ask for prompt logprobs
+        if spans:
+            extra = torch.tensor(logprob_rows(spans), dtype=torch.long, device=self.device)
+            sample_rows = torch.cat([sample_rows, extra])
+        c, t, n, m = self.config, token_ids.numel(), len(sampling), sample_rows.numel()
         ops = KernelOps(self.weights, "prompt", t,
                         torch.empty(2, t, c.hidden_size, dtype=torch.bfloat16, device=self.device),
                         torch.empty(m, c.vocab_size, dtype=torch.bfloat16, device=self.device),
                         torch.empty(m, dtype=torch.int64, device=self.device),
-                        token_ids=rows.token_ids, attention_ops=AttentionOps(self.attention_model, self.kv, rows),
-                        sample_rows=rows.logit_rows)
+                        token_ids=token_ids, prefill=prefill, sample_rows=sample_rows)
         logits = forward(ops, c, layer_outputs=self.layer_outputs)
         self.last_logits = logits[:n]
-        result = self._choose(sampling, ops.next_tokens[:n], graph_sampler=False) if sampling else StepResult({})
-        if rows.prompt_spans:
-            result.prompt_logprobs = prompt_logprobs(logits[n:], entries, rows.prompt_spans)
-        return result
+        chosen = self._choose(sampling, ops.next_tokens[:n], graph_sampler=False)
+        if not spans:
+            return chosen
+        result = self._on_host(*chosen)
+        result.prompt_logprobs = prompt_logprobs(logits[n:], entries, spans)
+        return sampling, None, result
 
-    def _choose(self, entries: list, greedy_tokens: torch.Tensor, graph_sampler: bool) -> StepResult:
-        """One token per entry from `last_logits` (its rows in entry order): the greedy ids the step
-        computed on the GPU, the graph sampler's draw (decode rows), or executor/sampler.py."""
+    def _choose(self, entries: list, greedy_tokens: torch.Tensor, graph_sampler: bool) -> tuple:
+        """(entries, tokens on the device, None) or (entries, None, a StepResult on the host): one token per
+        entry from `last_logits` (its rows in entry order): the greedy ids the step computed on the GPU,
+        the graph sampler's draw (decode rows), or executor/sampler.py (host work: seeds, edits, logprobs)."""
         if all(e.sampling_params.is_greedy and plain(e) for e in entries):
-            tokens = greedy_tokens.tolist()
-        elif graph_sampler and all(plain(e) and e.sampling_params.seed is None for e in entries):
-            tokens = self.sampler(entries)
-        else:
-            return sampled_step(self.last_logits.float(), entries, self.eos_token_ids, self.generator, self.grammars)
-        return StepResult({e.request_id: [t] for e, t in zip(entries, tokens, strict=True)})
+            return entries, greedy_tokens, None
+        if graph_sampler and all(plain(e) and e.sampling_params.seed is None for e in entries):
+            return entries, self.sampler(entries), None
+        return entries, None, sampled_step(self.last_logits.float(), entries, self.eos_token_ids, self.generator,
+                                             self.grammars)

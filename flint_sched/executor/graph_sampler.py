@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from flint_sched.executor.graphs import padded_batch
 from flint_sched.executor.sampler import draw, filter_rows
 
 
@@ -20,37 +21,52 @@ def plain(entry) -> bool:
 
 class GraphSampler:
     """Temperature / top-k / top-p / min-p sampling of a decode batch from the executor's logits,
-    captured in one CUDA graph per (batch size, masks in use) (a dozen kernels, a sort unless only
-    temperature is set, and no host work); greedy rows of the batch keep the graph's argmax. Per-step parameters arrive in one
-    pinned copy. The noise comes from torch's default CUDA generator (graph-safe), which the
-    executor seeds; seeded requests and edited logits go through executor/sampler.py instead."""
+    captured in one CUDA graph per (padded batch size, masks in use) (a dozen kernels, a sort unless
+    only temperature is set, and no host work); greedy rows of the batch keep the graph's argmax.
+    Per-step parameters arrive in one pinned copy. The noise comes from torch's default CUDA
+    generator (graph-safe), which the executor seeds; seeded requests and edited logits go through
+    executor/sampler.py instead.
 
-    def __init__(self, logits: torch.Tensor, greedy_tokens: torch.Tensor):
+    Batches are padded to `batch_sizes` (the step graphs' sizes) and the graphs draw their
+    intermediates from `pool` (the step graphs' pool). Before, each distinct batch size had its own
+    graph and private pool of [b, vocab] fp32 buffers (~0.5 GB at 256 rows), and serving 256 streams
+    ran the GPU out of memory (benchmarks/RESULTS.md, session 5)."""
+
+    def __init__(self, logits: torch.Tensor, greedy_tokens: torch.Tensor, batch_sizes: tuple[int, ...] = (),
+                 pool=None):
         self.logits, self.greedy_tokens = logits, greedy_tokens
+        self.batch_sizes, self.pool = batch_sizes, pool
         rows, vocab = logits.shape
         self.vocab = vocab
         self.params = torch.zeros(5, rows, dtype=torch.float32, device=logits.device)
-        self.params_host = torch.zeros_like(self.params, device="cpu", pin_memory=True)
+        # two pinned buffers in turn: filling step N+1's never touches the one step N copies from
+        self._hosts = [torch.zeros_like(self.params, device="cpu", pin_memory=True) for _ in range(2)]
+        self._turn = 0
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=logits.device)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
 
-    def __call__(self, entries) -> list[int]:
-        b, host = len(entries), self.params_host.numpy()
+    def __call__(self, entries) -> torch.Tensor:
+        """The batch's tokens (int64 on the device, in entry order)."""
+        params_host = self._hosts[self._turn]
+        self._turn ^= 1
+        b, host = len(entries), params_host.numpy()
+        rows = padded_batch(b, self.batch_sizes) or b
         for row, e in enumerate(entries):
             p = e.sampling_params
             host[:, row] = (1.0 if p.is_greedy else p.temperature, p.top_k if 0 < p.top_k < self.vocab else self.vocab,
                             p.top_p, p.min_p, p.is_greedy)
-        self.params.copy_(self.params_host, non_blocking=True)
+        host[:, b:rows] = [[1.0], [self.vocab], [1.0], [0.0], [1.0]]     # padding: greedy rows, no masks
+        self.params.copy_(params_host, non_blocking=True)
         # Masks no row needs stay out of the graph (pure temperature sampling sorts nothing).
-        key = (b, bool((host[1, :b] < self.vocab).any()), bool((host[2, :b] < 1.0).any()), bool(host[3, :b].any()))
+        key = (rows, bool((host[1, :b] < self.vocab).any()), bool((host[2, :b] < 1.0).any()), bool(host[3, :b].any()))
         graph = self.graphs.get(key)
         if graph is None:
             self._sample(*key)                       # warm-up outside the capture (sort workspace, kernels)
             graph = self.graphs[key] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=self.pool):
                 self._sample(*key)
         graph.replay()
-        return self.tokens[:b].tolist()
+        return self.tokens[:b]
 
     def _sample(self, b: int, use_top_k: bool, use_top_p: bool, use_min_p: bool) -> None:
         temperature, top_k, top_p, min_p, greedy = self.params[:, :b]

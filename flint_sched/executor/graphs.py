@@ -51,6 +51,13 @@ class StepGraphs:
         self.last_key: tuple | None = None
         self._pool = None
 
+    @property
+    def pool(self):
+        """The memory pool of every graph here (and of the graph sampler's)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
     def run(self, key: tuple, segment: Callable[[int, int], object]) -> None:
         graphs = self.graphs.get(key)
         if graphs is None:
@@ -66,12 +73,10 @@ class StepGraphs:
             for first, last in self.segments:
                 segment(first, last)              # loads every kernel and workspace before capture
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         graphs = []
         for first, last in self.segments:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self.pool):
                 segment(first, last)
             graphs.append(graph)
         return graphs

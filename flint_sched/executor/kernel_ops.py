@@ -5,8 +5,8 @@ Three variants of the same operations, chosen per step by the CUDA executor:
     fused     <= 8 decode rows: GEMVs and the small-batch MoE that reads only the chosen experts
     grouped   decode batches above that: GEMMs over all rows, the grouped MoE (tokens sorted by
               expert on the GPU, each chosen expert's weights read once per step), batched attention
-    prompt    steps with prompt chunks: the grouped GEMMs and MoE, attention in torch
-              (executor/torch_ops.py) until the prefill attention kernel exists
+    prompt    steps with prompt chunks: the grouped GEMMs and MoE, prefill attention over every
+              chunk of the step in one launch per layer (kernels/prefill_attention.py)
 
 Decode variants run from CUDA graphs: inputs live in `DecodeInputs` (padded rows: position -1, no
 KV write; length 0, zero attention; outside `num_rows`, no expert work), the hidden state stays in
@@ -22,13 +22,18 @@ import torch
 from flint_sched.config import FlintConfig
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.step_inputs import DecodeInputs
-from flint_sched.executor.torch_ops import AttentionOps
 from flint_sched.kernels import attention as attn
 from flint_sched.kernels.grouped import grouped_gate_up, grouped_linear
 from flint_sched.kernels.grouped_moe import moe_grouped
 from flint_sched.kernels.linear import gate_up_silu, linear
 from flint_sched.kernels.moe import moe_down, moe_gate_up, route
 from flint_sched.kernels.norm import rms_norm
+from flint_sched.kernels.prefill_attention import (
+    PrefillMetadata,
+    prefill_attention,
+    prefill_qk_norm_rope,
+    prefill_ring_write,
+)
 from flint_sched.kernels.sampling import greedy
 
 
@@ -49,13 +54,13 @@ class KernelOps:
     """The operations of executor/forward.py for `rows` rows of one step (see the module docstring).
 
     hidden: two [rows, hidden] buffers (static for graphs); logits / next_tokens: where the LM head
-    and the greedy choice write. `inputs` feeds decode variants; `attention_ops` (torch) the prompt
-    variant, whose rows are given by `sample_rows` to the LM head.
+    and the greedy choice write. `inputs` feeds decode variants; `prefill` (the step's metadata) the
+    prompt variant, whose rows are given by `sample_rows` to the LM head.
     """
 
     def __init__(self, weights: KernelWeights, variant: str, rows: int, hidden: torch.Tensor,
                  logits: torch.Tensor, next_tokens: torch.Tensor, inputs: DecodeInputs | None = None,
-                 token_ids: torch.Tensor | None = None, attention_ops: AttentionOps | None = None,
+                 token_ids: torch.Tensor | None = None, prefill: PrefillMetadata | None = None,
                  sample_rows: torch.Tensor | None = None):
         if variant not in ("fused", "grouped", "prompt"):
             raise ValueError(f"unknown variant {variant!r}")
@@ -63,7 +68,7 @@ class KernelOps:
         self.ws = weights.workspaces
         self.hidden = hidden[:, :rows]
         self.logits_out, self.next_tokens = logits, next_tokens
-        self.inputs, self.token_ids, self.attention_ops, self.sample_rows = inputs, token_ids, attention_ops, sample_rows
+        self.inputs, self.token_ids, self.prefill, self.sample_rows = inputs, token_ids, prefill, sample_rows
         self.eps, self.pdl = self.c.rms_norm_eps, weights.pdl
         self.routing = self.ws.routing_for(rows) if variant != "fused" else None
 
@@ -77,6 +82,7 @@ class KernelOps:
         h = self.hidden[0]
         if self.inputs is not None:
             self.inputs.update_block_tables()
+            self.inputs.feed_sampled()
             tokens = self.inputs.tokens[: self.rows]
         else:
             tokens = self.token_ids
@@ -96,11 +102,11 @@ class KernelOps:
             qkv = linear(x, weight, out=out, pdl=self.pdl, row_splits=splits)
         else:
             qkv = grouped_linear(x, weight, out=out, pdl=self.pdl, row_splits=splits)
-        if self.variant == "prompt":
-            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            return self.attention_ops.norm_rope(i, q.reshape(self.rows, c.num_attention_heads, c.head_dim),
-                                                k.reshape(self.rows, c.num_key_value_heads, c.head_dim),
-                                                v.reshape(self.rows, c.num_key_value_heads, c.head_dim))
+        if self.variant == "prompt":       # in place; full layers write the chunk's K/V to their blocks now
+            kv, sliding = self.k.kv, c.is_sliding(i)
+            pools = () if sliding else tuple(kv.full[kv.full_index[i]])
+            return prefill_qk_norm_rope(qkv, self.w[p + "q_norm.weight"], self.w[p + "k_norm.weight"], self.prefill,
+                                        c.rms_norm_eps, c.rope_theta if sliding else None, *pools, pdl=self.pdl)
         inp, q = self.inputs, torch.empty(self.rows, c.num_attention_heads, c.head_dim, dtype=torch.bfloat16,
                                           device=x.device)
         b = self.rows
@@ -117,7 +123,7 @@ class KernelOps:
     def attention(self, i: int, q) -> torch.Tensor:
         c, b = self.c, self.rows
         if self.variant == "prompt":
-            return self.attention_ops.attention(i, q)
+            return self._prefill_attention(i, q)
         inp, sinks = self.inputs, self.w[f"model.layers.{i}.self_attn.sinks"]
         out = torch.empty_like(q)
         if c.is_sliding(i):
@@ -129,6 +135,15 @@ class KernelOps:
             attn.decode_attention_full(q, full[0], full[1], inp.block_tables[:b], inp.seq_lens[:b], sinks,
                                        self.ws.attention, inp.max_model_len, out=out, pdl=self.pdl)
         return out.view(b, c.q_size)
+
+    def _prefill_attention(self, i: int, qkv: torch.Tensor) -> torch.Tensor:
+        """Sliding layers read the ring's history first and write the chunk's last keys after."""
+        kv, sliding, sinks = self.k.kv, self.c.is_sliding(i), self.w[f"model.layers.{i}.self_attn.sinks"]
+        pools = kv.ring[kv.ring_index[i]] if sliding else kv.full[kv.full_index[i]]
+        out = prefill_attention(qkv, pools[0], pools[1], self.prefill, sinks, sliding, pdl=self.pdl)
+        if sliding:
+            prefill_ring_write(qkv, pools[0], pools[1], self.prefill, pdl=self.pdl)
+        return out.view(self.rows, self.c.q_size)
 
     def linear(self, x: torch.Tensor, weight: str, residual: torch.Tensor | None = None) -> torch.Tensor:
         gemm = linear if self.variant == "fused" else grouped_linear

@@ -4,7 +4,8 @@
           position p of a request lives in block block_table[p // block_size], row p % block_size
     ring  [num_sliding_layers, 2 (K, V), num_slots, window, kv_heads, head_dim]
           position p lives at row p % window of the request's slot; the last `window` positions
-          written are there, older ones are overwritten
+          written are there, older ones are overwritten; slots past max_num_seqs hold prefix-cache
+          snapshots (copies of a request's rings, core/prefix_cache.py)
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class KVCache:
         kv = self.ring[self.ring_index[layer]]
         kv[0, slot, rows] = k[keep].to(kv.dtype)
         kv[1, slot, rows] = v[keep].to(kv.dtype)
+
+    def copy_rings(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole slots (every sliding layer, K and V), source to destination, in order."""
+        for source, destination in copies:
+            self.ring[:, :, destination] = self.ring[:, :, source]
 
     def read_ring(self, layer: int, slot: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the given past positions, which must be among the last `window` written."""

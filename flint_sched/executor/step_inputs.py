@@ -1,8 +1,9 @@
 """A decode step's inputs on the device, in static buffers that CUDA graphs read.
 
 One pinned host-to-device copy per step carries, per row, the token, its position, the sequence
-length, the ring slot and one block-table entry to write (flat index, value), and the number of
-real rows. Rows past it pad a graph's batch size: position -1 (no K/V write), length 0 (zero
+length, the ring slot, one block-table entry to write (flat index, value) and where a placeholder
+token comes from (a row of the previous step's sampled tokens, or -1), and the number of real rows.
+Two pinned buffers take turns, so filling step N+1 never touches the one step N copies from. Rows past it pad a graph's batch size: position -1 (no K/V write), length 0 (zero
 attention output), and no expert work in the grouped MoE.
 
 The block tables stay on the device across steps: a row is rewritten when its request changes;
@@ -16,17 +17,22 @@ import torch
 
 from flint_sched.core.plan import ScheduledRequest, StepPlan
 
-FIELDS = ("tokens", "positions", "seq_lens", "ring_slots", "table_index", "table_value")
+FIELDS = ("tokens", "positions", "seq_lens", "ring_slots", "table_index", "table_value", "sources")
 
 
 class DecodeInputs:
-    def __init__(self, max_rows: int, max_model_len: int, block_size: int, device: torch.device):
+    def __init__(self, max_rows: int, max_model_len: int, block_size: int, device: torch.device,
+                 sampled: torch.Tensor | None = None):
+        """`sampled`: the previous step's sampled tokens on the device (executor/sampled_tokens.py)."""
         self.max_rows, self.max_model_len = max_rows, max_model_len
         n = len(FIELDS) * max_rows + 1
         self.flat = torch.zeros(n, dtype=torch.int32, device=device)
-        self.flat_host = torch.zeros(n, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._hosts = [torch.zeros(n, dtype=torch.int32, pin_memory=device.type == "cuda") for _ in range(2)]
+        self._turn = 0
         fields = self.flat[:-1].view(len(FIELDS), max_rows)
-        self.tokens, self.positions, self.seq_lens, self.ring_slots, self.table_index, self.table_value = fields
+        (self.tokens, self.positions, self.seq_lens, self.ring_slots, self.table_index, self.table_value,
+         self.sources) = fields
+        self.sampled = torch.zeros(1, dtype=torch.int32, device=device) if sampled is None else sampled
         self.num_rows = self.flat[-1:]
         max_blocks = -(-max_model_len // block_size)
         # The last element is where rows with no new block entry write.
@@ -34,10 +40,13 @@ class DecodeInputs:
         self.block_tables = self.block_tables_flat[:-1].view(max_rows, max_blocks)
         self._table_rows: list[tuple[str, int] | None] = [None] * max_rows   # (request, entries on device)
 
-    def fill(self, entries: list[ScheduledRequest]) -> None:
+    def fill(self, entries: list[ScheduledRequest], sources: list[int] | None = None) -> None:
         """Decode entries in rows 0..b-1; every later row is padding (a graph of a larger batch size
-        computes it, and the block-table scatter reads all rows)."""
-        host = self.flat_host.numpy()
+        computes it, and the block-table scatter reads all rows). sources[i]: the row of `sampled`
+        that entry i's token is (-1: its own token_ids[0])."""
+        flat_host = self._hosts[self._turn]
+        self._turn ^= 1
+        host = flat_host.numpy()
         fields = host[:-1].reshape(len(FIELDS), self.max_rows)
         width = self.block_tables.shape[1]
         dummy = self.block_tables_flat.numel() - 1
@@ -51,14 +60,21 @@ class DecodeInputs:
             elif len(table) > known[1]:
                 self._copy_table(row, table, known[1])
             self._table_rows[row] = (e.request_id, len(table))
-            fields[:, row] = (e.token_ids[0], e.start_position, e.start_position + 1, e.ring_slot, index, value)
-        fields[:, len(entries):] = [[0], [-1], [0], [0], [dummy], [0]]
+            source = -1 if sources is None else sources[row]
+            fields[:, row] = (max(e.token_ids[0], 0), e.start_position, e.start_position + 1, e.ring_slot, index, value,
+                              source)
+        fields[:, len(entries):] = [[0], [-1], [0], [0], [dummy], [0], [-1]]
         host[-1] = len(entries)
-        self.flat.copy_(self.flat_host, non_blocking=True)
+        self.flat.copy_(flat_host, non_blocking=True)
 
     def update_block_tables(self) -> None:
         """The step's new block-table entries (a scatter; the first operation of a decode graph)."""
         self.block_tables_flat.index_put_((self.table_index,), self.table_value)
+
+    def feed_sampled(self) -> None:
+        """Rows fed a placeholder take the previous step's token from `sampled` (in the graph)."""
+        picked = self.sampled.index_select(0, self.sources.clamp(min=0))
+        self.tokens.copy_(torch.where(self.sources >= 0, picked, self.tokens))
 
     def _copy_table(self, row: int, table: list[int], start: int) -> None:
         if len(table) > self.block_tables.shape[1]:

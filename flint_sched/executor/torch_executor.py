@@ -13,7 +13,7 @@ import torch
 
 from flint_sched.checkpoint.common import Weights
 from flint_sched.config import FlintConfig
-from flint_sched.core.plan import ScheduledRequest, StepPlan, StepResult
+from flint_sched.core.plan import ScheduledRequest, StepPlan, StepResult, fill_placeholders
 from flint_sched.executor.forward import forward
 from flint_sched.executor.grammar_masks import GrammarMasks
 from flint_sched.executor.kv_cache import KVCache
@@ -50,21 +50,30 @@ class TorchExecutor:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # Set to a list to receive each layer's output hidden state [T, hidden] of the next steps.
         self.layer_outputs: list[torch.Tensor] | None = None
+        self._last_tokens: dict[str, int] = {}      # what the last step sampled: feeds placeholders
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepResult:
         if self.grammars is not None:
             self.grammars.forget(plan.finished_request_ids)
         entries = plan.scheduled_requests
+        if plan.ring_copies:
+            self.kv.copy_rings(plan.ring_copies)
         if not entries:
             return StepResult({})
+        fill_placeholders(entries, self._last_tokens)
         rows = StepRows.from_entries(entries, self.device)
         logits = forward(TorchOps(self.model, self.kv, rows), self.config, layer_outputs=self.layer_outputs)
         sampling = [e for e in entries if e.samples]
         result = self.sample(logits[:len(sampling)], sampling) if sampling else StepResult({})
         if rows.prompt_spans:
             result.prompt_logprobs = prompt_logprobs(logits[len(sampling):], entries, rows.prompt_spans)
+        self._last_tokens = {rid: tokens[-1] for rid, tokens in result.sampled_token_ids.items()}
         return result
+
+    # Async scheduling (engine/async_engine.py): the step runs in launch, so collect has nothing to wait for.
+    def launch(self, plan: StepPlan) -> StepResult:
+        return self.execute(plan)
 
     def sample(self, logits: torch.Tensor, entries: list[ScheduledRequest]) -> StepResult:
         """One token per entry from its fp32 logits row (one batched pass, one read-back)."""

@@ -1,4 +1,5 @@
-"""Grouped MoE for any number of tokens (cuda/moe_routing.cu, cuda/grouped_gemm.cu), five launches:
+"""Grouped MoE for any number of tokens (cuda/moe_routing.cu, cuda/grouped_gemm.cu; from
+EXPERT_GEMM_MIN_TOKENS on, the tiled expert GEMMs of cuda/expert_gemm.cu), five launches:
 
     logits [M, E] fp32 = x @ router_gate^T                         grouped_linear
     ids, weights, sorted rows, work list                           route_and_sort (one launch)
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flint_sched.kernels import expert_gemm
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.grouped import (CHUNKS, TILE_ROWS, TILES_PER_CTA, WARPS, check_rows, gemm_kernel, grid,
                                          grouped_linear, moe_chunk, out_buffer, work_bound)
@@ -135,8 +137,8 @@ def route_and_sort(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling
     if num_tokens is not None:
         check_tensor(num_tokens, "num_tokens", torch.int32, (1,), logits.device, 4)
     chunk = moe_chunk(m, top_k, e) if chunk is None else chunk
-    if chunk not in CHUNKS:
-        raise ValueError(f"chunk must be one of {CHUNKS}, got {chunk}")
+    if chunk not in (*CHUNKS, expert_gemm.TILE_M):
+        raise ValueError(f"chunk must be one of {(*CHUNKS, expert_gemm.TILE_M)}, got {chunk}")
     pairs = m * (top_k + 1)
     r = Routing(ws.ids[:m], ws.weights[:m], ws.offsets, ws.sorted_token[:pairs], ws.pair_row[:m],
                 ws.work_expert, ws.work_row, ws.num_work, e, chunk, work_bound(pairs, e + 1, chunk))
@@ -240,13 +242,31 @@ def moe_finalize(y_sorted: torch.Tensor, routing: Routing, residual: torch.Tenso
     return y
 
 
+# Tokens from which moe_grouped runs the tiled expert GEMMs. Measured on the H200, Flint's MoE layer
+# (benchmarks/bench_grouped.py --pdl --paths old tiled), µs swap-AB / tiled (n128; at 256, n256):
+# BF16 256: 330 / 397, 512: 469 / 368, 1024: 701 / 448, 8192: 4366 / 1626; NVFP4 256: 252 / 579,
+# 512: 387 / 525, 1024: 724 / 643, 4096: 2157 / 1296, 8192: 4268 / 2200. The weights of every
+# touched expert are read either way, so the swap-AB GEMMs (no smem staging, no 128-row padding)
+# win while rows per expert are few: the decode graphs (<= 256 tokens) stay on them.
+EXPERT_GEMM_MIN_TOKENS = {"bf16": 512, "nvfp4": 1024}
+
+
+def use_expert_gemm(num_tokens: int, fmt: str, hidden: int, inter: int, tiled: bool | None = None) -> bool:
+    """Whether moe_grouped runs the tiled expert GEMMs (cuda/expert_gemm.cu) rather than the
+    swap-AB ones (cuda/grouped_gemm.cu): from EXPERT_GEMM_MIN_TOKENS[fmt] tokens on (None), or as
+    `tiled` forces, where the shapes fit the tiles."""
+    if not expert_gemm.supported(fmt, hidden, inter):
+        return False
+    return num_tokens >= EXPERT_GEMM_MIN_TOKENS[fmt] if tiled is None else tiled
+
+
 def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
                 gate: Weight, up: Weight, down: Weight, shared_gate: Weight, shared_up: Weight,
                 shared_down: Weight, residual: torch.Tensor, workspace: MoeRoutingWorkspace,
                 out: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None,
-                pdl: bool = False) -> torch.Tensor:
+                pdl: bool = False, tiled: bool | None = None) -> torch.Tensor:
     """The MoE block plus residual for x bf16 [M, H]: five launches, no host sync. The workspace
-    needs hidden_size and intermediate_size (its h/y buffers)."""
+    needs hidden_size and intermediate_size (its h/y buffers). `tiled`: see use_expert_gemm."""
     ws = workspace
     m, hidden = check_rows(x)
     inter = gate.shape[1]
@@ -256,6 +276,13 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
     check_tensor(router_gate, "router_gate", torch.bfloat16, (ws.num_experts, hidden), x.device)
     pairs = m * (top_k + 1)
     logits = grouped_linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl)
+    if use_expert_gemm(m, weight_format(gate), hidden, inter, tiled):
+        routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl,
+                                 chunk=expert_gemm.TILE_M)
+        h = expert_gemm.expert_gate_up(x, routing, gate, up, shared_gate, shared_up, out=ws.h_sorted[:pairs],
+                                       pdl=pdl)
+        y = expert_gemm.expert_down(h, routing, down, shared_down, out=ws.y_sorted[:pairs], pdl=pdl)
+        return moe_finalize(y, routing, residual, num_tokens=num_tokens, out=out, pdl=pdl)
     routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl)
     h = moe_gate_up_sorted(x, routing, gate, up, shared_gate, shared_up, out=ws.h_sorted[:pairs], pdl=pdl)
     y = moe_down_sorted(h, routing, down, shared_down, out=ws.y_sorted[:pairs], pdl=pdl)

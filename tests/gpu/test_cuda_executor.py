@@ -237,7 +237,7 @@ def test_graph_sampler_keeps_each_rows_filters_and_greedy_rows():
     sampler = GraphSampler(logits, greedy)
     counts = [dict() for _ in params]
     for _ in range(400):
-        for r, token in enumerate(sampler(entries)):
+        for r, token in enumerate(sampler(entries).tolist()):
             assert token in allowed[r], f"row {r}: token {token} outside {sorted(allowed[r])[:10]}"
             counts[r][token] = counts[r].get(token, 0) + 1
     assert counts[1] == {int(greedy[1]): 400} and counts[7] == {int(greedy[7]): 400}
@@ -246,4 +246,35 @@ def test_graph_sampler_keeps_each_rows_filters_and_greedy_rows():
     expected = torch.softmax(logits[4, kept].float() / 0.7, -1)
     drawn = torch.tensor([counts[4].get(t, 0) / 400 for t in kept])
     assert (drawn - expected.cpu()).abs().max() < 0.08, (drawn, expected)
-    assert sampler(entries[6:7]) and len(sampler.graphs) == 2      # a graph per (batch, masks in use)
+    assert sampler(entries[6:7]).numel() == 1 and len(sampler.graphs) == 2      # a graph per (batch, masks in use)
+
+
+def test_prefix_cache_hits_match_the_reference(ckpt):
+    """An agent's turns, one after another: each prompt is the last one, its output and new tokens
+    (700 tokens first: past the 513 window, ending mid-block). Later turns restore the rings from the
+    last turn's snapshot and share its blocks, and their logits match the reference as a cold run's do."""
+    config, block_size, num_blocks, seqs, snapshots = ckpt.config, 16, 512, 2, 2
+    kv = KVCache(config, num_blocks, block_size, seqs + snapshots, torch.bfloat16, "cuda")
+    ex = CudaExecutor(config, ckpt.weights, kv, (), MAX_MODEL_LEN, "cuda")
+    sched = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=256, num_blocks=num_blocks,
+                                      max_model_len=MAX_MODEL_LEN, block_size=block_size,
+                                      sliding_window=config.sliding_window, fused_max_seqs=ex.limits.fused_max_batch,
+                                      enable_prefix_caching=True, num_ring_snapshots=snapshots))
+    gen = torch.Generator().manual_seed(7)
+    prompts, decode_logits, outputs = [], [], {}
+    for n, new_tokens in enumerate((700, 40, 300)):
+        last = prompts[-1] + outputs[f"r{n - 1}"] if prompts else []
+        prompts.append(last + torch.randint(config.vocab_size, (new_tokens,), generator=gen).tolist())
+        sched.add_request(f"r{n}", prompts[-1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        outputs[f"r{n}"] = []
+        while sched.has_unfinished_requests():
+            plan = sched.schedule()
+            result = ex.execute(plan)
+            sampling = [e for e in plan.scheduled_requests if e.samples]
+            for e, row in zip(sampling, ex.last_logits, strict=True):
+                decode_logits.append((e.request_id, e.end_position - 1, row.float().clone()))
+            for out in sched.update(plan, result):
+                outputs[out.request_id].extend(out.new_token_ids)
+    # hits at the previous prompts' last block boundaries: 688 (of 700) and 736 (of 746)
+    assert sched.prefix_cache.num_hit_tokens == 688 + 736
+    check_against_reference(ckpt, prompts, decode_logits, outputs)

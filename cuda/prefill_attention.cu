@@ -1,0 +1,278 @@
+// Prefill attention with sinks: causal flash attention over the query chunks of several requests in
+// one launch (online softmax, mma.sync bf16 tensor cores, fp32 accumulators), GQA packed: a tile's
+// 128 rows are 16 tokens x the 8 query heads of one KV head, so each K/V tile serves all 8 heads.
+//
+//   row r of a tile = (token r / 8, head r % 8)     warp w owns rows 32w .. 32w+31 = tokens 4w .. 4w+3
+//   lane (g = lane / 4, t = lane % 4) holds rows of head g, tokens 4w + {0, 1, 2, 3}
+//
+// Grid: one CTA per (tile, KV head), 1-D, heaviest tiles first (the host sorts `tiles`). Keys of a
+// tile whose tokens sit at positions q_first .. q_first + 15 of a request whose chunk is
+// [s, s + n):  full layers (window == 0): 0 .. min(q_last, s + n - 1), all read from the paged pool
+// (the chunk's own K/V were written there first);  sliding layers: from max(0, q_first - window + 1),
+// positions < s from the request's ring slot (history), positions >= s from the q/k/v buffer
+// (fresh, normed and roped). Key tiles of 64 run from the last (the diagonal) down; masks only on
+// tiles that cross the diagonal or the window's lower edge.
+//
+// Softmax in the log2 domain (x = s * scale * log2 e). The sink starts each row: m = sink * log2 e,
+// l = 1 (a logit whose value vector is zero), so m is always finite and fully masked tiles add
+// exact zeros; out = o / l.
+//
+// Pipeline (FlashAttention-2's): single K and V buffers; V(j) loads under Q.K(j) and the softmax,
+// K(j-1) under P.V(j). Two CTAs per SM overlap each other's waits.
+#include "attention_common.cuh"
+
+#define PF_WARPS 4
+#define PF_THREADS (PF_WARPS * 32)
+#define PF_TOKENS 16                   // query tokens per tile (flint_sched/kernels/prefill_attention.py)
+#define PF_ROWS (PF_TOKENS * GROUP)    // 128 (token, head) rows
+#define PF_KEYS 64                     // keys per K/V tile
+
+// NOTE: rows sit 272 B apart in shared memory (256 + 16 pad): the 8 row addresses of every
+// ldmatrix fall in 8 distinct 16-byte bank groups (decode_attention.cu does the same).
+constexpr int SROW = HEAD_DIM * 2 + 16;
+constexpr int Q_SMEM = PF_ROWS * SROW;   // 34,816 B
+constexpr int KV_SMEM = PF_KEYS * SROW;  // 17,408 B each for K and V
+static_assert(Q_SMEM + 2 * KV_SMEM == 69632, "kernels/prefill_attention.py SMEM_BYTES");
+
+__device__ __forceinline__ u32 srow(int row, int chunk) { return row * SROW + (chunk << 4); }
+
+// 16 bytes global -> shared through L2 (cp.async.cg); `valid` false writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+__device__ __forceinline__ float ex2(float x) {  // 2^x; -inf -> 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Where the keys of one request live, for one KV head (see the header).
+struct KeySource {
+  const u16* qkv;       // the step's q/k/v rows, (H + 2G) * 128 per token
+  const u16* k_pool;    // paged pool or ring of this layer
+  const u16* v_pool;
+  const int* table;     // this request's block table row (full layers), else null
+  long long qkv_stride, pool_stride;  // elements per token row
+  int ring_page, page_rows, s, row0, k_col, v_col, head_col;
+
+  // Key (or value) row of position kp for this KV head: paged pool, ring (history) or q/k/v (fresh).
+  __device__ __forceinline__ const u16* row(int kp, bool v) const {
+    if (table) {
+      const long long r = (long long)table[kp / page_rows] * page_rows + kp % page_rows;
+      return (v ? v_pool : k_pool) + r * pool_stride + head_col;
+    }
+    if (kp < s) {
+      const long long r = (long long)ring_page * page_rows + kp % page_rows;
+      return (v ? v_pool : k_pool) + r * pool_stride + head_col;
+    }
+    return qkv + (long long)(row0 + kp - s) * qkv_stride + (v ? v_col : k_col) + head_col;
+  }
+};
+
+// K or V rows k0 .. k0+63 into shared memory (rows past `hi` zeroed: finite, so masked P = 0
+// times them stays 0). Thread: chunk tid % 16 of rows tid / 16 + 8i.
+__device__ __forceinline__ void load_kv_tile(u32 dst, const KeySource& src, bool v, int k0, int hi, int tid) {
+  const int c = tid & 15;
+#pragma unroll
+  for (int i = 0; i < PF_KEYS / 8; ++i) {
+    const int kr = (tid >> 4) + 8 * i, kp = k0 + kr;
+    const bool valid = kp <= hi;
+    cp_async_16(dst + srow(kr, c), valid ? src.row(kp, v) + 8 * c : src.qkv, valid);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
+prefill_attention_bf16(u16* out, const u16* qkv, const u16* k_pool, const u16* v_pool, const int* block_tables,
+                       int table_stride, int page_rows, int window, const int* entries, const int* tiles,
+                       int num_q_heads, int num_kv_heads, const void* sinks, int sinks_bf16, float scale_log2) {
+  extern __shared__ uint4 smem[];
+  const int H = num_q_heads, G = num_kv_heads;
+  const int kvh = blockIdx.x % G, tile = blockIdx.x / G;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3, gr = lane >> 2;
+  const u32 q_smem = smem_addr(smem), k_smem = q_smem + Q_SMEM, v_smem = k_smem + KV_SMEM;
+  pdl_launch_dependents();
+  pdl_wait();  // q/k/v and the pool rows of this chunk come from the kernel before
+
+  const int e = tiles[2 * tile], t0 = tiles[2 * tile + 1];
+  const int row0 = entries[4 * e], s = entries[4 * e + 1], n = entries[4 * e + 2];
+  const int n_q = min(PF_TOKENS, n - t0);              // real tokens in this tile
+  const int q_first = s + t0, q_last = q_first + PF_TOKENS - 1;  // padded tokens keep their would-be positions
+  const int hi = min(q_last, s + n - 1);
+  const int lo = window > 0 ? max(0, q_first - window + 1) : 0;
+  const int n_tiles = (hi - lo) / PF_KEYS + 1;
+
+  // NOTE: kept in shared memory and read when a tile is issued: in registers it spilled (255 used).
+  __shared__ KeySource src;
+  if (tid == 0) {
+    src.qkv = qkv, src.k_pool = k_pool, src.v_pool = v_pool;
+    src.table = block_tables ? block_tables + (long long)e * table_stride : nullptr;
+    src.qkv_stride = (long long)(H + 2 * G) * HEAD_DIM, src.pool_stride = (long long)G * HEAD_DIM;
+    src.ring_page = entries[4 * e + 3], src.page_rows = page_rows, src.s = s, src.row0 = row0;
+    src.k_col = H * HEAD_DIM, src.v_col = (H + G) * HEAD_DIM, src.head_col = kvh * HEAD_DIM;
+  }
+  __syncthreads();
+
+  // Q: thread loads head tid / 16 (of the group), chunk tid % 16, of all 16 tokens (rows 8i + head).
+  {
+    const int hh = tid >> 4, c = tid & 15;
+    const long long q_stride = (long long)(H + 2 * G) * HEAD_DIM;
+    const u16* q_src = qkv + (long long)(row0 + t0) * q_stride + (kvh * GROUP + hh) * HEAD_DIM + 8 * c;
+#pragma unroll
+    for (int i = 0; i < PF_TOKENS; ++i)
+      cp_async_16(q_smem + srow(8 * i + hh, c), i < n_q ? q_src + i * q_stride : qkv, i < n_q);
+  }
+  load_kv_tile(k_smem, src, false, lo + (n_tiles - 1) * PF_KEYS, hi, tid);
+  cp_async_commit();
+
+  const float sink2 = (sinks_bf16 ? bf16_to_f32(static_cast<const u16*>(sinks)[kvh * GROUP + gr])
+                                  : static_cast<const float*>(sinks)[kvh * GROUP + gr]) * 1.4426950408889634f;
+  // Rows of this lane: ri = 2a + half (a: 16-row m-atom, half: rows g / g + 8) = token 4w + ri.
+  float m[4], l[4], o[2][16][4];
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) m[ri] = sink2, l[ri] = t == 0 ? 1.0f : 0.0f;  // quad sums l at the end
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int nn = 0; nn < 16; ++nn) o[a][nn][0] = o[a][nn][1] = o[a][nn][2] = o[a][nn][3] = 0.0f;
+  const int my_q = q_first + 4 * warp;  // position of token 4w (row index ri adds to it)
+
+  for (int j = n_tiles - 1; j >= 0; --j) {
+    const int k0 = lo + j * PF_KEYS;
+    cp_async_wait_all();
+    __syncthreads();  // K(j) (and Q) landed; every warp is done with V(j+1)
+    load_kv_tile(v_smem, src, true, k0, hi, tid);
+    cp_async_commit();
+
+    // S = Q K^T: 32 rows x 64 keys per warp; A = Q rows via ldmatrix, B = K rows (non-trans).
+    float sc[2][8][4];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) sc[a][jj][0] = sc[a][jj][1] = sc[a][jj][2] = sc[a][jj][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {  // k-step: dims 16kk .. 16kk+15
+      u32 qa[2][4];
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+        ldmatrix_x4(qa[a], q_smem + srow(32 * warp + 16 * a + (lane & 15), 2 * kk + (lane >> 4)));
+#pragma unroll
+      for (int jp = 0; jp < 4; ++jp) {  // keys 16jp .. 16jp+15: n-tiles 2jp, 2jp+1
+        u32 kb[4];
+        ldmatrix_x4(kb, k_smem + srow(16 * jp + 8 * (lane >> 4) + (lane & 7), 2 * kk + ((lane >> 3) & 1)));
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+          mma_bf16_16x8x16(sc[a][2 * jp], qa[a][0], qa[a][1], qa[a][2], qa[a][3], kb[0], kb[1]);
+          mma_bf16_16x8x16(sc[a][2 * jp + 1], qa[a][0], qa[a][1], qa[a][2], qa[a][3], kb[2], kb[3]);
+        }
+      }
+    }
+
+    // Masks: causal (key after the query) and the window's lower edge; only where a tile crosses them.
+    if (k0 + PF_KEYS - 1 > q_first || (window > 0 && q_last - window + 1 > k0)) {
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            const int kp = k0 + 8 * jj + 2 * t + (x & 1), qp = my_q + 2 * a + (x >> 1);
+            if (kp > qp || (window > 0 && qp - kp >= window)) sc[a][jj][x] = NEG_INF;
+          }
+    }
+
+    // Online softmax per row: m, l and o rescaled by alpha = 2^(m_old - m_new).
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int ri = 2 * a + half;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) mx = fmaxf(mx, fmaxf(sc[a][jj][2 * half], sc[a][jj][2 * half + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+        const float m_new = fmaxf(m[ri], mx * scale_log2);
+        const float alpha = ex2(m[ri] - m_new);
+        m[ri] = m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+          for (int x = 2 * half; x < 2 * half + 2; ++x) {
+            sc[a][jj][x] = ex2(fmaf(sc[a][jj][x], scale_log2, -m_new));
+            sum += sc[a][jj][x];
+          }
+        l[ri] = l[ri] * alpha + sum;
+#pragma unroll
+        for (int nn = 0; nn < 16; ++nn) o[a][nn][2 * half] *= alpha, o[a][nn][2 * half + 1] *= alpha;
+      }
+
+    cp_async_wait_all();
+    __syncthreads();  // V(j) landed; every warp is done with K(j)
+    if (j > 0) {
+      load_kv_tile(k_smem, src, false, k0 - PF_KEYS, hi, tid);
+      cp_async_commit();
+    }
+
+    // O += P V: P (bf16) straight from the S fragments as the A operand, B = V rows (ldmatrix.trans).
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {  // 16 keys: n-tiles 2kk, 2kk+1 of S
+      u32 pa[2][4];
+#pragma unroll
+      for (int a = 0; a < 2; ++a) {
+        pa[a][0] = pack_bf16x2(sc[a][2 * kk][0], sc[a][2 * kk][1]);
+        pa[a][1] = pack_bf16x2(sc[a][2 * kk][2], sc[a][2 * kk][3]);
+        pa[a][2] = pack_bf16x2(sc[a][2 * kk + 1][0], sc[a][2 * kk + 1][1]);
+        pa[a][3] = pack_bf16x2(sc[a][2 * kk + 1][2], sc[a][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int n2 = 0; n2 < 8; ++n2) {  // 16 dims: n-tiles 2n2, 2n2+1 of O
+        u32 vb[4];
+        ldmatrix_x4_trans(vb, v_smem + srow(16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * n2 + (lane >> 4)));
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            mma_bf16_16x8x16(o[a][2 * n2 + h], pa[a][0], pa[a][1], pa[a][2], pa[a][3], vb[2 * h], vb[2 * h + 1]);
+      }
+    }
+  }
+
+  // out = o / l, staged as bf16 in this warp's own Q rows (no other warp reads them), then 16-byte
+  // stores of whole rows: out[row0 + t0 + token][kvh * 8 + head].
+#pragma unroll
+  for (int ri = 0; ri < 4; ++ri) {
+    l[ri] += __shfl_xor_sync(0xFFFFFFFFu, l[ri], 1);
+    l[ri] += __shfl_xor_sync(0xFFFFFFFFu, l[ri], 2);
+    l[ri] = 1.0f / l[ri];
+  }
+  __syncwarp();
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int nn = 0; nn < 16; ++nn)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float inv = l[2 * a + half];
+        const u32 v = pack_bf16x2(o[a][nn][2 * half] * inv, o[a][nn][2 * half + 1] * inv);
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(q_smem + srow(32 * warp + 16 * a + 8 * half + gr, nn) + 4 * t),
+                     "r"(v) : "memory");
+      }
+  __syncwarp();
+  const long long out_stride = (long long)H * HEAD_DIM;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int idx = 32 * i + lane, r = 32 * warp + (idx >> 4), c = idx & 15, token = r >> 3;
+    if (token < n_q) {
+      uint4 v;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(q_smem + srow(r, c)) : "memory");
+      *reinterpret_cast<uint4*>(out + (long long)(row0 + t0 + token) * out_stride +
+                                (kvh * GROUP + (r & 7)) * HEAD_DIM + 8 * c) = v;
+    }
+  }
+}

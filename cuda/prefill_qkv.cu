@@ -1,0 +1,101 @@
+// Prompt steps, per attention layer, around cuda/prefill_attention.cu:
+//   prefill_qk_norm_rope_bf16   before attention: Q/K RMSNorm (+ RoPE on sliding layers) of T rows,
+//                               in place in the q/k/v buffer; full layers also write each row's K
+//                               (normed) and V to its paged pool row kv_rows[t]
+//   prefill_kv_copy_bf16        after attention, sliding layers: K/V of rows src_rows[r] into pool
+//                               rows dst_rows[r] (the ring rows of each chunk's last <= window tokens)
+// qkv [T, (H + 2G) * 128] bf16: q heads, then k heads, then v heads. The norm and RoPE arithmetic is
+// qk_norm_rope_kv.cu's, step for step (bf16 rounding after the norm, fp64 angles, no FMA fusion), so
+// a prompt leaves the same K bits in the cache as token-by-token decode does.
+#include "attention_common.cuh"
+
+#define PQK_WARPS 8
+
+__device__ __forceinline__ float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+// Grid (T), 256 threads: warp w handles heads w, w + 8, ...; lane l holds dims 4l .. 4l+3.
+extern "C" __global__ void __launch_bounds__(PQK_WARPS * 32)
+prefill_qk_norm_rope_bf16(u16* qkv, u16* k_pool, u16* v_pool, const int* kv_rows, const u16* q_norm_weight,
+                          const u16* k_norm_weight, const int* positions, int num_q_heads, int num_kv_heads,
+                          float eps, const double* rope_inv_freq) {
+  __shared__ float cos_s[HEAD_DIM / 2], sin_s[HEAD_DIM / 2];
+  const int row = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int H = num_q_heads, G = num_kv_heads;
+  const bool rope = rope_inv_freq != nullptr;
+  pdl_launch_dependents();
+  // Before the wait: the step's metadata (copied before its first kernel) and the norm weights.
+  if (rope && threadIdx.x < HEAD_DIM / 2) {
+    double sin_a, cos_a;  // as rope_cos_sin: fp64 angle, cos/sin rounded to fp32
+    sincos((double)positions[row] * rope_inv_freq[threadIdx.x], &sin_a, &cos_a);
+    cos_s[threadIdx.x] = (float)cos_a;
+    sin_s[threadIdx.x] = (float)sin_a;
+  }
+  const long long pool_row = kv_rows ? (long long)kv_rows[row] : -1;
+  float wq[4], wk[4];
+  {
+    const uint2 a = *reinterpret_cast<const uint2*>(q_norm_weight + 4 * lane);
+    const uint2 b = *reinterpret_cast<const uint2*>(k_norm_weight + 4 * lane);
+    wq[0] = bf16x2_lo(a.x), wq[1] = bf16x2_hi(a.x), wq[2] = bf16x2_lo(a.y), wq[3] = bf16x2_hi(a.y);
+    wk[0] = bf16x2_lo(b.x), wk[1] = bf16x2_hi(b.x), wk[2] = bf16x2_lo(b.y), wk[3] = bf16x2_hi(b.y);
+  }
+  __syncthreads();
+  pdl_wait();
+  u16* row_ptr = qkv + (long long)row * (H + 2 * G) * HEAD_DIM + 4 * lane;
+  for (int head = warp; head < H + 2 * G; head += PQK_WARPS) {
+    u16* p = row_ptr + head * HEAD_DIM;
+    if (head >= H + G) {  // v: copied as is to the pool
+      if (pool_row >= 0)
+        *reinterpret_cast<uint2*>(v_pool + pool_row * G * HEAD_DIM + (head - H - G) * HEAD_DIM + 4 * lane) =
+            *reinterpret_cast<const uint2*>(p);
+      continue;
+    }
+    const bool is_q = head < H;
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const float x[4] = {bf16x2_lo(raw.x), bf16x2_hi(raw.x), bf16x2_lo(raw.y), bf16x2_hi(raw.y)};
+    // NOTE: __fmul_rn/__fadd_rn keep the compiler from fusing into FMAs, which torch's separate
+    // elementwise ops never do; fused results would differ in the last fp32 bit.
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sum_sq = __fadd_rn(sum_sq, __fmul_rn(x[i], x[i]));
+    const float inv_rms = rsqrtf(__fadd_rn(warp_sum(sum_sq) * (1.0f / HEAD_DIM), eps));
+    float y[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) y[i] = round_bf16(__fmul_rn(__fmul_rn(x[i], inv_rms), is_q ? wq[i] : wk[i]));
+    if (rope) {
+      // Lanes 0-15 hold x1 = dims 0..63, lanes 16-31 hold x2 = dims 64..127: partner is lane ^ 16.
+      //   out1 = x1 cos - x2 sin        out2 = x2 cos + x1 sin
+      const bool first_half = lane < 16;
+      float r[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float other = __shfl_xor_sync(0xFFFFFFFFu, y[i], 16);
+        const int f = 4 * (lane & 15) + i;
+        const float a = __fmul_rn(y[i], cos_s[f]);
+        r[i] = first_half ? __fsub_rn(a, __fmul_rn(other, sin_s[f])) : __fadd_rn(a, __fmul_rn(other, sin_s[f]));
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) y[i] = r[i];
+    }
+    const uint2 out = make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]));
+    *reinterpret_cast<uint2*>(p) = out;
+    if (!is_q && pool_row >= 0)
+      *reinterpret_cast<uint2*>(k_pool + pool_row * G * HEAD_DIM + (head - H) * HEAD_DIM + 4 * lane) = out;
+  }
+}
+
+// Grid (R), 128 threads: row r's K then V (G * 128 values each, adjacent in qkv) in 16-byte pieces.
+extern "C" __global__ void __launch_bounds__(128)
+prefill_kv_copy_bf16(u16* k_pool, u16* v_pool, const u16* qkv, const int* src_rows, const int* dst_rows,
+                     int num_q_heads, int num_kv_heads) {
+  const int r = blockIdx.x, H = num_q_heads, G = num_kv_heads, pieces = G * HEAD_DIM / 8;
+  pdl_launch_dependents();
+  const long long src = (long long)src_rows[r] * (H + 2 * G) * HEAD_DIM + H * HEAD_DIM;
+  const long long dst = (long long)dst_rows[r] * G * HEAD_DIM;
+  pdl_wait();  // the attention before still reads the ring rows this overwrites
+  for (int i = threadIdx.x; i < 2 * pieces; i += blockDim.x) {
+    const bool v = i >= pieces;
+    const int c = v ? i - pieces : i;
+    *reinterpret_cast<uint4*>((v ? v_pool : k_pool) + dst + 8 * c) =
+        *reinterpret_cast<const uint4*>(qkv + src + (v ? G * HEAD_DIM : 0) + 8 * c);
+  }
+}

@@ -1,0 +1,32 @@
+"""Keys of full KV blocks for the prefix cache: a chain of SHA-256 digests (no torch).
+
+    key(block 0) = H(root, tokens 0..bs-1)          root = H("flint-prefix-cache", extra_key)
+    key(block i) = H(key(block i-1), tokens of block i)
+
+Two blocks have one key only when every token up to their end is equal and so is the extra key
+(the model and its revision: whatever else changes the KV). SHA-256, not Python's hash(): one
+server holds many users' prompts, and a collision would serve one user's KV to another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+
+def root_key(extra_key: str) -> bytes:
+    return hashlib.sha256(b"flint-prefix-cache\x00" + extra_key.encode()).digest()
+
+
+def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
+    """The key of a full block holding token_ids, after the block whose key is parent_key."""
+    return hashlib.sha256(parent_key + array("q", token_ids).tobytes()).digest()
+
+
+def extend_block_keys(keys: list[bytes], token_ids: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
+    """Append the keys of the full blocks of token_ids not keyed yet; returns keys (grown in place)."""
+    for i in range(len(keys), len(token_ids) // block_size):
+        parent = keys[i - 1] if i else root
+        keys.append(block_key(parent, token_ids[i * block_size: (i + 1) * block_size]))
+    return keys

@@ -1,0 +1,140 @@
+"""Tiled expert GEMMs for large token counts (cuda/expert_gemm.cu): the grouped MoE's gate/up and
+down over rows sorted by expert, in M-tiles of TILE_M rows taken from a routing work list built
+with chunk=TILE_M (`route_and_sort(..., chunk=TILE_M)`), so nothing leaves the GPU and a call can
+be captured in a CUDA graph. Same inputs and outputs as moe_gate_up_sorted / moe_down_sorted.
+
+CONFIGS: EG_BN weight rows per CTA and the cp.async ring depth; `pick_config` chooses per format.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
+from flint_sched.kernels.linear import Weight, cdiv, check_tensor, weight_args, weight_format
+from flint_sched.quant.nvfp4 import NVFP4Tensor
+
+TILE_M = 128        # rows per M-tile (cuda/expert_gemm.cu EG_BM) = the routing chunk
+TILE_K = 64         # EG_BK: K must be a multiple
+MAX_GRID_Y = 65535
+
+# name -> compile-time defines. "n256": 8 warps, 128 x 256 CTA tile, 1 CTA per SM; "n128": 4 warps,
+# 128 x 128, 2 CTAs per SM (3 stages: 96 KB BF16, 95 KB NVFP4). Measured on the H200, gate/up + down
+# of Flint's MoE (benchmarks/bench_expert_gemm.py), µs at 8K / 16K tokens: BF16 n128 1306 / 2479,
+# n256 1529 / 2656; NVFP4 n128 1926 / 3451, n256 2227 / 3965. Two CTAs per SM hide each other's
+# barriers, prologue and epilogue, which one CTA of 8 warps cannot.
+CONFIGS = {
+    "n256": {"EG_BN": 256, "EG_STAGES": 4, "EG_MIN_CTAS": 1},
+    "n128": {"EG_BN": 128, "EG_STAGES": 3, "EG_MIN_CTAS": 2},
+}
+DEFAULT_CONFIG = {"bf16": "n128", "nvfp4": "n128"}
+
+
+@functools.cache
+def _kernel(name: str, config: str) -> Kernel:
+    return compile_kernel("expert_gemm.cu", name, CONFIGS[config])
+
+
+def shared_bytes(fmt: str, config: str) -> int:
+    """Dynamic shared memory: the ring of A [128 x 128 B] + B tiles; NVFP4 stages hold codes and
+    scales ([BN x 36 B]) and add two decoded bf16 B tiles and the 1 KB scale table."""
+    c = CONFIGS[config]
+    bn, stages = c["EG_BN"], c["EG_STAGES"]
+    if fmt == "bf16":
+        return stages * (TILE_M + bn) * 128
+    return stages * (TILE_M * 128 + bn * 36) + 2 * bn * 128 + 1024
+
+
+def threads(config: str) -> int:
+    return CONFIGS[config]["EG_BN"]
+
+
+def supported(fmt: str, hidden: int, inter: int) -> bool:
+    """Shapes the tiles cover exactly: K (hidden for gate/up, inter for down) a multiple of 64,
+    I a multiple of BN / 2 and hidden a multiple of BN for every config."""
+    bn = max(c["EG_BN"] for c in CONFIGS.values())
+    return hidden % TILE_K == 0 and inter % TILE_K == 0 and inter % (bn // 2) == 0 and hidden % bn == 0
+
+
+def _stack_args(stack: Weight, shared: Weight, names: tuple[str, str], rows: int, k: int, experts: int,
+                device: torch.device) -> list:
+    return (weight_args(stack, names[0], (experts, rows, k), device, experts)
+            + weight_args(shared, names[1], (rows, k), device))
+
+
+def _check_routing(routing, rows_needed: int, num_experts: int) -> None:
+    if routing.chunk != TILE_M:
+        raise ValueError(f"the expert GEMMs need a work list of {TILE_M}-row items "
+                         f"(route_and_sort(..., chunk={TILE_M})), got chunk {routing.chunk}")
+    if routing.num_experts != num_experts or routing.sorted_token.numel() != rows_needed:
+        raise ValueError(f"weights have {num_experts} experts / {rows_needed} rows; routing has "
+                         f"{routing.num_experts} / {routing.sorted_token.numel()}")
+    if routing.max_items > MAX_GRID_Y:
+        raise ValueError(f"{routing.max_items} work items exceed grid y ({MAX_GRID_Y})")
+
+
+def _out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=like.device)
+    check_tensor(out, "out", torch.bfloat16, shape, like.device, 4)
+    return out
+
+
+def _check_scales(*weights: Weight) -> None:
+    for w in weights:   # the kernels copy 4 scale bytes per row and k-tile
+        if isinstance(w, NVFP4Tensor) and w.block_scales.data_ptr() % 4:
+            raise ValueError("NVFP4 block scales must be 4-byte aligned for the expert GEMMs")
+
+
+def expert_gate_up(x: torch.Tensor, routing, gate: Weight, up: Weight, shared_gate: Weight, shared_up: Weight,
+                   out: torch.Tensor | None = None, pdl: bool = False, config: str | None = None) -> torch.Tensor:
+    """h_sorted [P, I]: row r = silu(x[t] @ Wg_e^T) * (x[t] @ Wu_e^T), t = sorted_token[r], e the
+    expert of row r (E: shared_gate / shared_up); rows past the routed count are not written."""
+    m, k = x.shape
+    e, i = gate.shape[0], gate.shape[1]
+    check_tensor(x, "x", torch.bfloat16, (m, k), x.device)
+    _check_routing(routing, routing.sorted_token.numel(), e)
+    if routing.pair_row.shape[0] != m:
+        raise ValueError(f"x has {m} tokens, routing {routing.pair_row.shape[0]}")
+    fmt = weight_format(gate, up, shared_gate, shared_up)
+    config = config or DEFAULT_CONFIG[fmt]
+    bn = CONFIGS[config]["EG_BN"]
+    if k % TILE_K or i % (bn // 2):
+        raise ValueError(f"expert_gate_up needs K % {TILE_K} == 0 and I % {bn // 2} == 0, got K {k}, I {i}")
+    _check_scales(gate, up, shared_gate, shared_up)
+    args = (_stack_args(gate, shared_gate, ("gate", "shared_gate"), i, k, e, x.device)
+            + _stack_args(up, shared_up, ("up", "shared_up"), i, k, e, x.device))
+    if fmt == "bf16":   # kernel order: gate, up, shared_gate, shared_up
+        args = [args[0], args[2], args[1], args[3]]
+    else:
+        args = args[0:3] + args[6:9] + args[3:6] + args[9:12]
+    h = _out(out, (routing.sorted_token.numel(), i), x)
+    _kernel(f"expert_gate_up_{fmt}", config).launch(
+        (i // (bn // 2), routing.max_items), (threads(config),),
+        [h, x, routing.sorted_token, *args, *routing.work_args, I32(i), I32(k), I32(e)],
+        shared_bytes=shared_bytes(fmt, config), pdl=pdl, device=x.device.index)
+    return h
+
+
+def expert_down(h: torch.Tensor, routing, down: Weight, shared_down: Weight, out: torch.Tensor | None = None,
+                pdl: bool = False, config: str | None = None) -> torch.Tensor:
+    """y_sorted [P, N]: row r = h_sorted[r] @ Wd_e^T (e: the expert of row r, E the shared one)."""
+    p, k = h.shape
+    e, n = down.shape[0], down.shape[1]
+    check_tensor(h, "h", torch.bfloat16, (p, k), h.device)
+    _check_routing(routing, p, e)
+    fmt = weight_format(down, shared_down)
+    config = config or DEFAULT_CONFIG[fmt]
+    bn = CONFIGS[config]["EG_BN"]
+    if k % TILE_K or n % bn:
+        raise ValueError(f"expert_down needs K % {TILE_K} == 0 and N % {bn} == 0, got K {k}, N {n}")
+    _check_scales(down, shared_down)
+    args = _stack_args(down, shared_down, ("down", "shared_down"), n, k, e, h.device)
+    y = _out(out, (p, n), h)
+    _kernel(f"expert_down_{fmt}", config).launch(
+        (cdiv(n, bn), routing.max_items), (threads(config),),
+        [y, h, *args, *routing.work_args, I32(n), I32(k), I32(e)],
+        shared_bytes=shared_bytes(fmt, config), pdl=pdl, device=h.device.index)
+    return y

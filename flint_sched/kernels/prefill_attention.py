@@ -1,0 +1,218 @@
+"""Prefill attention on the paged KV layout: the prompt chunks of one step, all requests in one launch.
+
+Per attention layer of a prompt step (cuda/prefill_qkv.cu, cuda/prefill_attention.cu):
+
+    full layer      prefill_qk_norm_rope (K/V rows to the paged pool)  ->  prefill_attention
+    sliding layer   prefill_qk_norm_rope (RoPE)  ->  prefill_attention  ->  prefill_ring_write
+
+`PrefillMetadata` holds the step's per-entry and per-token int32 tensors, built once per step on the
+host and copied in one transfer, then read by every layer. The q/k/v buffer [T, (H + 2G) * 128] is
+normed and roped in place; head dim 128 and 8 query heads per KV head are fixed (attention.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
+from flint_sched.kernels.attention import GROUP, HEAD_DIM, LOG2E, MAX_KV_HEADS, _check_pools, rope_inv_freq
+from flint_sched.kernels.linear import check_tensor
+
+TILE_TOKENS = 16               # cuda/prefill_attention.cu PF_TOKENS: 16 tokens x 8 heads = 128 rows
+ATTN_THREADS = 128             # 4 warps of 32 rows
+SMEM_BYTES = 128 * 272 + 2 * 64 * 272   # Q tile + one K and one V tile of 64 keys, rows padded to 272 B
+NORM_THREADS = 256
+COPY_THREADS = 128
+
+
+@functools.cache
+def _kernel(source: str, name: str) -> Kernel:
+    return compile_kernel(source, name)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One entry of a prompt step: `num_tokens` tokens from `start_position`, its rows following the
+    previous entry's in the step's q/k/v buffer."""
+
+    start_position: int
+    num_tokens: int
+    ring_slot: int
+    block_table: Sequence[int]
+
+
+@dataclass
+class PrefillMetadata:
+    """Device int32 tensors of one prompt step (see the module docstring), views of one buffer.
+
+    entries [E, 4]        first row in the step, start position, tokens, ring slot
+    tiles [N, 2]          (entry, first token within it) of each 16-token query tile, heaviest first
+    block_tables [E, B]   each entry's block table (padded with 0)
+    positions [T]         absolute position of each row (RoPE)
+    kv_rows [T]           the paged pool row of each row's K/V: block * block_size + offset
+    ring_src / ring_dst [R]   the rows a sliding layer keeps (each entry's last <= window) and their
+                          ring rows, slot * window + position % window
+    """
+
+    num_tokens: int
+    block_size: int
+    window: int
+    entries: torch.Tensor
+    tiles: torch.Tensor
+    block_tables: torch.Tensor
+    positions: torch.Tensor
+    kv_rows: torch.Tensor
+    ring_src: torch.Tensor
+    ring_dst: torch.Tensor
+
+    @property
+    def num_entries(self) -> int:
+        return self.entries.shape[0]
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tiles.shape[0]
+
+
+def prefill_metadata(chunks: Sequence[Chunk], block_size: int, window: int,
+                     device: torch.device | str) -> PrefillMetadata:
+    """The step's metadata for `chunks` (in row order); one host-to-device copy."""
+    if not chunks:
+        raise ValueError("a prompt step needs at least one entry")
+    if block_size < 1 or window < 1:
+        raise ValueError(f"block_size ({block_size}) and window ({window}) must be positive")
+    entries, tiles, work, positions, kv_rows, ring_src, ring_dst = [], [], [], [], [], [], []
+    row = 0
+    width = max(1, max(len(c.block_table) for c in chunks))
+    tables = np.zeros((len(chunks), width), dtype=np.int64)
+    for e, c in enumerate(chunks):
+        s, n = c.start_position, c.num_tokens
+        if n < 1 or s < 0 or c.ring_slot < 0:
+            raise ValueError(f"entry {e}: needs >= 1 token, start >= 0 and a ring slot, got {c}")
+        if len(c.block_table) * block_size < s + n:
+            raise ValueError(f"entry {e}: block table of {len(c.block_table)} blocks of {block_size} "
+                             f"cannot hold positions up to {s + n - 1}")
+        table = np.asarray(c.block_table, dtype=np.int64)
+        tables[e, :len(table)] = table
+        entries.append((row, s, n, c.ring_slot))
+        first = np.arange(0, n, TILE_TOKENS)
+        tiles.append(np.stack([np.full_like(first, e), first], axis=1))
+        work.append(s + first + TILE_TOKENS)            # keys of a full layer: the cost of the tile
+        pos = np.arange(s, s + n)
+        positions.append(pos)
+        kv_rows.append(table[pos // block_size] * block_size + pos % block_size)
+        kept = pos[max(0, n - window):]
+        ring_src.append(row + kept - s)
+        ring_dst.append(c.ring_slot * window + kept % window)
+        row += n
+    order = np.argsort(-np.concatenate(work), kind="stable")
+    parts = [np.asarray(entries, dtype=np.int64), np.concatenate(tiles)[order], tables,
+             *(np.concatenate(p) for p in (positions, kv_rows, ring_src, ring_dst))]
+    if max(int(p.max(initial=0)) for p in parts) >= 2**31:
+        raise ValueError("prompt step metadata exceeds int32")
+    flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int32)).to(device)
+    views, start = [], 0
+    for p in parts:
+        views.append(flat[start:start + p.size].view(p.shape))
+        start += p.size
+    return PrefillMetadata(row, block_size, window, *views)
+
+
+# ---- launches ------------------------------------------------------------------------------------
+
+
+def prefill_qk_norm_rope(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                         meta: PrefillMetadata, eps: float, rope_theta: float | None = None,
+                         k_pool: torch.Tensor | None = None, v_pool: torch.Tensor | None = None,
+                         pdl: bool = False) -> torch.Tensor:
+    """In place: q and k heads of qkv [T, (H + 2G) * 128] RMS-normed, then roped when rope_theta is
+    given (sliding layers); with pools (full layers: [num_blocks, block_size, G, 128]) each row's K
+    and V also go to its paged row meta.kv_rows[t]. Returns qkv."""
+    h, g = _check_qkv(qkv, meta)
+    dev = qkv.device
+    check_tensor(q_norm_weight, "q_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
+    check_tensor(k_norm_weight, "k_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
+    if (k_pool is None) != (v_pool is None):
+        raise ValueError("give both K and V pools, or neither")
+    if k_pool is not None:
+        if _check_pools(k_pool, v_pool) != g or k_pool.device != dev:
+            raise ValueError(f"pools must be [blocks, block_size, {g}, {HEAD_DIM}] on {dev}")
+        if k_pool.shape[1] != meta.block_size:
+            raise ValueError(f"pool block size {k_pool.shape[1]} != metadata block size {meta.block_size}")
+    inv_freq = None
+    if rope_theta is not None:
+        if not rope_theta > 0:
+            raise ValueError(f"rope_theta must be positive, got {rope_theta}")
+        inv_freq = rope_inv_freq(float(rope_theta), dev)
+    _kernel("prefill_qkv.cu", "prefill_qk_norm_rope_bf16").launch(
+        (meta.num_tokens,), (NORM_THREADS,),
+        [qkv, k_pool, v_pool, meta.kv_rows if k_pool is not None else None, q_norm_weight, k_norm_weight,
+         meta.positions, I32(h), I32(g), F32(eps), inv_freq],
+        pdl=pdl, device=dev.index)
+    return qkv
+
+
+def prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: PrefillMetadata,
+                      sinks: torch.Tensor, sliding: bool, out: torch.Tensor | None = None,
+                      softmax_scale: float | None = None, pdl: bool = False) -> torch.Tensor:
+    """out [T, H, 128]: causal attention with sinks of each entry's queries (qkv, normed and roped).
+
+    Full layers (sliding False): keys 0 .. p from the paged pool [num_blocks, block_size, G, 128]
+    through meta.block_tables; the chunk's rows must be written (prefill_qk_norm_rope with pools).
+    Sliding layers: the last meta.window keys up to p, history from the ring [slots, window, G, 128]
+    and the chunk's own from qkv; the ring is written afterwards (prefill_ring_write).
+    """
+    h, g = _check_qkv(qkv, meta)
+    dev = qkv.device
+    if _check_pools(k_pool, v_pool) != g or k_pool.device != dev:
+        raise ValueError(f"pools must be [pages, rows, {g}, {HEAD_DIM}] on {dev}")
+    if sliding and k_pool.shape[1] != meta.window:
+        raise ValueError(f"ring of {k_pool.shape[1]} rows != metadata window {meta.window}")
+    if not sliding and k_pool.shape[1] != meta.block_size:
+        raise ValueError(f"pool block size {k_pool.shape[1]} != metadata block size {meta.block_size}")
+    if sinks.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"sinks must be bf16 or fp32, got {sinks.dtype}")
+    check_tensor(sinks, "sinks", sinks.dtype, (h,), dev, 4)
+    if out is None:
+        out = torch.empty(meta.num_tokens, h, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    check_tensor(out, "out", torch.bfloat16, (meta.num_tokens, h, HEAD_DIM), dev)
+    scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else softmax_scale
+    _kernel("prefill_attention.cu", "prefill_attention_bf16").launch(
+        (meta.num_tiles * g,), (ATTN_THREADS,),
+        [out, qkv, k_pool, v_pool, None if sliding else meta.block_tables, I32(meta.block_tables.shape[1]),
+         I32(k_pool.shape[1]), I32(meta.window if sliding else 0), meta.entries, meta.tiles, I32(h), I32(g),
+         sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E)],
+        shared_bytes=SMEM_BYTES, pdl=pdl, device=dev.index)
+    return out
+
+
+def prefill_ring_write(qkv: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor, meta: PrefillMetadata,
+                       pdl: bool = False) -> None:
+    """Each entry's last <= window K/V rows (normed, roped) into its ring slot, after attention."""
+    h, g = _check_qkv(qkv, meta)
+    if _check_pools(k_ring, v_ring) != g or k_ring.shape[1] != meta.window or k_ring.device != qkv.device:
+        raise ValueError(f"rings must be [slots, {meta.window}, {g}, {HEAD_DIM}] on {qkv.device}")
+    rows = meta.ring_src.shape[0]
+    _kernel("prefill_qkv.cu", "prefill_kv_copy_bf16").launch(
+        (rows,), (COPY_THREADS,), [k_ring, v_ring, qkv, meta.ring_src, meta.ring_dst, I32(h), I32(g)],
+        pdl=pdl, device=qkv.device.index)
+
+
+def _check_qkv(qkv: torch.Tensor, meta: PrefillMetadata) -> tuple[int, int]:
+    """(H, G) of a q/k/v buffer [T, (H + 2G) * 128], H = 8 G, T = meta.num_tokens."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 2 or not qkv.is_cuda:
+        raise ValueError("qkv must be a CUDA tensor [tokens, (H + 2G) * 128]")
+    heads, rest = divmod(qkv.shape[1], HEAD_DIM)
+    g = heads // (GROUP + 2)
+    if rest or heads != g * (GROUP + 2) or not 1 <= g <= MAX_KV_HEADS:
+        raise ValueError(f"qkv width {qkv.shape[1]} is not (8G + 2G) * {HEAD_DIM} for 1 <= G <= {MAX_KV_HEADS}")
+    check_tensor(qkv, "qkv", torch.bfloat16, (meta.num_tokens, qkv.shape[1]), qkv.device)
+    if meta.entries.device != qkv.device:
+        raise ValueError(f"metadata is on {meta.entries.device}, qkv on {qkv.device}")
+    return GROUP * g, g

@@ -1,0 +1,211 @@
+"""Prefill attention (kernels/prefill_attention.py) against model/reference.py on the paged KV layout.
+
+Each case is a prompt step of one or more chunks (start position, tokens). History (positions before
+a chunk) sits in the pool or ring as random K/V; every other pool and ring row is NaN, so a read
+outside a request's keys shows up as NaN. Checks: the attention output of every request against
+`attention_with_sinks` on the torch-normed q/k (bf16 bounds), and the cache left bit for bit as the
+decode kernels (qk_norm_rope_kv_*) leave it token by token: the chunk's rows of the paged pool, or
+the last <= 513 rows of the ring, the rest untouched.
+"""
+
+import pytest
+import torch
+
+from flint_sched.kernels.attention import qk_norm_rope_kv_full, qk_norm_rope_kv_sliding
+from flint_sched.kernels.prefill_attention import (
+    Chunk,
+    prefill_attention,
+    prefill_metadata,
+    prefill_qk_norm_rope,
+    prefill_ring_write,
+)
+from flint_sched.model.reference import apply_rope, attention_with_sinks, rms_norm
+from gpu_checks import assert_close_bf16, gen
+from test_kernel_attention import mixed_sinks, same_bits
+
+pytestmark = pytest.mark.gpu
+
+H, G, D = 32, 4, 128
+WINDOW = 513
+EPS, THETA = 1e-5, 10000.0
+CHECK_ROWS = 256          # query rows checked per block of a long chunk (all rows of short ones)
+
+
+class Case:
+    """One prompt step: chunks [(start, tokens)], random raw q/k/v rows, history K/V in a NaN cache."""
+
+    def __init__(self, chunks, sliding, block_size=16, seed=0):
+        g = gen(seed)
+        self.chunks, self.sliding, self.block_size = chunks, sliding, block_size
+        t = sum(n for _, n in chunks)
+        scale = torch.exp(0.5 * torch.randn(t, H + 2 * G, 1, device="cuda", generator=g))
+        self.qkv = (torch.randn(t, H + 2 * G, D, device="cuda", generator=g) * scale).bfloat16().view(t, -1)
+        self.q_w = (1 + 0.3 * torch.randn(D, device="cuda", generator=g)).bfloat16()
+        self.k_w = (1 + 0.3 * torch.randn(D, device="cuda", generator=g)).bfloat16()
+        self.sinks = mixed_sinks(seed + 1)
+        self.history = []     # per chunk: (positions, k, v) already in the cache
+        if sliding:
+            slots = torch.randperm(len(chunks) + 2, device="cuda", generator=g)[:len(chunks)].tolist()
+            self.k = torch.full((len(chunks) + 2, WINDOW, G, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+            self.tables = [[0] * -(-(s + n) // block_size) for s, n in chunks]     # unused by sliding layers
+        else:
+            need = [-(-(s + n) // block_size) for s, n in chunks]
+            ids = torch.randperm(sum(need) + 1, device="cuda", generator=g).tolist()   # + one NaN block
+            self.k = torch.full((sum(need) + 1, block_size, G, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+            self.tables, start = [], 0
+            for n_blocks in need:
+                self.tables.append(ids[start:start + n_blocks])
+                start += n_blocks
+            slots = list(range(len(chunks)))
+        self.v = torch.full_like(self.k, float("nan"))
+        self.slots = slots
+        for b, (s, n) in enumerate(chunks):
+            pos = torch.arange(max(0, s - WINDOW) if sliding else 0, s, device="cuda")
+            k = torch.randn(pos.numel(), G, D, device="cuda", generator=g).bfloat16()
+            v = torch.randn(pos.numel(), G, D, device="cuda", generator=g).bfloat16()
+            self.k[self.rows(b, pos)], self.v[self.rows(b, pos)] = k, v
+            self.history.append((pos, k, v))
+
+    def rows(self, b, pos):
+        """Cache index (page, row) of positions of chunk b."""
+        if self.sliding:
+            return self.slots[b], pos % WINDOW
+        table = torch.tensor(self.tables[b], device="cuda")
+        return table[pos // self.block_size], pos % self.block_size
+
+    def metadata(self):
+        chunks = [Chunk(s, n, self.slots[b], self.tables[b]) for b, (s, n) in enumerate(self.chunks)]
+        return prefill_metadata(chunks, self.block_size, WINDOW, "cuda")
+
+
+def reference_qkv(qkv, q_w, k_w, positions, rope):
+    x = qkv.view(qkv.shape[0], H + 2 * G, D)
+    q, k, v = rms_norm(x[:, :H], q_w, EPS), rms_norm(x[:, H:H + G], k_w, EPS), x[:, H + G:]
+    if rope:
+        q, k = apply_rope(q, positions, THETA), apply_rope(k, positions, THETA)
+    return q, k, v
+
+
+def checked_rows(n):
+    """All rows of a short chunk; blocks at the start, middle and end of a long one."""
+    if n <= 3 * CHECK_ROWS:
+        return torch.arange(n, device="cuda")
+    mid = n // 2 - CHECK_ROWS // 2
+    return torch.cat([torch.arange(a, a + CHECK_ROWS, device="cuda") for a in (0, mid, n - CHECK_ROWS)])
+
+
+def run_case(case: Case):
+    meta = case.metadata()
+    raw = case.qkv.clone()
+    k_before, v_before = case.k.clone(), case.v.clone()
+    pools = () if case.sliding else (case.k, case.v)
+    qkv = prefill_qk_norm_rope(case.qkv, case.q_w, case.k_w, meta, EPS, THETA if case.sliding else None, *pools)
+    out = torch.full((meta.num_tokens, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    prefill_attention(qkv, case.k, case.v, meta, case.sinks, case.sliding, out=out)
+    if case.sliding:
+        prefill_ring_write(qkv, case.k, case.v, meta)
+    torch.cuda.synchronize()
+    kind = "sliding" if case.sliding else f"full bs={case.block_size}"
+    first = 0
+    for b, (s, n) in enumerate(case.chunks):
+        what = f"{kind} chunk {b} (start {s}, {n} tokens of {case.chunks})"
+        rows = slice(first, first + n)
+        pos = torch.arange(s, s + n, device="cuda")
+        q, k, v = reference_qkv(raw[rows], case.q_w, case.k_w, pos, case.sliding)
+        hist_pos, hist_k, hist_v = case.history[b]
+        k_all, v_all, k_pos = torch.cat((hist_k, k)), torch.cat((hist_v, v)), torch.cat((hist_pos, pos))
+        window = WINDOW if case.sliding else None
+        idx = checked_rows(n)
+        refs = []
+        for block in idx.split(CHECK_ROWS):
+            qp = pos[block]
+            lo = 0 if window is None else max(0, int(qp.min()) - WINDOW + 1)
+            sel = (k_pos >= lo) & (k_pos <= int(qp.max()))
+            refs.append(attention_with_sinks(q[block].float(), k_all[sel].float(), v_all[sel].float(),
+                                             case.sinks.float(), qp, k_pos[sel], window))
+        assert_close_bf16(out[rows][idx], torch.cat(refs), what, rtol=2.0**-7, abs_frac=2.0**-8)
+        first += n
+    check_cache(case, raw, meta, k_before, v_before)
+
+
+def check_cache(case, raw, meta, k_before, v_before):
+    """The cache as the decode kernels leave it after writing the same positions one token at a time."""
+    k_exp, v_exp = k_before, v_before
+    first = 0
+    for b, (s, n) in enumerate(case.chunks):
+        keep = range(max(0, n - WINDOW), n) if case.sliding else range(n)
+        for a in range(keep.start, keep.stop, 1024):               # the decode kernels take <= 1024 rows
+            rows = torch.arange(a, min(a + 1024, keep.stop), device="cuda")
+            positions = (s + rows).int()
+            if case.sliding:
+                slots = torch.full_like(positions, case.slots[b])
+                qk_norm_rope_kv_sliding(raw[first + rows], case.q_w, case.k_w, positions, k_exp, v_exp, slots,
+                                        EPS, THETA)
+            else:
+                tables = torch.tensor(case.tables[b], dtype=torch.int32, device="cuda").expand(rows.numel(), -1)
+                qk_norm_rope_kv_full(raw[first + rows], case.q_w, case.k_w, positions, k_exp, v_exp,
+                                     tables.contiguous(), EPS)
+        first += n
+    torch.cuda.synchronize()
+    kind = "ring" if case.sliding else "paged pool"
+    assert same_bits(case.k, k_exp), f"{kind} K differs from token-by-token decode ({case.chunks})"
+    assert same_bits(case.v, v_exp), f"{kind} V differs from token-by-token decode ({case.chunks})"
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
+@pytest.mark.parametrize("tokens", [1, 512, 513, 514, 1000, 20_000])
+def test_whole_prompt(tokens, sliding):
+    run_case(Case([(0, tokens)], sliding, seed=tokens))
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
+@pytest.mark.parametrize("start,tokens", [(700, 300), (1000, 37), (300, 513), (520, 1), (5000, 2000)])
+def test_chunk_after_history(start, tokens, sliding):
+    """Chunks that start inside a block and inside the window: history from the pool or ring."""
+    run_case(Case([(start, tokens)], sliding, seed=start + tokens))
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_several_requests_in_one_launch(block_size, sliding):
+    chunks = [(0, 1), (0, 513), (700, 300), (1000, 37), (5, 1), (0, 1000), (2000, 514), (16, 17)]
+    run_case(Case(chunks, sliding, block_size=block_size, seed=block_size))
+
+
+def test_prompt_in_chunks_equals_one_pass():
+    """A 1200-token prompt on a sliding layer read in steps of 256 (each step: its own keys and the
+    ring's history) and in one pass: both against the reference, and the same ring at the end."""
+    n, chunk = 1200, 256
+    case = Case([(0, n)], sliding=True, seed=78)
+    pos = torch.arange(n, device="cuda")
+    q, k, v = reference_qkv(case.qkv, case.q_w, case.k_w, pos, True)
+    ref = torch.cat([attention_with_sinks(q[a:a + 256].float(), k.float(), v.float(), case.sinks.float(),
+                                          pos[a:a + 256], pos, WINDOW) for a in range(0, n, 256)])
+    rings = []
+    for steps in ([(a, min(chunk, n - a)) for a in range(0, n, chunk)], [(0, n)]):
+        k_ring, v_ring = torch.full_like(case.k, float("nan")), torch.full_like(case.v, float("nan"))
+        outs = []
+        for s, m in steps:
+            meta = prefill_metadata([Chunk(s, m, case.slots[0], [0] * 100)], 16, WINDOW, "cuda")
+            qkv = case.qkv[s:s + m].clone()
+            prefill_qk_norm_rope(qkv, case.q_w, case.k_w, meta, EPS, THETA)
+            outs.append(prefill_attention(qkv, k_ring, v_ring, meta, case.sinks, True))
+            prefill_ring_write(qkv, k_ring, v_ring, meta)
+        assert_close_bf16(torch.cat(outs), ref, f"prefill in {len(steps)} steps", rtol=2.0**-7, abs_frac=2.0**-8)
+        rings.append((k_ring, v_ring))
+    assert same_bits(rings[0][0], rings[1][0]) and same_bits(rings[0][1], rings[1][1]), "rings differ"
+
+
+def test_rejects_bad_inputs():
+    case = Case([(0, 40)], sliding=False)
+    meta = case.metadata()
+    with pytest.raises(ValueError):
+        prefill_attention(case.qkv.float(), case.k, case.v, meta, case.sinks, False)
+    with pytest.raises(ValueError):
+        prefill_attention(case.qkv[:, :-128], case.k, case.v, meta, case.sinks, False)   # not (8G + 2G) heads
+    with pytest.raises(ValueError):
+        prefill_attention(case.qkv, case.k, case.v, meta, case.sinks[:8], False)
+    with pytest.raises(ValueError):
+        prefill_attention(case.qkv, case.k, case.v, meta, case.sinks, True)              # pool is no ring
+    with pytest.raises(ValueError):
+        prefill_qk_norm_rope(case.qkv, case.q_w, case.k_w, meta, EPS, None, case.k, None)

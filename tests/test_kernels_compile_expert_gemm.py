@@ -1,0 +1,56 @@
+"""The tiled expert GEMMs (cuda/expert_gemm.cu) compile for sm_90a with NVRTC in every config the
+launcher uses (no GPU needed); launcher constants and dispatch on the CPU."""
+
+import pytest
+
+from flint_sched.kernels import _runtime, expert_gemm
+from flint_sched.kernels.grouped_moe import EXPERT_GEMM_MIN_TOKENS, use_expert_gemm
+
+available, why = _runtime.nvrtc_available()
+needs_nvrtc = pytest.mark.skipif(not available, reason=f"NVRTC cannot be imported: {why}")
+
+ENTRY_POINTS = [f"expert_{op}_{fmt}" for op in ("gate_up", "down") for fmt in ("bf16", "nvfp4")]
+MAX_SHARED_BYTES = 227 * 1024   # sm_90 opt-in limit per block
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """A fresh kernel cache, so the test really compiles."""
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
+    monkeypatch.setattr(_runtime, "_cubins", {})
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("config", sorted(expert_gemm.CONFIGS))
+def test_compiles_for_sm90a(config, private_cache):
+    cubin = _runtime.compile_only("expert_gemm.cu", expert_gemm.CONFIGS[config], arch="sm_90a")
+    assert cubin[:4] == b"\x7fELF"
+    for entry in ENTRY_POINTS:
+        assert entry.encode() in cubin, f"{config} lacks {entry}"
+
+
+def test_launcher_constants_match_the_kernel_source():
+    text = (_runtime.source_dir() / "expert_gemm.cu").read_text()
+    assert f"#define EG_BM {expert_gemm.TILE_M}" in text
+    assert f"#define EG_BK {expert_gemm.TILE_K}" in text
+
+
+@pytest.mark.parametrize("config", sorted(expert_gemm.CONFIGS))
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_shared_memory_fits(config, fmt):
+    c = expert_gemm.CONFIGS[config]
+    per_sm = expert_gemm.shared_bytes(fmt, config) * c["EG_MIN_CTAS"]
+    assert expert_gemm.shared_bytes(fmt, config) <= MAX_SHARED_BYTES
+    assert per_sm + 1024 * c["EG_MIN_CTAS"] <= 228 * 1024, "the CTAs per SM the config asks for do not fit"
+    assert expert_gemm.threads(config) == c["EG_BN"]   # one thread per weight row (NVFP4 decode)
+
+
+def test_dispatch_by_token_count():
+    for fmt in ("bf16", "nvfp4"):
+        assert not use_expert_gemm(256, fmt, 2048, 512)          # decode graphs stay on the swap-AB GEMMs
+        assert not use_expert_gemm(EXPERT_GEMM_MIN_TOKENS[fmt] - 1, fmt, 2048, 512)
+        assert use_expert_gemm(EXPERT_GEMM_MIN_TOKENS[fmt], fmt, 2048, 512)
+        assert use_expert_gemm(8192, fmt, 2048, 512)
+    assert not use_expert_gemm(8192, "bf16", 2048, 96)           # I not a multiple of the tile: old path
+    assert use_expert_gemm(1, "bf16", 2048, 512, tiled=True)
+    assert not use_expert_gemm(8192, "bf16", 2048, 512, tiled=False)

@@ -1,0 +1,79 @@
+"""The prefill-attention sources compile for sm_90a with NVRTC (no GPU needed); the step metadata on the CPU."""
+
+import numpy as np
+import pytest
+import torch
+
+from flint_sched.kernels import _runtime, prefill_attention
+from flint_sched.kernels.prefill_attention import Chunk, prefill_metadata
+
+available, why = _runtime.nvrtc_available()
+needs_nvrtc = pytest.mark.skipif(not available, reason=f"NVRTC cannot be imported: {why}")
+
+ENTRY_POINTS = [("prefill_attention.cu", "prefill_attention_bf16"), ("prefill_qkv.cu", "prefill_qk_norm_rope_bf16"),
+                ("prefill_qkv.cu", "prefill_kv_copy_bf16")]
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """A fresh kernel cache, so the test really compiles."""
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
+    monkeypatch.setattr(_runtime, "_cubins", {})
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("source,entry", ENTRY_POINTS)
+def test_compiles_for_sm90a(source, entry, private_cache):
+    cubin = _runtime.compile_only(source, arch="sm_90a")
+    assert cubin[:4] == b"\x7fELF"
+    assert entry.encode() in cubin
+
+
+def test_launcher_constants_match_the_kernel_source():
+    text = (_runtime.source_dir() / "prefill_attention.cu").read_text()
+    assert f"#define PF_TOKENS {prefill_attention.TILE_TOKENS}" in text
+    assert "#define PF_WARPS 4" in text and prefill_attention.ATTN_THREADS == 4 * 32
+    assert f"Q_SMEM + 2 * KV_SMEM == {prefill_attention.SMEM_BYTES}" in text
+    assert 2 * (prefill_attention.SMEM_BYTES + 1024) <= 228 * 1024          # two CTAs per SM
+
+
+def test_metadata_rows_tiles_and_cache_rows():
+    chunks = [Chunk(0, 40, 3, [5, 1, 7]), Chunk(1000, 600, 0, list(range(100, 200))), Chunk(7, 1, 1, [9])]
+    meta = prefill_metadata(chunks, 16, 513, "cpu")
+    assert meta.num_tokens == 641 and meta.num_entries == 3
+    assert meta.entries.tolist() == [[0, 0, 40, 3], [40, 1000, 600, 0], [640, 7, 1, 1]]
+    # 3 + 38 + 1 tiles of 16 tokens, heaviest (latest keys) first
+    tiles = meta.tiles.tolist()
+    assert sorted(map(tuple, tiles)) == sorted([(0, a) for a in range(0, 40, 16)] + [(1, a) for a in range(0, 600, 16)]
+                                               + [(2, 0)])
+    assert tiles[0] == [1, 592] and tiles[-1] == [0, 0]
+    assert meta.positions[:3].tolist() == [0, 1, 2] and meta.positions[40:42].tolist() == [1000, 1001]
+    # position 17 of entry 0: block_table[1] = 1, offset 1; position 1000 of entry 1: block 162, offset 8
+    assert meta.kv_rows[17] == 1 * 16 + 1 and meta.kv_rows[40] == (100 + 62) * 16 + 8
+    assert meta.block_tables.shape == (3, 100) and meta.block_tables[0, :4].tolist() == [5, 1, 7, 0]
+    # ring: entries of <= 513 tokens keep all rows, the 600-token chunk its last 513
+    src, dst = meta.ring_src.tolist(), meta.ring_dst.tolist()
+    assert len(src) == 40 + 513 + 1
+    assert src[40] == 40 + 87 and dst[40] == 0 * 513 + (1087 % 513)
+    assert src[-1] == 640 and dst[-1] == 1 * 513 + 7
+    assert all(t.dtype == torch.int32 for t in (meta.entries, meta.tiles, meta.kv_rows, meta.ring_dst))
+
+
+def test_metadata_ring_rows_are_distinct_per_slot():
+    meta = prefill_metadata([Chunk(200, 2000, 4, [0] * 200), Chunk(0, 513, 2, [0] * 40)], 16, 513, "cpu")
+    dst = meta.ring_dst.numpy()
+    assert len(np.unique(dst)) == len(dst) == 2 * 513
+
+
+@pytest.mark.parametrize("chunks", [[], [Chunk(0, 0, 0, [0])], [Chunk(0, 40, 0, [0, 1])], [Chunk(-1, 4, 0, [0])]])
+def test_metadata_rejects_bad_entries(chunks):
+    with pytest.raises(ValueError):
+        prefill_metadata(chunks, 16, 513, "cpu")
+
+
+def test_launchers_reject_cpu_tensors():
+    meta = prefill_metadata([Chunk(0, 4, 0, [0])], 16, 513, "cpu")
+    qkv = torch.zeros(4, 40 * 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 16, 4, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError):
+        prefill_attention.prefill_attention(qkv, k, k, meta, torch.zeros(32), False)

@@ -1,0 +1,189 @@
+"""Prefix caching under random traffic, against a content-tracking fake executor (no torch).
+
+The fake executor writes each position's token into its block row and ring row, and before every
+chunk checks what a real one would read: the full-layer rows of all earlier positions and the ring
+rows of the last window - 1 positions must hold this request's tokens. So a hit that served the
+wrong blocks, a snapshot copied at the wrong time, or a write into a shared block fails here.
+After every step: block states partition the pool, ref counts equal the live tables holding each
+block, a snapshot's key block is cached, and no chunk writes a keyed or shared block; once every
+request has ended (finished, aborted, preempted and resumed), nothing is held.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flint_sched.core import Scheduler, SchedulerConfig, StepResult
+from flint_sched.core.plan import PLACEHOLDER_TOKEN
+from flint_sched.sampling_params import SamplingParams
+
+VOCAB = 50
+
+
+class ContentExecutor:
+    """Tokens instead of K/V: blocks[(block, row)] and rings[slot][row] = (position, token)."""
+
+    def __init__(self, block_size: int, window: int) -> None:
+        self.block_size, self.window = block_size, window
+        self.blocks: dict[tuple[int, int], int] = {}
+        self.rings: dict[int, dict[int, tuple[int, int]]] = {}
+        self.num_restored_tokens = 0
+        self.last: dict[str, int] = {}
+
+    def execute(self, plan) -> StepResult:
+        bs, w = self.block_size, self.window
+        for source, destination in plan.ring_copies:
+            self.rings[destination] = dict(self.rings.get(source, {}))
+        sampled = {}
+        for e in plan.scheduled_requests:
+            tokens = e.prompt_token_ids + e.output_token_ids
+            if len(tokens) < e.end_position:      # async scheduling: fed the token the last plan sampled
+                assert e.token_ids[-1] == PLACEHOLDER_TOKEN and len(tokens) + 1 == e.end_position
+                tokens = tokens + [self.last[e.request_id]]
+            ring = self.rings.setdefault(e.ring_slot, {})
+            for p in range(e.start_position):
+                assert self.blocks.get((e.block_table[p // bs], p % bs)) == tokens[p], f"{e.request_id} block row {p}"
+            for p in range(max(0, e.start_position - w + 1), e.start_position):
+                assert ring.get(p % w) == (p, tokens[p]), f"{e.request_id} ring row of {p}"
+            for p in range(e.start_position, e.end_position):
+                self.blocks[(e.block_table[p // bs], p % bs)] = tokens[p]
+                ring[p % w] = (p, tokens[p])
+            if e.samples:
+                sampled[e.request_id] = [sum(tokens[-3:]) % VOCAB]
+        self.last = {rid: t[-1] for rid, t in sampled.items()}
+        return StepResult(sampled)
+
+
+def check_pool(scheduler: Scheduler, plan) -> None:
+    allocator = scheduler.kv_allocator
+    pool = allocator.blocks
+    live = {rid: allocator.get(rid) for rid in list(scheduler._running)}
+    holds = Counter(b for a in live.values() for b in a.block_table)
+    for block in range(pool.num_total):
+        assert pool.ref_count(block) == holds[block], f"block {block}"
+    assert len(pool._free) + len(pool._lru) + sum(1 for b in holds) == pool.num_total
+    assert not set(pool._free) & set(pool._lru) and not set(pool._free) & set(holds)
+    assert all(pool._key_of_block[b] is not None for b in pool._lru)
+    for key in allocator.snapshots._slot_of_key:
+        assert pool.cached_block(key) is not None, "a snapshot outlived its key block"
+    for e in plan.scheduled_requests:
+        for block in e.block_table[e.start_position // allocator.block_size:]:
+            assert pool.ref_count(block) == 1 and pool._key_of_block[block] is None, "a chunk writes a shared block"
+
+
+@st.composite
+def scenarios(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    max_num_seqs = draw(st.integers(1, 4))
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=draw(st.integers(max_num_seqs, 40)),
+        num_blocks=draw(st.integers(24 // block_size + 2, 120 // block_size + 4)),
+        max_model_len=64,
+        block_size=block_size,
+        sliding_window=draw(st.sampled_from([2, 3, 5, 513])),
+        enable_prefix_caching=True,
+        num_ring_snapshots=draw(st.integers(1, 5)),
+    )
+    ops = draw(st.lists(st.one_of(
+        st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 12), st.integers(1, 8)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+        st.just(("reset",)),
+    ), min_size=1, max_size=40))
+    return config, ops, draw(st.integers(0, 2**16)), draw(st.booleans())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_random_traffic_with_shared_prefixes(scenario):
+    config, ops, seed, ahead = scenario
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(3)]
+    scheduler = Scheduler(config)
+    executor = ContentExecutor(config.block_size, config.sliding_window)
+    added, in_flight = [], []
+
+    def launch():
+        plan = scheduler.schedule()
+        check_pool(scheduler, plan)
+        if not plan.is_empty:
+            in_flight.append((plan, executor.execute(plan)))
+
+    def step():
+        """One update; `ahead` (async scheduling): the next plan is made and run before it."""
+        if not in_flight:
+            launch()
+        if ahead and len(in_flight) == 1:
+            launch()
+        if in_flight:
+            scheduler.update(*in_flight.pop(0))
+
+    for op in ops:
+        if op[0] == "add":
+            _, which, suffix_len, max_tokens = op
+            prompt = prefixes[which] + [rng.randrange(VOCAB) for _ in range(suffix_len)]
+            rid = f"r{len(added)}"
+            try:
+                scheduler.add_request(rid, prompt[:63], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                added.append(rid)
+            except ValueError:
+                pass
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                step()
+        elif op[0] == "abort" and added:
+            scheduler.abort_request(added[op[1] % len(added)])
+        elif op[0] == "reset":
+            assert scheduler.reset_prefix_cache()
+    for _ in range(2000):
+        if not scheduler.has_unfinished_requests() and not in_flight:
+            break
+        step()
+    assert not scheduler.has_unfinished_requests()
+    allocator = scheduler.kv_allocator
+    assert allocator.num_used_blocks == 0 and allocator.num_used_ring_slots == 0
+    assert allocator.num_free_blocks == allocator.num_total_blocks
+    cache = scheduler.prefix_cache
+    assert 0 <= cache.num_hit_tokens <= cache.num_queried_tokens
+
+
+def test_hits_happen_in_this_traffic():
+    """The property test is not vacuous: shared prefixes do hit, and cached blocks get evicted."""
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, num_blocks=12, max_model_len=64,
+                             block_size=4, sliding_window=5, enable_prefix_caching=True, num_ring_snapshots=2)
+    scheduler = Scheduler(config)
+    executor = ContentExecutor(4, 5)
+    shared = list(range(1, 22))
+    for i in range(8):
+        scheduler.add_request(f"r{i}", shared + [30 + i] * (i % 3), SamplingParams(max_tokens=3, ignore_eos=True))
+        while scheduler.has_unfinished_requests():
+            plan = scheduler.schedule()
+            check_pool(scheduler, plan)
+            scheduler.update(plan, executor.execute(plan))
+    cache = scheduler.prefix_cache
+    assert cache.num_hit_tokens == 7 * 20
+    assert scheduler.kv_allocator.blocks.num_cached > 0
+
+
+def test_a_snapshot_is_taken_before_the_next_chunk_when_plans_run_ahead():
+    """Async scheduling: the chunk past the snapshot position must not run before the rings are
+    copied, or a later hit restores rings that already hold positions past it."""
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, num_blocks=40, max_model_len=64,
+                             block_size=4, sliding_window=3, enable_prefix_caching=True, num_ring_snapshots=2)
+    scheduler = Scheduler(config)
+    executor = ContentExecutor(4, 3)
+    shared = list(range(1, 23))
+    in_flight = []
+    for i in range(3):
+        scheduler.add_request(f"r{i}", shared + [40 + i], SamplingParams(max_tokens=4, ignore_eos=True))
+        while scheduler.has_unfinished_requests() or in_flight:
+            while len(in_flight) < 2 and not (plan := scheduler.schedule()).is_empty:
+                check_pool(scheduler, plan)
+                in_flight.append((plan, executor.execute(plan)))       # the ring checks run here
+            scheduler.update(*in_flight.pop(0))
+    assert scheduler.prefix_cache.num_hit_tokens == 2 * 20
