@@ -75,6 +75,9 @@ class TorchExecutor:
     def launch(self, plan: StepPlan) -> StepResult:
         return self.execute(plan)
 
+    def collect(self, launched: StepResult) -> StepResult:
+        return launched
+
     def sample(self, logits: torch.Tensor, entries: list[ScheduledRequest]) -> StepResult:
         """One token per entry from its fp32 logits row (one batched pass, one read-back)."""
         return sampled_step(logits, entries, self.eos_token_ids, self.generator, self.grammars)
