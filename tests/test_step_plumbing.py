@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flint_sched.core.plan import PLACEHOLDER_TOKEN, ScheduledRequest, StepPlan, StepResult
-from flint_sched.executor.cuda_executor import CudaExecutor
+from flint_sched.executor.cuda_executor import ONE_FORWARD_MAX_CONTEXT, CudaExecutor
 from flint_sched.executor.graphs import GROUPED_BATCH_SIZES, padded_batch
 from flint_sched.config import preset
 from flint_sched.executor.kv_cache import KVCache
@@ -99,9 +99,20 @@ class SplitExecutor(CudaExecutor):
         return sampling, None, StepResult({e.request_id: [2] for e in sampling})
 
 
+def test_a_mixed_step_is_one_forward_over_its_decodes_and_prompt_chunks():
+    decodes = [entry(f"r{n}", [1], 10, [0, 1, 2]) for n in range(5)]
+    prompts = [entry("r100", [1, 2, 3], 0, [5]), entry("r102", [4, 5], 4, [7, 8], samples=False)]
+    ex = SplitExecutor()
+    result = ex.execute(StepPlan(decodes + prompts, 10, "grouped", [], []))
+    assert ex.calls == [("prompt", None, [e.request_id for e in decodes + prompts])]
+    assert set(result.sampled_token_ids) == {e.request_id for e in decodes} | {"r100"}
+
+
 @pytest.mark.parametrize("num_decodes, variant, rows", [(3, "fused", 4), (12, "grouped", 16)])
-def test_a_mixed_step_runs_its_decodes_from_a_graph_and_its_prompts_eagerly(num_decodes, variant, rows):
-    decodes = [entry(f"r{n}", [1], 10, [0, 1, 2]) for n in range(num_decodes)]
+def test_a_mixed_step_with_a_long_decode_runs_its_decodes_from_a_graph_and_its_prompts_eagerly(num_decodes, variant,
+                                                                                               rows):
+    long = ONE_FORWARD_MAX_CONTEXT         # one decode this long takes the split
+    decodes = [entry(f"r{n}", [1], long if n == 0 else 10, [0, 1, 2]) for n in range(num_decodes)]
     prompts = [entry("r100", [1, 2, 3], 0, [5]), entry("r101", [4], 0, [6], samples=True),
                entry("r102", [4, 5], 4, [7, 8], samples=False)]
     ex = SplitExecutor()

@@ -5,6 +5,11 @@
     more decodes, up to the largest size   grouped    CUDA graph per padded batch size (graphs.py)
     prompt chunks (mixed steps), or more   prompt     eager launches; prefill attention kernels
 
+A mixed step (prompt chunks beside running decodes) is one forward of the prompt variant over all
+rows, a decode being a chunk of one token, so every weight is read once for both. Past
+ONE_FORWARD_MAX_CONTEXT a decode's attention is better served by the split-KV decode kernel: then
+the decode rows replay their graph and the prompt chunks run eagerly after it.
+
 Every variant shares one KVCache and the same weights. Decode steps copy their inputs into static
 buffers (step_inputs.py) and keep the greedy ids, or sample in a graph (graph_sampler.py), or
 sample the logits through executor/sampler.py (seeds, logit edits, logprobs). `launch` runs a step
@@ -44,6 +49,10 @@ from flint_sched.quant.nvfp4 import NVFP4Tensor
 from flint_sched.sampling_params import SamplingParams
 
 FUSED_MAX_BATCH = MAX_TOKENS      # the GEMV and small-batch MoE kernels' limit (kernels/linear.py)
+# NOTE: the prefill attention kernel gives a one-token chunk one CTA per KV head and no split over
+# its keys (~1 µs per 64 keys): ~70 µs a full layer at 4K, 0.5 ms at 32K, for all decodes at once,
+# against a decode graph step (weights read a second time) of 6-22 ms at batch 16-256 (H200, NVFP4).
+ONE_FORWARD_MAX_CONTEXT = 32768
 
 
 def supports(config: FlintConfig) -> bool:
@@ -179,9 +188,10 @@ class CudaExecutor:
             return self.sampled.record(*self._prompt(entries))
         if len(decodes) == len(entries):
             return self.sampled.record(*self._decode(entries, *graph))
-        # A mixed step: its decode rows replay their graph, its prompt chunks run eagerly after it
-        # (until the prefill attention kernel lets one forward take both, issue 12). The requests
-        # are disjoint, so the order of the two parts does not matter.
+        if max(e.start_position for e in decodes) < ONE_FORWARD_MAX_CONTEXT:
+            return self.sampled.record(*self._prompt(entries))
+        # A mixed step with a long decode: its decode rows replay their graph, its prompt chunks run
+        # eagerly after it. The requests are disjoint, so the order of the two parts does not matter.
         prompts = [e for e in entries if not (e.num_tokens == 1 and e.samples)]
         first = self._decode(decodes, *self._decode_graph(len(decodes)))
         first_logits = self.last_logits.clone()
