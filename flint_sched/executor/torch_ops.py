@@ -61,8 +61,8 @@ class StepRows:
 
 
 class AttentionOps:
-    """Q/K norm, RoPE, the K/V write and attention in torch, from q/k/v projections of any origin
-    (the torch path's matmuls, or the grouped path's kernels for prompt chunks)."""
+    """Q/K norm, RoPE, the K/V write and attention in torch: TorchOps' attention half (the CUDA
+    executor's prompt steps run kernels/prefill_attention.py instead)."""
 
     def __init__(self, model: FlintReference, kv: KVCache, rows: StepRows):
         self.model, self.config, self.kv, self.rows = model, model.config, kv, rows
