@@ -1,3 +1,4 @@
+import asyncio
 import dataclasses
 
 import pytest
@@ -6,6 +7,27 @@ import torch
 from flint_sched.checkpoint.random_init import random_tensor
 from flint_sched.config import preset
 from flint_sched.model.weights import tensor_specs
+
+
+def final_outputs(parts, requests):
+    """The final RequestOutput of each (prompt, params), all run together in one fresh engine."""
+    from flint_sched.engine.builder import build_engine
+
+    async def main():
+        engine = build_engine(parts)
+        engine.start()
+
+        async def last(stream):
+            out = None
+            async for out in stream:
+                pass
+            return out
+
+        try:
+            return await asyncio.gather(*(last(engine.add_request(p, sp)) for p, sp in requests))
+        finally:
+            await engine.shutdown()
+    return asyncio.run(main())
 
 
 def fp32_weights(config, seed=0):

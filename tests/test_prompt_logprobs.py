@@ -1,35 +1,22 @@
 """Prompt logprobs (vLLM's `prompt_logprobs`) through the engine on the CPU: equal to a log-softmax of
 the reference's logits at every prompt position, across prefill chunks, for the requests that ask."""
 
-import asyncio
 import random
 
 import pytest
 import torch
 
+from conftest import final_outputs
 from flint_sched.checkpoint.make import dummy_checkpoint
 from flint_sched.engine import EngineConfig
-from flint_sched.engine.builder import build_engine, build_parts
+from flint_sched.engine.builder import build_parts
 from flint_sched.executor.prompt_logprobs import prompt_spans
 from flint_sched.executor.torch_executor import dense_weights
 from flint_sched.model.reference import FlintReference
 from flint_sched.sampling_params import SamplingParams
 
 
-def run(parts, requests):
-    async def main():
-        engine = build_engine(parts)
-        engine.start()
-        try:
-            async def last(stream):
-                out = None
-                async for out in stream:
-                    pass
-                return out
-            return await asyncio.gather(*(last(engine.add_request(p, sp)) for p, sp in requests))
-        finally:
-            await engine.shutdown()
-    return asyncio.run(main())
+run = final_outputs
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 the engine on the CPU: hundreds of sampled JSON documents validate against their schemas, regexes and
 choices hold, a finished grammar stops the request, and unconstrained requests are left as they were."""
 
-import asyncio
 import json
 import re
 
@@ -10,9 +9,10 @@ import jsonschema
 import pytest
 import torch
 
+from conftest import final_outputs
 from flint_sched.checkpoint.make import dummy_checkpoint
 from flint_sched.engine import EngineConfig
-from flint_sched.engine.builder import build_engine, build_parts
+from flint_sched.engine.builder import build_parts
 from flint_sched.executor.grammar_masks import GrammarMasks, unpack_bitmask
 from flint_sched.sampling_params import SamplingParams
 from flint_sched.structured import StructuredOutputsParams
@@ -55,21 +55,7 @@ def parts(tiny_config):
     return build_parts(config, progress=False, checkpoint=ckpt)
 
 
-def run(parts, requests):
-    """The final RequestOutput of each (prompt, params), all in one engine."""
-    async def main():
-        engine = build_engine(parts)
-        engine.start()
-        try:
-            async def last(stream):
-                out = None
-                async for out in stream:
-                    pass
-                return out
-            return await asyncio.gather(*(last(engine.add_request(p, sp)) for p, sp in requests))
-        finally:
-            await engine.shutdown()
-    return asyncio.run(main())
+run = final_outputs
 
 
 def constrained(max_tokens=160, seed=None, **kind):
