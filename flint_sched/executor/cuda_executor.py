@@ -82,6 +82,7 @@ def _kernel_weight(w: torch.Tensor | NVFP4Tensor, device: torch.device):
 
 class CudaExecutor:
     grammars: GrammarMasks | None = None           # structured outputs; set by the engine builder
+
     def __init__(self, config: FlintConfig, weights: Weights, kv_cache: KVCache, eos_token_ids: Collection[int],
                  max_model_len: int, device: torch.device | str = "cuda", seed: int = 0, use_graphs: bool = True,
                  pdl: bool = True, first_graph_layers: int = FIRST_GRAPH_LAYERS,
