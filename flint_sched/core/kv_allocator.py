@@ -111,9 +111,10 @@ class HybridKVAllocator:
         num_blocks = -(-num_tokens // self.block_size)
         allocation = self._allocations.get(request_id)
         if allocation is None:
-            num_free = self.blocks.num_free - self.blocks.num_evictable(cached_blocks)
+            num_free = self.blocks.num_free - (self.blocks.num_evictable(cached_blocks) if cached_blocks else 0)
             return self._ring_slots.num_free > 0 and num_blocks - len(cached_blocks) <= num_free
-        return num_blocks - len(allocation.block_table) <= self.blocks.num_free
+        num_new_blocks = num_blocks - len(allocation.block_table)
+        return num_new_blocks <= 0 or num_new_blocks <= self.blocks.num_free
 
     def allocate(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> KVAllocation:
         """Grow the request's holding to cover num_tokens positions; all or nothing. A new request's
@@ -123,7 +124,9 @@ class HybridKVAllocator:
             raise ValueError(f"request {request_id!r} already holds blocks: cached blocks start a table")
         num_held = len(cached_blocks) if allocation is None else len(allocation.block_table)
         num_new_blocks = -(-num_tokens // self.block_size) - num_held
-        num_free = self.blocks.num_free - self.blocks.num_evictable(cached_blocks)
+        if allocation is not None and num_new_blocks <= 0:
+            return allocation                    # most decode steps: the last block has room
+        num_free = self.blocks.num_free - (self.blocks.num_evictable(cached_blocks) if cached_blocks else 0)
         if num_new_blocks > num_free:
             raise RuntimeError(
                 f"out of blocks: request {request_id!r} needs {num_new_blocks}, {num_free} free"

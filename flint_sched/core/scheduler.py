@@ -50,7 +50,8 @@ class _StepBuilder:
         start = request.num_computed_tokens + request.num_in_flight_tokens
         end = start + num_new_tokens
         token_ids = request.all_token_ids[start:end]
-        token_ids += [PLACEHOLDER_TOKEN] * (num_new_tokens - len(token_ids))
+        if len(token_ids) < num_new_tokens:          # fed by a plan still running (async scheduling)
+            token_ids += [PLACEHOLDER_TOKEN] * (num_new_tokens - len(token_ids))
         samples = end == len(request.all_token_ids) + request.num_pending_outputs
         self.entries[request.request_id] = ScheduledRequest(
             request.request_id,
@@ -213,11 +214,13 @@ class Scheduler:
         cache, block_size = self.prefix_cache, self.config.block_size
         sampled = result.sampled_token_ids
         logprobs = result.logprobs
+        running = self._running
         for entry in plan.scheduled_requests:
-            request = self._running.get(entry.request_id)
+            request = running.get(entry.request_id)
             if request is None:
                 continue
-            request.num_in_flight_tokens -= len(entry.token_ids)
+            num_tokens = len(entry.token_ids)
+            request.num_in_flight_tokens -= num_tokens
             request.num_pending_outputs -= entry.samples
             if request.num_computed_tokens != entry.start_position:
                 raise RuntimeError(
@@ -225,16 +228,16 @@ class Scheduler:
                     f"{request.num_computed_tokens} computed tokens, the plan starts at "
                     f"{entry.start_position} (each plan is updated once, in order)"
                 )
-            if entry.samples and not sampled.get(entry.request_id):
+            new_token_ids = sampled.get(entry.request_id) if entry.samples else None
+            if entry.samples and not new_token_ids:
                 raise ValueError(f"StepResult has no sampled token for {entry.request_id!r}")
-            request.num_computed_tokens += len(entry.token_ids)
+            request.num_computed_tokens += num_tokens
             if cache is not None and (
                 not entry.samples or request.num_computed_tokens // block_size > request.num_keyed_blocks
             ):  # a chunk that samples never ends at a snapshot position: only filled blocks matter
                 cache.computed(request, self.kv_allocator.get(entry.request_id))
             if not entry.samples:
                 continue
-            new_token_ids = sampled[entry.request_id]
             reason = None
             for count, token_id in enumerate(new_token_ids, 1):
                 reason = request.append_output_token(token_id)
@@ -256,7 +259,9 @@ class Scheduler:
 
     def _chunk_end(self, request: Request, start: int, num_new_tokens: int) -> int:
         end = start + num_new_tokens
-        return end if self.prefix_cache is None else self.prefix_cache.chunk_end(request, start, end)
+        if self.prefix_cache is None or num_new_tokens == 1:     # one token never crosses a snapshot position
+            return end
+        return self.prefix_cache.chunk_end(request, start, end)
 
     def _schedule_running(self, request: Request, num_new_tokens: int, step: _StepBuilder) -> None:
         start = request.num_computed_tokens + request.num_in_flight_tokens
