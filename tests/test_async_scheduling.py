@@ -163,3 +163,38 @@ async def test_engine_outputs_are_the_same_with_and_without_async_scheduling(ckp
             stop=("e",) if i % 4 == 0 else ())
         requests.append(([rng.randrange(4000) for _ in range(rng.randint(1, 30))], params))
     assert await run(ckpt, True, requests) == await run(ckpt, False, requests)
+
+
+async def agent_turns(ckpt, async_scheduling: bool, caching: bool):
+    """Four sessions at once, three turns each: a turn's prompt is the last prompt, its output and
+    new tokens (so later turns hit the prefix cache). Greedy tokens of every turn, and cached tokens."""
+    parts = build_parts(EngineConfig(device="cpu", max_num_seqs=6, max_num_batched_tokens=24, block_size=4,
+                                     num_kv_blocks=200, async_scheduling=async_scheduling,
+                                     enable_prefix_caching=caching), progress=False, checkpoint=ckpt)
+    engine = build_engine(parts)
+    engine.start()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def session(n):
+        rng, prompt, turns = random.Random(n), [], []
+        for _ in range(3):
+            prompt = prompt + [rng.randrange(4000) for _ in range(rng.randint(3, 30))]
+            last = None
+            async for last in engine.add_request(prompt, params):
+                pass
+            turns.append((last.outputs[0].token_ids, last.num_cached_tokens))
+            prompt = prompt + last.outputs[0].token_ids
+        return turns
+
+    try:
+        return await asyncio.gather(*(session(n) for n in range(4)))
+    finally:
+        await engine.shutdown()
+
+
+async def test_prefix_cache_hits_under_async_scheduling_give_the_tokens_of_a_cold_run(ckpt):
+    cold = await agent_turns(ckpt, async_scheduling=False, caching=False)
+    for async_scheduling in (False, True):
+        warm = await agent_turns(ckpt, async_scheduling=async_scheduling, caching=True)
+        assert [[tokens for tokens, _ in s] for s in warm] == [[tokens for tokens, _ in s] for s in cold]
+        assert all(cached > 0 for s in warm for _, cached in s[1:])      # later turns hit
