@@ -15,39 +15,12 @@ from flint_sched.kernels import expert_gemm, moe_grouped, moe_routing_workspace,
 from flint_sched.kernels.grouped_moe import use_expert_gemm
 from flint_sched.model.reference import FlintReference
 from flint_sched.model.reference import route as reference_route
-from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize
 from gpu_checks import assert_close_bf16, gen, poisoned
+from moe_checks import FLINT, SCALING, SMALL, check_graph_replay, check_moe, dense, make_moe
 
 pytestmark = pytest.mark.gpu
 
-SCALING = 2.5
-FLINT = dict(experts=256, top_k=6, hidden=2048, inter=512)
-SMALL = dict(experts=32, top_k=6, hidden=512, inter=256)
 TOKENS = [1, 7, 257, 1000, 4099, 8192]
-
-
-def make_weight(fmt, *shape, g):
-    w = torch.randn(*shape, device="cuda", generator=g) / shape[-1] ** 0.5
-    return w.bfloat16() if fmt == "bf16" else quantize(w, per_leading_scale=len(shape) == 3)
-
-
-def make_moe(fmt, shape, seed=0):
-    g = gen(seed)
-    e, h, i = shape["experts"], shape["hidden"], shape["inter"]
-    return dict(router=(torch.randn(e, h, device="cuda", generator=g) / h**0.5).bfloat16(),
-                bias=0.1 * torch.randn(e, device="cuda", generator=g),
-                gate=make_weight(fmt, e, i, h, g=g), up=make_weight(fmt, e, i, h, g=g),
-                down=make_weight(fmt, e, h, i, g=g), shared_gate=make_weight(fmt, i, h, g=g),
-                shared_up=make_weight(fmt, i, h, g=g), shared_down=make_weight(fmt, h, i, g=g))
-
-
-def dense(w, e=None):
-    """fp32 weight (expert e of a stack): exactly the values the kernels multiply."""
-    if isinstance(w, NVFP4Tensor):
-        if e is not None:
-            w = NVFP4Tensor(w.codes[e], w.block_scales[e], w.tensor_scale[e:e + 1])
-        return w.dequantize(torch.float32)
-    return (w if e is None else w[e]).float()
 
 
 def expert_weights(p, e, experts):
@@ -101,62 +74,16 @@ def test_expert_gemms_match_per_expert_loop(flint_moe, tokens, config):
 # ---- moe_grouped on the tiled path ---------------------------------------------------------------
 
 
-def moe_reference(x, ids, weights, p, residual, ntok):
-    """fp32 per-expert loop; h and each expert's output rounded to bf16 as the kernels store them."""
-    xf, out = x.float(), residual.float().clone()
-    y = torch.zeros_like(out[:ntok])
-
-    def expert(rows, wg, wu, wd):
-        h = (F.silu(xf[rows] @ wg.t()) * (xf[rows] @ wu.t())).bfloat16().float()
-        return (h @ wd.t()).bfloat16().float()
-
-    ids = ids[:ntok].long()
-    for e in torch.unique(ids).tolist():
-        rows, slot = (ids == e).nonzero(as_tuple=True)
-        y.index_add_(0, rows, expert(rows, dense(p["gate"], e), dense(p["up"], e), dense(p["down"], e))
-                     * weights[rows, slot, None])
-    all_rows = torch.arange(ntok, device="cuda")
-    y += expert(all_rows, dense(p["shared_gate"]), dense(p["shared_up"]), dense(p["shared_down"]))
-    out[:ntok] += y
-    return out
-
-
-def run_moe(p, x, residual, ws, top_k, num_tokens=None, pdl=False):
-    out = poisoned(*x.shape)
-    moe_grouped(x, p["router"], p["bias"], top_k, SCALING, p["gate"], p["up"], p["down"], p["shared_gate"],
-                p["shared_up"], p["shared_down"], residual, ws, out=out, num_tokens=num_tokens, pdl=pdl,
-                tiled=True)
-    return out
-
-
-def check_moe(fmt, p, shape, tokens, what, ntok=None):
-    """As test_kernel_grouped.check_moe (its tolerances: a few bf16 ulps of h and y apart)."""
-    ntok = tokens if ntok is None else ntok
-    g = gen(2000 + tokens)
-    x = torch.randn(tokens, shape["hidden"], device="cuda", generator=g).bfloat16()
-    residual = torch.randn(tokens, shape["hidden"], device="cuda", generator=g).bfloat16()
-    ws = moe_routing_workspace(tokens, shape["experts"], shape["top_k"], "cuda", hidden_size=shape["hidden"],
-                               intermediate_size=shape["inter"])
-    num_tokens = torch.tensor([ntok], dtype=torch.int32, device="cuda")
-    out = run_moe(p, x, residual, ws, shape["top_k"], num_tokens)
-    ref = moe_reference(x, ws.ids[:tokens], ws.weights[:tokens], p, residual, ntok)
-    assert_close_bf16(out, ref, f"{fmt} {what} T={tokens} real={ntok}", rtol=2.0**-6, abs_frac=1e-2, rel_l2=1e-2)
-    assert torch.equal(out[ntok:], residual[ntok:]), "padded rows differ from the residual"
-    again = run_moe(p, x, residual, ws, shape["top_k"], num_tokens)
-    assert torch.equal(out, again), "two runs differ"
-    return ws
-
-
 @pytest.mark.parametrize("tokens", [1, 257, 4099])
 def test_moe_grouped_tiled_flint_shapes(flint_moe, tokens):
     fmt, p = flint_moe
-    check_moe(fmt, p, FLINT, tokens, "tiled flint")
+    check_moe(fmt, p, FLINT, tokens, "tiled flint", tiled=True, seed=2000)
 
 
 @pytest.mark.parametrize("tokens,ntok", [(1000, 1000), (1000, 613), (64, 0)])
 def test_moe_grouped_tiled_small_shapes_and_padding(small_moe, tokens, ntok):
     fmt, p = small_moe
-    check_moe(fmt, p, SMALL, tokens, "tiled small", ntok=ntok)
+    check_moe(fmt, p, SMALL, tokens, "tiled small", ntok=ntok, tiled=True, seed=2000)
 
 
 @pytest.mark.parametrize("tokens", [7, 4099])
@@ -166,40 +93,14 @@ def test_moe_grouped_tiled_all_tokens_on_one_expert(small_moe, tokens):
     fmt, p = small_moe
     bias = torch.zeros(SMALL["experts"], device="cuda")
     bias[[3, 5, 8, 13, 21, 31]] = torch.tensor([100.0, 90, 80, 70, 60, 50], device="cuda")
-    ws = check_moe(fmt, dict(p, bias=bias), SMALL, tokens, "one expert")
+    ws = check_moe(fmt, dict(p, bias=bias), SMALL, tokens, "one expert", tiled=True, seed=2000)
     counts = ws.offsets.diff().cpu()
     assert counts[3] == tokens and int((counts[:SMALL["experts"]] == 0).sum()) == SMALL["experts"] - 6
 
 
 def test_moe_grouped_tiled_cuda_graph_with_pdl(small_moe):
     """Captured with PDL and a device token count; replayed on new inputs it equals eager runs."""
-    fmt, p = small_moe
-    tokens, shape = 1500, SMALL
-    ws = moe_routing_workspace(tokens, shape["experts"], shape["top_k"], "cuda", hidden_size=shape["hidden"],
-                               intermediate_size=shape["inter"])
-    x = torch.randn(tokens, shape["hidden"], device="cuda", generator=gen(7)).bfloat16()
-    residual = torch.randn_like(x)
-    num_tokens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
-    out = poisoned(tokens, shape["hidden"])
-
-    def step():
-        moe_grouped(x, p["router"], p["bias"], shape["top_k"], SCALING, p["gate"], p["up"], p["down"],
-                    p["shared_gate"], p["shared_up"], p["shared_down"], residual, ws, out=out,
-                    num_tokens=num_tokens, pdl=True, tiled=True)
-
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for seed, ntok in ((8, tokens), (9, 377), (10, tokens)):
-        x.copy_(torch.randn(x.shape, device="cuda", generator=gen(seed)).bfloat16())
-        num_tokens.fill_(ntok)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = run_moe(p, x, residual, ws, shape["top_k"], num_tokens)
-        assert torch.equal(out, eager), f"graph replay (seed {seed}, {ntok} tokens) differs from eager"
+    check_graph_replay(small_moe[1], SMALL, tokens=1500, partial=377, tiled=True)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
