@@ -13,7 +13,7 @@ import functools
 import torch
 
 from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
-from flint_sched.kernels.linear import Weight, cdiv, check_tensor, weight_args, weight_format
+from flint_sched.kernels.linear import Weight, cdiv, check_tensor, expert_args, moe_gate_up_args, weight_format
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 TILE_M = 128        # rows per M-tile (cuda/expert_gemm.cu EG_BM) = the routing chunk
@@ -58,12 +58,6 @@ def supported(fmt: str, hidden: int, inter: int) -> bool:
     return hidden % TILE_K == 0 and inter % TILE_K == 0 and inter % (bn // 2) == 0 and hidden % bn == 0
 
 
-def _stack_args(stack: Weight, shared: Weight, names: tuple[str, str], rows: int, k: int, experts: int,
-                device: torch.device) -> list:
-    return (weight_args(stack, names[0], (experts, rows, k), device, experts)
-            + weight_args(shared, names[1], (rows, k), device))
-
-
 def _check_routing(routing, rows_needed: int, num_experts: int) -> None:
     if routing.chunk != TILE_M:
         raise ValueError(f"the expert GEMMs need a work list of {TILE_M}-row items "
@@ -104,12 +98,7 @@ def expert_gate_up(x: torch.Tensor, routing, gate: Weight, up: Weight, shared_ga
     if k % TILE_K or i % (bn // 2):
         raise ValueError(f"expert_gate_up needs K % {TILE_K} == 0 and I % {bn // 2} == 0, got K {k}, I {i}")
     _check_scales(gate, up, shared_gate, shared_up)
-    args = (_stack_args(gate, shared_gate, ("gate", "shared_gate"), i, k, e, x.device)
-            + _stack_args(up, shared_up, ("up", "shared_up"), i, k, e, x.device))
-    if fmt == "bf16":   # kernel order: gate, up, shared_gate, shared_up
-        args = [args[0], args[2], args[1], args[3]]
-    else:
-        args = args[0:3] + args[6:9] + args[3:6] + args[9:12]
+    args = moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device)
     h = _out(out, (routing.sorted_token.numel(), i), x)
     _kernel(f"expert_gate_up_{fmt}", config).launch(
         (i // (bn // 2), routing.max_items), (threads(config),),
@@ -131,7 +120,7 @@ def expert_down(h: torch.Tensor, routing, down: Weight, shared_down: Weight, out
     if k % TILE_K or n % bn:
         raise ValueError(f"expert_down needs K % {TILE_K} == 0 and N % {bn} == 0, got K {k}, N {n}")
     _check_scales(down, shared_down)
-    args = _stack_args(down, shared_down, ("down", "shared_down"), n, k, e, h.device)
+    args = expert_args(down, shared_down, ("down", "shared_down"), n, k, e, h.device)
     y = _out(out, (p, n), h)
     _kernel(f"expert_down_{fmt}", config).launch(
         (cdiv(n, bn), routing.max_items), (threads(config),),

@@ -26,7 +26,7 @@ from flint_sched.kernels import expert_gemm
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.grouped import (CHUNKS, TILE_ROWS, TILES_PER_CTA, WARPS, check_rows, gemm_kernel, grid,
                                          grouped_linear, moe_chunk, out_buffer, work_bound)
-from flint_sched.kernels.linear import Weight, cdiv, check_tensor, weight_args, weight_format
+from flint_sched.kernels.linear import Weight, cdiv, check_tensor, expert_args, moe_gate_up_args, weight_format
 
 ROUTING_THREADS = 512       # cuda/moe_routing.cu ROUTING_WARPS * 32
 ROUTING_WARPS = ROUTING_THREADS // 32
@@ -161,12 +161,6 @@ def route_and_sort(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling
     return r
 
 
-def _expert_args(stack: Weight, shared: Weight, names: tuple[str, str], rows: int, k: int,
-                 num_experts: int, device: torch.device) -> list:
-    return (weight_args(stack, names[0], (num_experts, rows, k), device, num_experts)
-            + weight_args(shared, names[1], (rows, k), device))
-
-
 def moe_tiles_per_cta() -> int:
     """The expert GEMMs take 4 tiles per CTA (a warp streams one 16-row tile over all of K) at every
     size: a CTA then moves 4x the bytes for the same fixed cost. Measured on the H200, Flint's MoE
@@ -190,12 +184,7 @@ def moe_gate_up_sorted(x: torch.Tensor, routing: Routing, gate: Weight, up: Weig
         raise ValueError(f"gate has {e} experts / x {m} tokens; routing has {routing.num_experts} / "
                          f"{routing.pair_row.shape[0]}")
     fmt = weight_format(gate, up, shared_gate, shared_up)
-    args = (_expert_args(gate, shared_gate, ("gate", "shared_gate"), i, k, e, x.device)
-            + _expert_args(up, shared_up, ("up", "shared_up"), i, k, e, x.device))
-    if fmt == "bf16":   # kernel order: gate, up, shared_gate, shared_up
-        args = [args[0], args[2], args[1], args[3]]
-    else:
-        args = args[0:3] + args[6:9] + args[3:6] + args[9:12]
+    args = moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device)
     h = out_buffer(out, "out", (routing.sorted_token.numel(), i), torch.bfloat16, x)
     grid_xy, per_cta = _plan(routing, cdiv(i, TILE_ROWS // 2))
     gemm_kernel("moe_gate_up", fmt, routing.chunk, per_cta).launch(
@@ -213,7 +202,7 @@ def moe_down_sorted(h: torch.Tensor, routing: Routing, down: Weight, shared_down
         raise ValueError(f"down has {e} experts / h {p} rows; routing has {routing.num_experts} / "
                          f"{routing.sorted_token.numel()}")
     fmt = weight_format(down, shared_down)
-    args = _expert_args(down, shared_down, ("down", "shared_down"), n, i, e, h.device)
+    args = expert_args(down, shared_down, ("down", "shared_down"), n, i, e, h.device)
     y = out_buffer(out, "out", (p, n), torch.bfloat16, h)
     grid_xy, per_cta = _plan(routing, cdiv(n, TILE_ROWS))
     gemm_kernel("moe_down", fmt, routing.chunk, per_cta).launch(

@@ -108,6 +108,24 @@ def weight_args(w: Weight, name: str, shape: tuple[int, ...], device: torch.devi
     return [w]
 
 
+def expert_args(stack: Weight, shared: Weight, names: tuple[str, str], rows: int, k: int, num_experts: int,
+                device: torch.device) -> list:
+    """Kernel arguments of an expert stack [E, rows, k] (one tensor scale per expert) and the shared
+    expert's weight [rows, k], checked."""
+    return (weight_args(stack, names[0], (num_experts, rows, k), device, num_experts)
+            + weight_args(shared, names[1], (rows, k), device))
+
+
+def moe_gate_up_args(gate: Weight, up: Weight, shared_gate: Weight, shared_up: Weight, rows: int, k: int,
+                     num_experts: int, device: torch.device) -> list:
+    """The MoE gate/up kernels' weight arguments, in their order: gate, up, shared gate, shared up
+    (each [w], or [codes, scales, tensor scale] for NVFP4)."""
+    gates = expert_args(gate, shared_gate, ("gate", "shared_gate"), rows, k, num_experts, device)
+    ups = expert_args(up, shared_up, ("up", "shared_up"), rows, k, num_experts, device)
+    n = len(gates) // 2
+    return gates[:n] + ups[:n] + gates[n:] + ups[n:]
+
+
 def weight_format(*weights: Weight | None) -> str:
     """'nvfp4' or 'bf16'; every given weight must use the same one."""
     kinds = {isinstance(w, NVFP4Tensor) for w in weights if w is not None}
