@@ -5,13 +5,11 @@
 //   prefill_kv_copy_bf16        after attention, sliding layers: K/V of rows src_rows[r] into pool
 //                               rows dst_rows[r] (the ring rows of each chunk's last <= window tokens)
 // qkv [T, (H + 2G) * 128] bf16: q heads, then k heads, then v heads. The norm and RoPE arithmetic is
-// qk_norm_rope_kv.cu's, step for step (bf16 rounding after the norm, fp64 angles, no FMA fusion), so
-// a prompt leaves the same K bits in the cache as token-by-token decode does.
-#include "attention_common.cuh"
+// qk_norm_rope.cuh's, shared with the decode kernel (qk_norm_rope_kv.cu), so a prompt leaves the
+// same K bits in the cache as token-by-token decode does.
+#include "qk_norm_rope.cuh"
 
 #define PQK_WARPS 8
-
-__device__ __forceinline__ float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 // Grid (T), 256 threads: warp w handles heads w, w + 8, ...; lane l holds dims 4l .. 4l+3.
 extern "C" __global__ void __launch_bounds__(PQK_WARPS * 32)
@@ -24,12 +22,7 @@ prefill_qk_norm_rope_bf16(u16* qkv, u16* k_pool, u16* v_pool, const int* kv_rows
   const bool rope = rope_inv_freq != nullptr;
   pdl_launch_dependents();
   // Before the wait: the step's metadata (copied before its first kernel) and the norm weights.
-  if (rope && threadIdx.x < HEAD_DIM / 2) {
-    double sin_a, cos_a;  // as rope_cos_sin: fp64 angle, cos/sin rounded to fp32
-    sincos((double)positions[row] * rope_inv_freq[threadIdx.x], &sin_a, &cos_a);
-    cos_s[threadIdx.x] = (float)cos_a;
-    sin_s[threadIdx.x] = (float)sin_a;
-  }
+  if (rope) rope_table(cos_s, sin_s, positions[row], rope_inv_freq);
   const long long pool_row = kv_rows ? (long long)kv_rows[row] : -1;
   float wq[4], wk[4];
   {
@@ -52,30 +45,9 @@ prefill_qk_norm_rope_bf16(u16* qkv, u16* k_pool, u16* v_pool, const int* kv_rows
     const bool is_q = head < H;
     const uint2 raw = *reinterpret_cast<const uint2*>(p);
     const float x[4] = {bf16x2_lo(raw.x), bf16x2_hi(raw.x), bf16x2_lo(raw.y), bf16x2_hi(raw.y)};
-    // NOTE: __fmul_rn/__fadd_rn keep the compiler from fusing into FMAs, which torch's separate
-    // elementwise ops never do; fused results would differ in the last fp32 bit.
-    float sum_sq = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) sum_sq = __fadd_rn(sum_sq, __fmul_rn(x[i], x[i]));
-    const float inv_rms = rsqrtf(__fadd_rn(warp_sum(sum_sq) * (1.0f / HEAD_DIM), eps));
+    const float w[4] = {is_q ? wq[0] : wk[0], is_q ? wq[1] : wk[1], is_q ? wq[2] : wk[2], is_q ? wq[3] : wk[3]};
     float y[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) y[i] = round_bf16(__fmul_rn(__fmul_rn(x[i], inv_rms), is_q ? wq[i] : wk[i]));
-    if (rope) {
-      // Lanes 0-15 hold x1 = dims 0..63, lanes 16-31 hold x2 = dims 64..127: partner is lane ^ 16.
-      //   out1 = x1 cos - x2 sin        out2 = x2 cos + x1 sin
-      const bool first_half = lane < 16;
-      float r[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float other = __shfl_xor_sync(0xFFFFFFFFu, y[i], 16);
-        const int f = 4 * (lane & 15) + i;
-        const float a = __fmul_rn(y[i], cos_s[f]);
-        r[i] = first_half ? __fsub_rn(a, __fmul_rn(other, sin_s[f])) : __fadd_rn(a, __fmul_rn(other, sin_s[f]));
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) y[i] = r[i];
-    }
+    norm_rope_lanes(x, w, eps, rope, cos_s, sin_s, lane, y);
     const uint2 out = make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]));
     *reinterpret_cast<uint2*>(p) = out;
     if (!is_q && pool_row >= 0)

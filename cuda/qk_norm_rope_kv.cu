@@ -7,7 +7,7 @@
 // 2^31) the output matches `apply_rope(rms_norm(x))` up to the fp32 sum order in the norm.
 // rope_inv_freq [64] fp64 (theta^(-2i/128), attention.py builds it); null disables RoPE (full layers).
 // Grid (B, ceil((H + 2G) / 8)), 256 threads: one warp per head, lane l holds dims 4l..4l+3.
-#include "attention_common.cuh"
+#include "qk_norm_rope.cuh"
 
 #define QKN_WARPS 8
 
@@ -19,8 +19,6 @@ __device__ __forceinline__ void load_bf16x4(const u16* p, float (&x)[4]) {
 __device__ __forceinline__ void store_bf16x4(u16* p, const float (&x)[4]) {
   *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
 }
-
-__device__ __forceinline__ float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32)
 qk_norm_rope_kv_bf16(u16* q_out, u16* k_cache, u16* v_cache, const u16* qkv, const u16* q_norm_weight,
@@ -36,14 +34,7 @@ qk_norm_rope_kv_bf16(u16* q_out, u16* k_cache, u16* v_cache, const u16* qkv, con
   // its first kernel, which did not use PDL), the norm weights are weights. Only qkv comes from
   // the kernel before.
   const int p = positions[b];
-  if (rope && threadIdx.x < HEAD_DIM / 2) {
-    // As rope_cos_sin: the fp64 angle p * inv_freq (inv_freq computed by torch, bit for bit),
-    // cos/sin rounded to fp32.
-    double sin_a, cos_a;
-    sincos((double)p * rope_inv_freq[threadIdx.x], &sin_a, &cos_a);
-    cos_s[threadIdx.x] = (float)cos_a;
-    sin_s[threadIdx.x] = (float)sin_a;
-  }
+  if (rope) rope_table(cos_s, sin_s, p, rope_inv_freq);
   __syncthreads();
   if (head >= H + 2 * G) return;
 
@@ -61,30 +52,8 @@ qk_norm_rope_kv_bf16(u16* q_out, u16* k_cache, u16* v_cache, const u16* qkv, con
     return;
   }
   load_bf16x4(src, x);
-  // NOTE: __fmul_rn/__fadd_rn keep the compiler from fusing into FMAs, which torch's separate
-  // elementwise ops never do; fused results would differ in the last fp32 bit.
-  float sum_sq = 0.0f;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) sum_sq = __fadd_rn(sum_sq, __fmul_rn(x[e], x[e]));
-  const float inv_rms = rsqrtf(__fadd_rn(warp_sum(sum_sq) * (1.0f / HEAD_DIM), eps));
   float y[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) y[e] = round_bf16(__fmul_rn(__fmul_rn(x[e], inv_rms), w[e]));
-  if (rope) {
-    // Lanes 0-15 hold x1 = dims 0..63, lanes 16-31 hold x2 = dims 64..127: partner is lane ^ 16.
-    //   out1 = x1 cos - x2 sin        out2 = x2 cos + x1 sin
-    const bool first_half = lane < 16;
-    float r[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float other = __shfl_xor_sync(0xFFFFFFFFu, y[e], 16);
-      const int i = 4 * (lane & 15) + e;
-      const float a = __fmul_rn(y[e], cos_s[i]);
-      r[e] = first_half ? __fsub_rn(a, __fmul_rn(other, sin_s[i])) : __fadd_rn(a, __fmul_rn(other, sin_s[i]));
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) y[e] = r[e];
-  }
+  norm_rope_lanes(x, w, eps, rope, cos_s, sin_s, lane, y);
   if (is_q)
     store_bf16x4(q_out + ((long long)b * H + head) * HEAD_DIM + 4 * lane, y);
   else if (p >= 0)
