@@ -9,6 +9,14 @@ from flint_sched.config import preset
 from flint_sched.model.weights import tensor_specs
 
 
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """A fresh kernel cache, so a compile test really compiles."""
+    from flint_sched.kernels import _runtime
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
+    monkeypatch.setattr(_runtime, "_cubins", {})
+
+
 def final_outputs(parts, requests):
     """The final RequestOutput of each (prompt, params), all run together in one fresh engine."""
     from flint_sched.engine.builder import build_engine

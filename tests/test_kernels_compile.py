@@ -6,16 +6,11 @@ from flint_sched.kernels import _runtime
 from flint_sched.kernels import ENTRY_POINTS, VARIANTS
 
 available, why = _runtime.nvrtc_available()
-pytestmark = pytest.mark.skipif(not available, reason=f"NVRTC cannot be imported: {why}")
+# every test with a fresh kernel cache (conftest's private_cache), so every test really compiles
+pytestmark = [pytest.mark.skipif(not available, reason=f"NVRTC cannot be imported: {why}"),
+              pytest.mark.usefixtures("private_cache")]
 
 SOURCES = sorted(p.name for p in _runtime.source_dir().glob("*.cu"))
-
-
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    """A fresh kernel cache per test, so every test really compiles."""
-    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
-    monkeypatch.setattr(_runtime, "_cubins", {})
 
 
 def test_sources_exist():

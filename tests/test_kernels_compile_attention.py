@@ -10,12 +10,6 @@ needs_nvrtc = pytest.mark.skipif(not available, reason=f"NVRTC cannot be importe
 ENTRY_POINTS = [("qk_norm_rope_kv.cu", "qk_norm_rope_kv_bf16"), ("decode_attention.cu", "decode_attention_bf16")]
 
 
-@pytest.fixture
-def private_cache(tmp_path, monkeypatch):
-    """A fresh kernel cache, so the test really compiles."""
-    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
-    monkeypatch.setattr(_runtime, "_cubins", {})
-
 
 @needs_nvrtc
 @pytest.mark.parametrize("source,entry", ENTRY_POINTS)

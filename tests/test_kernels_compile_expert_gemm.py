@@ -13,12 +13,6 @@ ENTRY_POINTS = [f"expert_{op}_{fmt}" for op in ("gate_up", "down") for fmt in ("
 MAX_SHARED_BYTES = 227 * 1024   # sm_90 opt-in limit per block
 
 
-@pytest.fixture
-def private_cache(tmp_path, monkeypatch):
-    """A fresh kernel cache, so the test really compiles."""
-    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
-    monkeypatch.setattr(_runtime, "_cubins", {})
-
 
 @needs_nvrtc
 @pytest.mark.parametrize("config", sorted(expert_gemm.CONFIGS))

@@ -14,12 +14,6 @@ ENTRY_POINTS = [("prefill_attention.cu", "prefill_attention_bf16"), ("prefill_qk
                 ("prefill_qkv.cu", "prefill_kv_copy_bf16")]
 
 
-@pytest.fixture
-def private_cache(tmp_path, monkeypatch):
-    """A fresh kernel cache, so the test really compiles."""
-    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
-    monkeypatch.setattr(_runtime, "_cubins", {})
-
 
 @needs_nvrtc
 @pytest.mark.parametrize("source,entry", ENTRY_POINTS)
