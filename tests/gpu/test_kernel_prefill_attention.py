@@ -21,13 +21,10 @@ from flint_sched.kernels.prefill_attention import (
 )
 from flint_sched.model.reference import apply_rope, attention_with_sinks, rms_norm
 from gpu_checks import assert_close_bf16, gen
-from test_kernel_attention import mixed_sinks, same_bits
+from test_kernel_attention import EPS, THETA, WINDOW, D, G, H, mixed_sinks, same_bits
 
 pytestmark = pytest.mark.gpu
 
-H, G, D = 32, 4, 128
-WINDOW = 513
-EPS, THETA = 1e-5, 10000.0
 CHECK_ROWS = 256          # query rows checked per block of a long chunk (all rows of short ones)
 
 
