@@ -38,7 +38,7 @@ from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.limits import ExecutorLimits
 from flint_sched.executor.prompt_logprobs import prompt_logprobs, prompt_spans
 from flint_sched.executor.prompt_logprobs import prompt_rows as logprob_rows
-from flint_sched.executor.sampled_tokens import LaunchedStep, SampledTokens
+from flint_sched.executor.sampled_tokens import LaunchedStep, SampledTokens, one_token_each
 from flint_sched.executor.sampler import sampled_step
 from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.executor.workspace import Workspaces
@@ -213,7 +213,7 @@ class CudaExecutor:
     def _on_host(entries: list, tokens: torch.Tensor | None, result: StepResult | None) -> StepResult:
         if result is not None:
             return result
-        return StepResult({e.request_id: [t] for e, t in zip(entries, tokens.tolist(), strict=True)})
+        return one_token_each([e.request_id for e in entries], tokens.tolist())
 
     def _decode_graph(self, b: int, fused: bool = True) -> tuple[str, int] | None:
         """(variant, padded rows) of the graph for b decode rows, or None past the largest: the fused

@@ -16,6 +16,11 @@ import torch
 from flint_sched.core.plan import PLACEHOLDER_TOKEN, ScheduledRequest, StepResult
 
 
+def one_token_each(request_ids: list[str], tokens: list[int]) -> StepResult:
+    """The StepResult of one sampled token per request."""
+    return StepResult({rid: [t] for rid, t in zip(request_ids, tokens, strict=True)})
+
+
 @dataclass
 class LaunchedStep:
     """A launched step: its result when the host already has it, or where its tokens will land."""
@@ -29,7 +34,7 @@ class LaunchedStep:
         if self.result is not None:
             return self.result
         self.done.synchronize()
-        return StepResult({rid: [t] for rid, t in zip(self.request_ids, self.host.tolist(), strict=True)})
+        return one_token_each(self.request_ids, self.host.tolist())
 
 
 class SampledTokens:
@@ -74,7 +79,7 @@ class SampledTokens:
             return LaunchedStep(result=result)
         self.values[:n].copy_(tokens)
         if self.values.device.type != "cuda":
-            return LaunchedStep(result=StepResult({e.request_id: [t] for e, t in zip(entries, tokens.tolist())}))
+            return LaunchedStep(result=one_token_each([e.request_id for e in entries], tokens.tolist()))
         host = self._host[self._turn][:n]
         self._turn ^= 1
         host.copy_(tokens, non_blocking=True)
