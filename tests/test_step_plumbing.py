@@ -71,8 +71,7 @@ def test_a_placeholder_row_is_fed_the_previous_steps_token_on_the_device():
                           sampled=sampled.values)
     second = [entry("b", [PLACEHOLDER_TOKEN], 1, [4], slot=2), entry("c", [9], 3, [5])]
     inputs.fill(second, sampled.sources(second))
-    inputs.feed_sampled()
-    assert inputs.tokens.tolist() == [42, 9, 0, 0]
+    assert inputs.fed_tokens(4).tolist() == [42, 9, 0, 0]
     with pytest.raises(RuntimeError, match="did not sample"):
         sampled.sources([entry("z", [PLACEHOLDER_TOKEN], 1, [4])])
 

@@ -82,8 +82,7 @@ class KernelOps:
         h = self.hidden[0]
         if self.inputs is not None:
             self.inputs.update_block_tables()
-            self.inputs.feed_sampled()
-            tokens = self.inputs.tokens[: self.rows]
+            tokens = self.inputs.fed_tokens(self.rows)
         else:
             tokens = self.token_ids
         return torch.index_select(self.w["model.embed_tokens.weight"], 0, tokens, out=h)

@@ -71,10 +71,12 @@ class DecodeInputs:
         """The step's new block-table entries (a scatter; the first operation of a decode graph)."""
         self.block_tables_flat.index_put_((self.table_index,), self.table_value)
 
-    def feed_sampled(self) -> None:
-        """Rows fed a placeholder take the previous step's token from `sampled` (in the graph)."""
-        picked = self.sampled.index_select(0, self.sources.clamp(min=0))
-        self.tokens.copy_(torch.where(self.sources >= 0, picked, self.tokens))
+    def fed_tokens(self, rows: int) -> torch.Tensor:
+        """The tokens of rows 0..rows-1, a placeholder's taken from the previous step's `sampled`
+        (in the graph)."""
+        sources = self.sources[:rows]
+        picked = self.sampled.index_select(0, sources.clamp(min=0))
+        return torch.where(sources >= 0, picked, self.tokens[:rows])
 
     def _copy_table(self, row: int, table: list[int], start: int) -> None:
         if len(table) > self.block_tables.shape[1]:
