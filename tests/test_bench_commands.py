@@ -60,5 +60,19 @@ def test_bench_host_and_disconnect_storm_smoke(request):
 def test_bench_structured_smoke():
     from flint_sched.benchmarks.bench_structured import run
     from flint_sched.tokenizer import build_tokenizer
-    result = run(build_tokenizer(512, seed=0), batch=3, device="cpu", num_steps=4)
+    result = run(build_tokenizer(512, seed=0), batch=3, device="cpu", num_steps=4, warmup_steps=2)
     assert result["grammar_ms"] > 0 and result["plain_ms"] > 0 and result["fill_ms"] > 0
+    assert result["warmup_ms"] >= result["warmup_max_ms"] > 0
+
+
+def test_bench_agent_sim_smoke():
+    import argparse
+
+    from flint_sched.benchmarks.bench_agent_sim import run_case
+    from flint_sched.llm import run_async
+    args = argparse.Namespace(sessions=2, turns=3, system_tokens=600, first_tokens=20, grow=40, output_tokens=4,
+                              step_ms=0.5, us_per_prompt_token=0.1, max_num_batched_tokens=2048, max_num_seqs=4,
+                              num_ring_snapshots=2)
+    cached, cold = run_async(run_case(args, True)), run_async(run_case(args, False))
+    assert cached["steps"] > 0 and cached["ttft_turn0_ms"] > 0 and cached["ttft_later_ms"] > 0
+    assert cached["hit_rate"] > 0.5 and cold["hit_rate"] == 0

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One server, several `bench serve` runs against it, then the server's gauges, then the server stopped.
+#
+#   benchmarks/serve_runs.sh "SERVER FLAGS" "BENCH FLAGS" ["BENCH FLAGS" ...]
+#
+# e.g. benchmarks/serve_runs.sh "flint --load-format dummy --weight-format nvfp4 --max-model-len 4096" \
+#          "--endpoint /v1/completions --dataset-name random --random-token-ids --ignore-eos \
+#           --random-input-len 1024 --random-output-len 256 --num-prompts 192 --max-concurrency 64"
+#
+# The server's log goes to ${SERVE_LOG:-/tmp/flint-serve.log}; after each run the script prints the
+# lines of /metrics that say what is still running or waiting and how full the KV cache is (all should
+# be back to 0), the prefix cache's counters, and the server's mean time to first token and queue time.
+set -euo pipefail
+port=${PORT:-8000}
+log=${SERVE_LOG:-/tmp/flint-serve.log}
+server_flags=$1
+shift
+
+# shellcheck disable=SC2086
+flint-sched serve $server_flags --port "$port" >"$log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+
+start=$(date +%s)
+until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
+    if ! kill -0 $server 2>/dev/null; then
+        echo "server exited during start-up:"; tail -30 "$log"; exit 1
+    fi
+    sleep 1
+done
+echo "== server ready in $(( $(date +%s) - start )) s: flint-sched serve $server_flags"
+grep -i "kv\|tokens of\|warm" "$log" | tail -5 || true
+
+for bench_flags in "$@"; do
+    echo "== flint-sched bench serve $bench_flags"
+    # shellcheck disable=SC2086
+    flint-sched bench serve --base-url "http://127.0.0.1:$port" --disable-tqdm $bench_flags
+    metrics=$(curl -s "http://127.0.0.1:$port/metrics")
+    grep -E "^flint:(num_requests_running|num_requests_waiting|kv_cache_usage_perc|ring_slot_usage_perc|prefix_cache_(queries|hits)_total|num_preemptions_total)" \
+        <<<"$metrics" || true
+    # the server's own means so far (all runs of this server): time to first token, and of it the queue
+    awk '/^flint:(time_to_first_token|request_queue_time)_seconds_(sum|count)/ {
+            name = $1; sub(/\{.*/, "", name); split(name, a, "_seconds_"); v[a[1] "," a[2]] = $2 }
+         END { for (m in v) { split(m, k, ","); if (k[2] == "sum" && v[k[1] ",count"] > 0)
+                 printf "%s mean (server): %.1f ms\n", k[1], 1000 * v[m] / v[k[1] ",count"] } }' <<<"$metrics"
+done
