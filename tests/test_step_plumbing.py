@@ -146,7 +146,7 @@ def test_prompt_steps_reuse_one_grown_routing_workspace():
     assert grown.max_tokens == 300 and ws.routing_for(100) is grown
 
 
-def test_warm_up_runs_a_prompt_step_then_a_fused_and_a_grouped_decode_on_free_kv():
+def test_warm_up_runs_a_prompt_step_then_a_fused_and_a_grouped_decode_on_free_kv_greedy_and_sampled():
     class Warm(SplitExecutor):
         def __init__(self):
             super().__init__()
@@ -161,10 +161,13 @@ def test_warm_up_runs_a_prompt_step_then_a_fused_and_a_grouped_decode_on_free_kv
 
     ex = Warm()
     ex.warm_up(8192)
-    prompt, fused, grouped = ex.plans
-    [p] = prompt.scheduled_requests
-    assert p.num_tokens == 62 and p.start_position == 0                # max_model_len - 2
-    assert [e.start_position for e in fused.scheduled_requests] == [62] and fused.path == "fused"
-    assert len(grouped.scheduled_requests) == 16 and {e.ring_slot for e in grouped.scheduled_requests} == set(range(16))
+    assert len(ex.plans) == 6
+    for plans, temperature in ((ex.plans[:3], 0.0), (ex.plans[3:], 1.0)):   # greedy, then the OpenAI default
+        prompt, fused, grouped = plans
+        [p] = prompt.scheduled_requests
+        assert p.num_tokens == 62 and p.start_position == 0                # max_model_len - 2
+        assert [e.start_position for e in fused.scheduled_requests] == [62] and fused.path == "fused"
+        assert len(grouped.scheduled_requests) == 16 and {e.ring_slot for e in grouped.scheduled_requests} == set(range(16))
+        assert {e.sampling_params.temperature for plan in plans for e in plan.scheduled_requests} == {temperature}
     assert all(len(e.block_table) * 4 > e.end_position - 1 for plan in ex.plans for e in plan.scheduled_requests)
 

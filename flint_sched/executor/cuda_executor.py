@@ -147,25 +147,28 @@ class CudaExecutor:
 
     def warm_up(self, max_prompt_tokens: int) -> None:
         """Compile the kernels and capture the smallest graphs before the first request: a prompt
-        step of up to max_prompt_tokens tokens, then a fused and a grouped decode step, on free KV
-        blocks and ring slots (nothing reads them before a request writes them). On a machine whose
-        kernel cache is cold the first requests otherwise wait for ~20 s of NVRTC compiles."""
-        kv, greedy = self.kv, SamplingParams(temperature=0.0)
+        step of up to max_prompt_tokens tokens, then a fused and a grouped decode step, each greedy
+        and sampled (temperature 1, the OpenAI default: the sampler's graphs and kernels), on free
+        KV blocks and ring slots (nothing reads them before a request writes them). On a machine
+        whose kernel cache is cold the first requests otherwise wait for ~20 s of NVRTC compiles."""
+        kv = self.kv
         slots, bs = kv.ring.shape[2], kv.block_size
         n = max(1, min(max_prompt_tokens, self.max_model_len - 2, (kv.full.shape[2] - 1) * bs))
         table = list(range(n // bs + 1))
-
-        def entry(rid: str, tokens: list[int], start: int, slot: int) -> ScheduledRequest:
-            return ScheduledRequest(rid, tokens, start, table, slot, True, greedy, [], [], False)
-
         ids = [f"warm-up-{i}" for i in range(min(slots, self.grouped_batch_sizes[0]))]
-        plans = [StepPlan([entry(ids[0], [0] * n, 0, 0)], n, "grouped", [], []),     # position n fits the table
-                 StepPlan([entry(ids[0], [0], n, 0)], 1, "fused", [], [])]
-        if len(ids) > FUSED_MAX_BATCH:
-            plans.append(StepPlan([entry(i, [0], n, slot) for slot, i in enumerate(ids)], len(ids), "grouped", [], []))
-        for plan in plans:
-            self.execute(plan)
-        self.inputs.forget(StepPlan([], 0, "fused", [], ids))
+        for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
+
+            def entry(rid: str, tokens: list[int], start: int, slot: int) -> ScheduledRequest:
+                return ScheduledRequest(rid, tokens, start, table, slot, True, params, [], [], False)
+
+            plans = [StepPlan([entry(ids[0], [0] * n, 0, 0)], n, "grouped", [], []),     # position n fits the table
+                     StepPlan([entry(ids[0], [0], n, 0)], 1, "fused", [], [])]
+            if len(ids) > FUSED_MAX_BATCH:
+                plans.append(StepPlan([entry(i, [0], n, slot) for slot, i in enumerate(ids)], len(ids), "grouped",
+                                      [], []))
+            for plan in plans:
+                self.execute(plan)
+            self.inputs.forget(StepPlan([], 0, "fused", [], ids))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
