@@ -65,3 +65,12 @@ def test_snapshots_evict_the_least_recently_used():
     assert snapshots.get(b"a") == 4                      # a is now the most recently used
     assert snapshots.add(b"c") == 5 and b"b" not in snapshots
     assert RingSnapshots(4, 0).add(b"a") is None
+
+
+def test_a_demoted_snapshot_is_evicted_first():
+    snapshots = RingSnapshots(0, 3)
+    for key in (b"a", b"b", b"c"):
+        snapshots.add(key)
+    snapshots.demote(b"c")                               # the most recent, now first in line
+    snapshots.demote(b"gone")                            # unknown keys: nothing happens
+    assert snapshots.add(b"d") == 2 and b"c" not in snapshots and b"a" in snapshots and b"b" in snapshots

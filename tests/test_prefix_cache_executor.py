@@ -142,7 +142,7 @@ def test_requests_sharing_a_prefix_while_one_is_preempted_or_aborted(tiny_short_
     shared = tokens(rng, config.vocab_size, 30)
     requests = [(f"r{i}", shared + tokens(rng, config.vocab_size, rng.randint(1, 12)),
                  SamplingParams(temperature=0.0, max_tokens=rng.randint(4, 14), ignore_eos=True)) for i in range(6)]
-    server = Server(config, weights, 4, budget=min(budget, 64), num_blocks=26, max_num_seqs=3, num_snapshots=2)
+    server = Server(config, weights, 4, budget=min(budget, 64), num_blocks=22, max_num_seqs=3, num_snapshots=2)
     server.add(*requests[0])
     for _ in range(12):                        # r0 runs past its snapshot position
         server.step()
@@ -161,3 +161,31 @@ def test_requests_sharing_a_prefix_while_one_is_preempted_or_aborted(tiny_short_
     assert all(len(server.outputs[rid]) == p.max_tokens for rid, _, p in requests)
     check_against_reference(config, weights, server.ex, requests, server.outputs)
     server.assert_no_leak()
+
+
+@pytest.mark.parametrize("shared_len,hit", [(30, 28), (7, 0)])
+def test_a_prefix_shared_across_conversations_is_snapshotted_where_they_part(tiny_short_window, shared_len, hit):
+    """Three prompts with one shared start (a system prompt) and different endings: the second
+    finds the first's blocks but no snapshot among them, so it is cut and snapshotted where the
+    shared blocks end (D = 28 here, blocks of 4); the third hits there and its logits equal a cold
+    run's (same chunk boundaries: a budget of 28). A shared run shorter than a window (8) past
+    the hit is not worth a snapshot: the third then computes everything."""
+    config = tiny_short_window
+    weights = fp32_weights(config, 5)
+    rng = random.Random(5)
+    shared = tokens(rng, config.vocab_size, shared_len)
+    prompts = {rid: shared + tokens(rng, config.vocab_size, 13) for rid in ("a", "b", "c")}
+    warm = Server(config, weights, 4, budget=28, num_snapshots=4)
+    for rid in ("a", "b", "c"):
+        warm.add(rid, prompts[rid])
+        warm.run()
+    assert warm.cached == {"a": 0, "b": 0, "c": hit}
+    assert warm.sched.kv_allocator.snapshots.num_used == (4 if hit else 3)     # B of each, and D
+    cold = Server(config, weights, 4, budget=28, num_snapshots=4)
+    cold.add("c", prompts["c"])
+    cold.run()
+    served, computed = warm.logits_of("c"), cold.logits_of("c")
+    assert served.keys() == computed.keys() and len(served) == GREEDY.max_tokens
+    for pos in served:
+        assert torch.equal(served[pos], computed[pos]), f"position {pos}"
+    warm.assert_no_leak()

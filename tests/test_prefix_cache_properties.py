@@ -172,7 +172,8 @@ def test_hits_happen_in_this_traffic():
 
 def test_a_snapshot_is_taken_before_the_next_chunk_when_plans_run_ahead():
     """Async scheduling: the chunk past the snapshot position must not run before the rings are
-    copied, or a later hit restores rings that already hold positions past it."""
+    copied, or a later hit restores rings that already hold positions past it; the plan made
+    while the chunk to the snapshot position runs carries the copy ahead of its own chunk."""
     config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, num_blocks=40, max_model_len=64,
                              block_size=4, sliding_window=3, enable_prefix_caching=True, num_ring_snapshots=2)
     scheduler = Scheduler(config)
@@ -187,3 +188,28 @@ def test_a_snapshot_is_taken_before_the_next_chunk_when_plans_run_ahead():
                 in_flight.append((plan, executor.execute(plan)))       # the ring checks run here
             scheduler.update(*in_flight.pop(0))
     assert scheduler.prefix_cache.num_hit_tokens == 2 * 20
+
+
+def test_each_conversation_keeps_its_snapshot_with_one_slot_per_conversation():
+    """Four conversations, four snapshot slots, three turns each, one request at a time: every turn
+    after the first hits its conversation's last snapshot. With LRU alone, conversation 0's second
+    turn (restored from its snapshot, so the most recently used) would evict conversation 1's
+    snapshot before conversation 1 comes back for it."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, num_blocks=200, max_model_len=128,
+                             block_size=4, sliding_window=3, enable_prefix_caching=True, num_ring_snapshots=4)
+    scheduler = Scheduler(config)
+    executor = ContentExecutor(4, 3)
+    rng = random.Random(7)
+    prompts = {c: [rng.randrange(VOCAB) for _ in range(10 + c)] for c in range(4)}
+    expected_hits = 0
+    for turn in range(3):
+        for c, prompt in prompts.items():
+            scheduler.add_request(f"c{c}-{turn}", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+            while scheduler.has_unfinished_requests():
+                plan = scheduler.schedule()
+                check_pool(scheduler, plan)
+                scheduler.update(plan, executor.execute(plan))
+            if turn:
+                expected_hits += (len(prompt) - 9 - 1) // 4 * 4      # the last turn's snapshot position
+            prompts[c] = prompt + [rng.randrange(VOCAB) for _ in range(9)]
+    assert scheduler.prefix_cache.num_hit_tokens == expected_hits

@@ -9,10 +9,31 @@ prompt, at the last block boundary before its last token:
 
     prompt       [=========================|====]      snapshot position B = ((len - 1) // bs) * bs
     chunks       [..... cut at B ..........][tail]      the chunk that crosses B stops at B
-    after it     ring slot --copy--> snapshot slot      (StepPlan.ring_copies, before the next forward)
+    after it     ring slot --copy--> snapshot slot      (StepPlan.ring_copies, before the next forward;
+                                                         with async scheduling, the plan made while
+                                                         the chunk to B runs carries the copy and the
+                                                         tail: the forwards run in plan order)
     next turn    [== cached blocks, hit at B ==][new tokens ...]
                  ring <--copy-- snapshot slot; the first chunk starts at B, and writes only blocks
                  of its own (B is a block boundary), so cached blocks are never written.
+
+A second snapshot shares prefixes across conversations (the same system prompt and tools before
+different first messages): when a request with no hit is admitted and cached blocks cover at
+least a window's worth of its first tokens, another request computed those tokens and this one is
+about to compute them again, so it is cut and snapshotted where the shared blocks end (position
+D), and the next request with that prefix hits there:
+
+    request 1    [system prompt ....|.. A's message ...]          blocks cached; snapshot only at its B
+    request 2    [system prompt ....|.. B's message ...]          blocks cached up to D, no snapshot
+                 [== computed ====][D: snapshot][rest][B: snapshot]
+    request 3    [== hit at D =====][C's message ...]
+
+A shorter shared run is not worth a snapshot slot and an extra chunk boundary: recomputing it
+costs less than a window of tokens. A request that has a hit takes no D: the blocks past its hit
+are, in the common case, the next turn of its own conversation (the last prompt's tail and the
+answer, which the request's own B snapshot serves next time); a snapshot there would take a slot
+from snapshots that are used. (Nested shared prefixes, a common preamble before several system
+prompts, so get a snapshot only at the first divergence.)
 
 Copies run in plan order before the forward: snapshots first (they read the rings as the last
 forward left them, even of a request finished or preempted since), then restores.
@@ -29,11 +50,14 @@ from flint_sched.core.request import Request
 
 @dataclass(slots=True)
 class PrefixHit:
-    """num_tokens cached positions: their blocks, and the ring snapshot to restore (when any)."""
+    """num_tokens cached positions: their blocks, and the ring snapshot to restore (when any);
+    num_shared_tokens: how far the cached blocks reach (>= num_tokens; the hit stops at the last
+    snapshot among them)."""
 
     num_tokens: int
     blocks: list[int]
     snapshot_slot: int | None
+    num_shared_tokens: int = 0
 
 
 NO_HIT = PrefixHit(0, [], None)
@@ -42,9 +66,12 @@ NO_HIT = PrefixHit(0, [], None)
 class PrefixCache:
     """Finds hits for waiting requests, caches what running ones compute, counts queries and hits."""
 
-    def __init__(self, allocator: HybridKVAllocator, extra_key: str = "") -> None:
+    def __init__(self, allocator: HybridKVAllocator, extra_key: str = "", min_shared_tokens: int = 0) -> None:
+        """min_shared_tokens: the shortest run of cached blocks past a hit that earns a second
+        snapshot (the scheduler gives the sliding window; 0: any)."""
         self.allocator = allocator
         self.block_size = allocator.block_size
+        self.min_shared_tokens = min_shared_tokens
         self.root = root_key(extra_key)
         self.num_queried_tokens = 0       # vLLM's prefix_cache_queries: tokens of admitted requests
         self.num_hit_tokens = 0           # vLLM's prefix_cache_hits: of those, tokens served from the cache
@@ -66,10 +93,21 @@ class PrefixCache:
             blocks.append(block)
             if key in snapshots:
                 num_hit_blocks = len(blocks)
+        shared = len(blocks) * self.block_size
         if num_hit_blocks == 0:
-            return NO_HIT
+            return PrefixHit(0, [], None, shared) if shared else NO_HIT
         slot = snapshots.get(keys[num_hit_blocks - 1])
-        return PrefixHit(num_hit_blocks * self.block_size, blocks[:num_hit_blocks], slot)
+        return PrefixHit(num_hit_blocks * self.block_size, blocks[:num_hit_blocks], slot, shared)
+
+    def admit(self, request: Request, hit: PrefixHit) -> None:
+        """Before the request's first chunk: where it takes a snapshot besides B (D, see the module
+        docstring: 0 for none) and which snapshot its rings come from."""
+        position = hit.num_shared_tokens
+        if hit.num_tokens or position < max(1, self.min_shared_tokens) or position >= self.snapshot_position(request):
+            position = 0
+        request.shared_prefix_position = position
+        request.restored_snapshot_key = (self.keys(request)[hit.num_tokens // self.block_size - 1]
+                                         if hit.snapshot_slot is not None else None)
 
     def count(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
@@ -79,34 +117,73 @@ class PrefixCache:
         """B: the last block boundary before the prompt's last token (0: none)."""
         return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
 
+    def _positions(self, request: Request) -> tuple[int, ...]:
+        """Where the request's rings are snapshotted: D (when chosen at admission) and B."""
+        b = self.snapshot_position(request)
+        d = request.shared_prefix_position
+        return (d, b) if 0 < d < b else (b,) if b else ()
+
+    def _kept(self, request: Request, position: int) -> bool:
+        return self.keys(request)[position // self.block_size - 1] in self.allocator.snapshots
+
     def chunk_end(self, request: Request, start: int, end: int) -> int:
-        """end, or B when the chunk start .. end-1 crosses B and no snapshot is kept there yet."""
-        position = self.snapshot_position(request)
-        if start < position < end and self.keys(request)[position // self.block_size - 1] not in self.allocator.snapshots:
-            return position
+        """end, or the first snapshot position the chunk start .. end-1 crosses with no snapshot
+        kept there yet."""
+        for position in self._positions(request):
+            if start < position < end and not self._kept(request, position):
+                return position
         return end
 
-    def awaits_snapshot(self, request: Request) -> bool:
-        """Whether a plan in flight (async scheduling) ends the request at B with no snapshot kept
-        there yet: its next chunk must wait, or it would overwrite the rings before they are copied."""
-        position = self.snapshot_position(request)
-        return (position > request.num_computed_tokens
-                and request.num_computed_tokens + request.num_in_flight_tokens == position
-                and self.keys(request)[position // self.block_size - 1] not in self.allocator.snapshots)
+    def _position_reached_in_flight(self, request: Request) -> int:
+        """Under async scheduling: the snapshot position at which the chunk in flight leaves the
+        request with no snapshot kept there yet, or 0."""
+        computed = request.num_computed_tokens
+        if computed >= self.snapshot_position(request):     # decoding: every position is behind it
+            return 0
+        reached = computed + request.num_in_flight_tokens
+        for position in self._positions(request):
+            if position > computed and reached == position and not self._kept(request, position):
+                return position
+        return 0
+
+    def snapshot_in_flight(self, request: Request, allocation: KVAllocation, copies: list[tuple[int, int]]) -> None:
+        """Async scheduling: when the chunk in flight ends the request at a snapshot position, keep
+        the snapshot now and copy the rings first thing in the plan being built (after the forward
+        in flight, before this plan's), so the next chunk need not wait a step for the update."""
+        position = self._position_reached_in_flight(request)
+        if position:
+            self._cache_blocks(request, allocation, position)   # a snapshot's key block is cached
+            self._snapshot(request, allocation, position, copies)
 
     def computed(self, request: Request, allocation: KVAllocation) -> None:
-        """After a step: cache the blocks the request has filled, and snapshot its rings at B."""
-        num_full = request.num_computed_tokens // self.block_size
+        """After a step: cache the blocks the request has filled, and snapshot its rings at D or B."""
+        self._cache_blocks(request, allocation, request.num_computed_tokens)
+        if request.num_computed_tokens in self._positions(request):
+            self._snapshot(request, allocation, request.num_computed_tokens, self._pending_copies)
+
+    def _snapshot(self, request: Request, allocation: KVAllocation, position: int,
+                  copies: list[tuple[int, int]]) -> None:
+        """Keep the request's rings at `position` (a copy into a snapshot slot, appended to `copies`).
+        The snapshot it was restored from goes first in line for eviction: an agent's next turn
+        hits this one, and with LRU alone a snapshot per conversation would evict the ones
+        other conversations still need (snapshots ~ sessions: hits fell from 82 % to a trickle in
+        benchmarks/bench_agent_sim.py)."""
+        if request.restored_snapshot_key is not None:     # before the add, which may evict
+            self.allocator.snapshots.demote(request.restored_snapshot_key)
+            request.restored_snapshot_key = None
+        slot = self.allocator.snapshots.add(self.keys(request)[position // self.block_size - 1])
+        if slot is not None:
+            copies.append((allocation.ring_slot, slot))
+
+    def _cache_blocks(self, request: Request, allocation: KVAllocation, num_tokens: int) -> None:
+        """Key the request's full blocks of positions 0 .. num_tokens-1 (those of a chunk still in
+        flight too: every later plan reads them after that chunk's forward)."""
+        num_full = num_tokens // self.block_size
         if num_full > request.num_keyed_blocks:
             keys, pool = self.keys(request), self.allocator.blocks
             for i in range(request.num_keyed_blocks, num_full):
                 pool.cache(allocation.block_table[i], keys[i])
             request.num_keyed_blocks = num_full
-        position = self.snapshot_position(request)
-        if position and request.num_computed_tokens == position:
-            slot = self.allocator.snapshots.add(self.keys(request)[position // self.block_size - 1])
-            if slot is not None:
-                self._pending_copies.append((allocation.ring_slot, slot))
 
     def take_snapshot_copies(self) -> list[tuple[int, int]]:
         """The (ring slot, snapshot slot) copies due before the next forward."""

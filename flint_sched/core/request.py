@@ -60,6 +60,8 @@ class Request:
         "num_cached_tokens",
         "block_keys",
         "num_keyed_blocks",
+        "shared_prefix_position",
+        "restored_snapshot_key",
         "status",
         "stop_reason",
         "_stop_eos_ids",
@@ -92,6 +94,8 @@ class Request:
         self.num_cached_tokens: int | None = None   # prompt tokens the first admission found cached
         self.block_keys: list[bytes] = []           # prefix-cache keys of full blocks (block_hash.py)
         self.num_keyed_blocks = 0                   # leading blocks of the table that are cached
+        self.shared_prefix_position = 0             # D of prefix_cache.py: a snapshot where others' blocks end
+        self.restored_snapshot_key: bytes | None = None  # the snapshot its rings came from, until it takes one
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self._stop_eos_ids = frozenset() if sampling_params.ignore_eos else self.eos_token_ids

@@ -46,6 +46,12 @@ class RingSnapshots:
         self._slot_of_key[key] = slot
         return slot
 
+    def demote(self, key: bytes) -> None:
+        """Make this snapshot the next to be evicted (a request restored from it has moved on and
+        snapshotted further along the same prompt)."""
+        if key in self._slot_of_key:
+            self._slot_of_key.move_to_end(key, last=False)
+
     def drop(self, key: bytes) -> None:
         slot = self._slot_of_key.pop(key, None)
         if slot is not None:

@@ -89,7 +89,8 @@ class Scheduler:
             num_ring_snapshots=config.num_ring_snapshots if config.enable_prefix_caching else 0,
         )
         self.prefix_cache = (
-            PrefixCache(self.kv_allocator, config.prefix_cache_key) if config.enable_prefix_caching else None
+            PrefixCache(self.kv_allocator, config.prefix_cache_key, min_shared_tokens=config.sliding_window)
+            if config.enable_prefix_caching else None
         )
         self._requests: dict[str, Request] = {}
         self._waiting: deque[Request] = deque()
@@ -175,8 +176,8 @@ class Scheduler:
         for request in list(self._running.values()):
             if request.status is not _RUNNING:
                 continue
-            if cache is not None and request.num_in_flight_tokens and cache.awaits_snapshot(request):
-                continue   # its rings are copied at B only after the chunk in flight is updated
+            if cache is not None and request.num_in_flight_tokens:    # async scheduling
+                cache.snapshot_in_flight(request, self.kv_allocator.get(request.request_id), step.ring_copies)
             num_left = _num_left(request)
             if num_left == 1:
                 self._schedule_running(request, 1, step)
@@ -277,6 +278,8 @@ class Scheduler:
         while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0]
             hit = NO_HIT if cache is None else cache.find(request)
+            if cache is not None:
+                cache.admit(request, hit)
             start = hit.num_tokens
             end = self._chunk_end(request, start, min(len(request.all_token_ids) - start, step.budget))
             if not allocator.can_allocate(request.request_id, end, hit.blocks):
