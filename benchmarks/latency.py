@@ -190,7 +190,7 @@ def build(args: argparse.Namespace):
     del ckpt                                   # the executor holds what it needs
     largest = max([b * math.ceil((c + 1) / args.block_size) for b in batches for c in contexts]
                   + [math.ceil(n / args.block_size) for n in prefills])
-    fit = int((_budget(args, device) - max_seqs * KVCache.bytes_per_slot(config, dtype))
+    fit = int((_budget(args, device) - max_seqs * KVCache.bytes_per_slot(config, args.block_size, dtype))
               // KVCache.bytes_per_block(config, args.block_size, dtype))
     num_blocks = min(largest, fit)
     kv = KVCache(config, num_blocks, args.block_size, max_seqs, dtype, device)

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flint_sched.core import Scheduler, SchedulerConfig, StepResult
+from flint_sched.core.kv_allocator import ring_rows
 from flint_sched.core.plan import PLACEHOLDER_TOKEN
 from flint_sched.sampling_params import SamplingParams
 
@@ -25,10 +26,12 @@ VOCAB = 50
 
 
 class ContentExecutor:
-    """Tokens instead of K/V: blocks[(block, row)] and rings[slot][row] = (position, token)."""
+    """Tokens instead of K/V: blocks[(block, row)] and rings[slot][row] = (position, token), a ring
+    of ring_rows(window, block_size) rows as the executors keep."""
 
     def __init__(self, block_size: int, window: int) -> None:
         self.block_size, self.window = block_size, window
+        self.ring_rows = ring_rows(window, block_size)
         self.blocks: dict[tuple[int, int], int] = {}
         self.rings: dict[int, dict[int, tuple[int, int]]] = {}
         self.num_restored_tokens = 0
@@ -48,10 +51,10 @@ class ContentExecutor:
             for p in range(e.start_position):
                 assert self.blocks.get((e.block_table[p // bs], p % bs)) == tokens[p], f"{e.request_id} block row {p}"
             for p in range(max(0, e.start_position - w + 1), e.start_position):
-                assert ring.get(p % w) == (p, tokens[p]), f"{e.request_id} ring row of {p}"
+                assert ring.get(p % self.ring_rows) == (p, tokens[p]), f"{e.request_id} ring row of {p}"
             for p in range(e.start_position, e.end_position):
                 self.blocks[(e.block_table[p // bs], p % bs)] = tokens[p]
-                ring[p % w] = (p, tokens[p])
+                ring[p % self.ring_rows] = (p, tokens[p])
             if e.samples:
                 sampled[e.request_id] = [sum(tokens[-3:]) % VOCAB]
         self.last = {rid: t[-1] for rid, t in sampled.items()}
@@ -213,3 +216,33 @@ def test_each_conversation_keeps_its_snapshot_with_one_slot_per_conversation():
                 expected_hits += (len(prompt) - 9 - 1) // 4 * 4      # the last turn's snapshot position
             prompts[c] = prompt + [rng.randrange(VOCAB) for _ in range(9)]
     assert scheduler.prefix_cache.num_hit_tokens == expected_hits
+
+
+def test_one_of_several_requests_arriving_together_snapshots_their_shared_prefix():
+    """Three prompts sharing a 40-token start with a finished one, admitted in one step: one of them
+    stops and snapshots where the cached blocks end (D = 40), the others run through; a fourth
+    arriving later hits there."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, num_blocks=200, max_model_len=128,
+                             block_size=4, sliding_window=3, enable_prefix_caching=True, num_ring_snapshots=8)
+    scheduler = Scheduler(config)
+    executor = ContentExecutor(4, 3)
+    rng = random.Random(11)
+    shared = [rng.randrange(VOCAB) for _ in range(40)]
+    chunks = []
+
+    def run(*rids):
+        for rid in rids:
+            scheduler.add_request(rid, shared + [rng.randrange(VOCAB) for _ in range(20)],
+                                  SamplingParams(max_tokens=2, ignore_eos=True))
+        while scheduler.has_unfinished_requests():
+            plan = scheduler.schedule()
+            check_pool(scheduler, plan)
+            chunks.extend((e.request_id, e.start_position, e.end_position) for e in plan.scheduled_requests)
+            scheduler.update(plan, executor.execute(plan))
+
+    run("first")
+    run("a", "b", "c")
+    assert sum(1 for rid, start, end in chunks if rid in "abc" and end == 40) == 1
+    assert all(start == 0 for rid, start, _ in chunks if rid in "abc" and start < 40)
+    run("late")
+    assert [start for rid, start, _ in chunks if rid == "late"][0] == 40

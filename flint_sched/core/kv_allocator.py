@@ -9,7 +9,8 @@ the running requests' ones.
 
     full-attention layers (14): position p -> block block_table[p // block_size], row p % block_size
                                 one block holds K and V of all 14 layers for block_size positions
-    sliding layers (35):        position p -> ring slot row p % sliding_window, one slot per request
+    sliding layers (35):        position p -> ring slot row p % ring_rows, one slot per request
+                                (ring_rows = sliding_window + block_size - 1, see `ring_rows`)
 
     block_size = 4, 10 tokens:  block_table   7    2    9      ceil(10 / 4) = 3 blocks
                                 positions    0-3  4-7  8-9     (block 9 has 2 rows free)
@@ -21,6 +22,15 @@ from collections.abc import Iterable, Sequence
 
 from flint_sched.core.block_pool import BlockPool
 from flint_sched.core.ring_snapshots import RingSnapshots
+
+
+def ring_rows(sliding_window: int, block_size: int) -> int:
+    """Rows of a request's ring: the window plus block_size - 1, so that after a prompt's last chunk
+    (which ends at most block_size positions past B, the last block boundary before its last token)
+    the ring still holds the window - 1 positions before B: a prefix-cache snapshot at B is a copy of
+    the ring then, with no chunk cut at B (core/prefix_cache.py). Reads and writes go by position
+    (row p % ring_rows), so the rows past what a query's window reaches are never read."""
+    return sliding_window + block_size - 1
 
 
 class IdPool:
@@ -96,6 +106,7 @@ class HybridKVAllocator:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.block_size = block_size
         self.sliding_window = sliding_window
+        self.ring_rows = ring_rows(sliding_window, block_size)
         self._ring_slots = IdPool(num_ring_slots, "ring slot")
         self.snapshots = RingSnapshots(num_ring_slots, num_ring_snapshots)
         self.blocks = BlockPool(num_blocks, on_evict=self.snapshots.drop)

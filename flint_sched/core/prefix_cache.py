@@ -8,14 +8,20 @@ Flint), and recomputing less would not equal a cold prefill. So snapshots are ta
 prompt, at the last block boundary before its last token:
 
     prompt       [=========================|====]      snapshot position B = ((len - 1) // bs) * bs
-    chunks       [..... cut at B ..........][tail]      the chunk that crosses B stops at B
+    chunks       [....................... B ....]       the prompt's last chunk ends <= bs past B
     after it     ring slot --copy--> snapshot slot      (StepPlan.ring_copies, before the next forward;
                                                          with async scheduling, the plan made while
-                                                         the chunk to B runs carries the copy and the
-                                                         tail: the forwards run in plan order)
+                                                         that chunk runs carries the copy: the
+                                                         forwards run in plan order)
     next turn    [== cached blocks, hit at B ==][new tokens ...]
                  ring <--copy-- snapshot slot; the first chunk starts at B, and writes only blocks
                  of its own (B is a block boundary), so cached blocks are never written.
+
+A ring has window + bs - 1 rows (kv_allocator.ring_rows), so when a chunk ends at most bs
+positions past a snapshot position p it still holds the window - 1 positions before p, all a
+query at p reads of the past: the copy taken then serves a hit at p (the rows of positions >= p it
+also holds are rewritten before anything reads them). A chunk that would run further past p (a
+preempted request recomputing its prompt and output, or the cut at D) stops at p.
 
 A second snapshot shares prefixes across conversations (the same system prompt and tools before
 different first messages): when a request with no hit is admitted and cached blocks cover at
@@ -45,7 +51,7 @@ from dataclasses import dataclass
 
 from flint_sched.core.block_hash import extend_block_keys, root_key
 from flint_sched.core.kv_allocator import HybridKVAllocator, KVAllocation
-from flint_sched.core.request import Request
+from flint_sched.core.request import Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -72,6 +78,9 @@ class PrefixCache:
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.min_shared_tokens = min_shared_tokens
+        # how far past a snapshot position a chunk may end with the ring still holding its history
+        self.snapshot_slack = allocator.ring_rows - allocator.sliding_window + 1
+        self._d_takers: dict[bytes, Request] = {}   # key at D -> the running request that will snapshot it
         self.root = root_key(extra_key)
         self.num_queried_tokens = 0       # vLLM's prefix_cache_queries: tokens of admitted requests
         self.num_hit_tokens = 0           # vLLM's prefix_cache_hits: of those, tokens served from the cache
@@ -105,6 +114,15 @@ class PrefixCache:
         position = hit.num_shared_tokens
         if hit.num_tokens or position < max(1, self.min_shared_tokens) or position >= self.snapshot_position(request):
             position = 0
+        if position:       # one request cuts and snapshots a D (many may arrive with it together)
+            key = self.keys(request)[position // self.block_size - 1]
+            taker = self._d_takers.get(key)
+            if taker is not None and taker is not request and _will_snapshot(taker, position):
+                position = 0
+            else:
+                if len(self._d_takers) >= 1024:
+                    self._d_takers = {k: r for k, r in self._d_takers.items() if _will_snapshot(r, r.shared_prefix_position)}
+                self._d_takers[key] = request
         request.shared_prefix_position = position
         request.restored_snapshot_key = (self.keys(request)[hit.num_tokens // self.block_size - 1]
                                          if hit.snapshot_slot is not None else None)
@@ -127,29 +145,29 @@ class PrefixCache:
         return self.keys(request)[position // self.block_size - 1] in self.allocator.snapshots
 
     def chunk_end(self, request: Request, start: int, end: int) -> int:
-        """end, or the first snapshot position the chunk start .. end-1 crosses with no snapshot
-        kept there yet."""
+        """end, or the first snapshot position with no snapshot kept yet that the chunk start ..
+        end-1 crosses and ends more than snapshot_slack past (the ring would lose its history)."""
         for position in self._positions(request):
-            if start < position < end and not self._kept(request, position):
+            if start < position < end - self.snapshot_slack and not self._kept(request, position):
                 return position
         return end
 
     def _position_reached_in_flight(self, request: Request) -> int:
-        """Under async scheduling: the snapshot position at which the chunk in flight leaves the
-        request with no snapshot kept there yet, or 0."""
+        """Under async scheduling: a snapshot position with no snapshot kept yet that the chunk in
+        flight reaches (ending at most snapshot_slack past it), or 0."""
         computed = request.num_computed_tokens
         if computed >= self.snapshot_position(request):     # decoding: every position is behind it
             return 0
         reached = computed + request.num_in_flight_tokens
         for position in self._positions(request):
-            if position > computed and reached == position and not self._kept(request, position):
+            if computed < position <= reached <= position + self.snapshot_slack and not self._kept(request, position):
                 return position
         return 0
 
     def snapshot_in_flight(self, request: Request, allocation: KVAllocation, copies: list[tuple[int, int]]) -> None:
-        """Async scheduling: when the chunk in flight ends the request at a snapshot position, keep
-        the snapshot now and copy the rings first thing in the plan being built (after the forward
-        in flight, before this plan's), so the next chunk need not wait a step for the update."""
+        """Async scheduling: when the chunk in flight reaches a snapshot position, keep the snapshot
+        now and copy the rings first thing in the plan being built (after the forward in flight,
+        before this plan's), so the next step need not wait for the update."""
         position = self._position_reached_in_flight(request)
         if position:
             self._cache_blocks(request, allocation, position)   # a snapshot's key block is cached
@@ -157,23 +175,30 @@ class PrefixCache:
 
     def computed(self, request: Request, allocation: KVAllocation) -> None:
         """After a step: cache the blocks the request has filled, and snapshot its rings at D or B."""
-        self._cache_blocks(request, allocation, request.num_computed_tokens)
-        if request.num_computed_tokens in self._positions(request):
-            self._snapshot(request, allocation, request.num_computed_tokens, self._pending_copies)
+        computed = request.num_computed_tokens
+        self._cache_blocks(request, allocation, computed)
+        for position in self._positions(request):
+            if position <= computed <= position + self.snapshot_slack and not self._kept(request, position):
+                self._snapshot(request, allocation, position, self._pending_copies)
 
     def _snapshot(self, request: Request, allocation: KVAllocation, position: int,
                   copies: list[tuple[int, int]]) -> None:
         """Keep the request's rings at `position` (a copy into a snapshot slot, appended to `copies`).
         The snapshot it was restored from goes first in line for eviction: an agent's next turn
         hits this one, and with LRU alone a snapshot per conversation would evict the ones
-        other conversations still need (snapshots ~ sessions: hits fell from 82 % to a trickle in
-        benchmarks/bench_agent_sim.py)."""
+        other conversations still need (one slot per session: the hit rate fell from 82 % to 56 %
+        in benchmarks/bench_agent_sim.py)."""
+        key = self.keys(request)[position // self.block_size - 1]
+        if self.allocator.blocks.cached_block(key) is None:   # its block's key was dropped by a reset
+            return
         if request.restored_snapshot_key is not None:     # before the add, which may evict
             self.allocator.snapshots.demote(request.restored_snapshot_key)
             request.restored_snapshot_key = None
-        slot = self.allocator.snapshots.add(self.keys(request)[position // self.block_size - 1])
+        slot = self.allocator.snapshots.add(key)
         if slot is not None:
             copies.append((allocation.ring_slot, slot))
+        if self._d_takers.get(key) is request:
+            del self._d_takers[key]
 
     def _cache_blocks(self, request: Request, allocation: KVAllocation, num_tokens: int) -> None:
         """Key the request's full blocks of positions 0 .. num_tokens-1 (those of a chunk still in
@@ -195,3 +220,11 @@ class PrefixCache:
         self.allocator.blocks.reset()
         self.allocator.snapshots.reset()
         self._pending_copies.clear()
+        self._d_takers.clear()
+
+
+def _will_snapshot(request: Request, position: int) -> bool:
+    """Whether the request, admitted to snapshot at D = position, still will (running, D still its
+    own, not reached yet)."""
+    return (request.status is RequestStatus.RUNNING and position > 0 and request.shared_prefix_position == position
+            and request.num_computed_tokens < position)

@@ -108,7 +108,7 @@ def num_ring_snapshots(config: EngineConfig) -> int:
 def _num_blocks(config: EngineConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> int:
     per_block = KVCache.bytes_per_block(ckpt.config, config.block_size, dtype)
     num_slots = config.max_num_seqs + num_ring_snapshots(config)
-    rings = num_slots * KVCache.bytes_per_slot(ckpt.config, dtype)
+    rings = num_slots * KVCache.bytes_per_slot(ckpt.config, config.block_size, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - config.gpu_memory_utilization) * total - ACTIVATION_RESERVE_BYTES - rings

@@ -251,7 +251,7 @@ class CudaExecutor:
         fed = [(row, source) for row, source in zip(starts, sources) if source >= 0]
         self.sampled.resolve(token_ids, [row for row, _ in fed], [source for _, source in fed])
         prefill = prefill_metadata([Chunk(e.start_position, e.num_tokens, e.ring_slot, e.block_table) for e in entries],
-                                   self.kv.block_size, self.kv.window, self.device)
+                                   self.kv.block_size, self.kv.window, self.device, ring_rows=self.kv.ring_rows)
         sampling = [e for e in entries if e.samples]
         spans = prompt_spans(entries)        # rows of requests that ask for prompt logprobs
         if spans:

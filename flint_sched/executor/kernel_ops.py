@@ -128,7 +128,7 @@ class KernelOps:
         if c.is_sliding(i):
             ring = self.k.kv.ring[self.k.kv.ring_index[i]]
             attn.decode_attention_sliding(q, ring[0], ring[1], inp.ring_slots[:b], inp.seq_lens[:b], sinks,
-                                          self.ws.attention, out=out, pdl=self.pdl)
+                                          self.ws.attention, out=out, pdl=self.pdl, window=c.sliding_window)
         else:
             full = self.k.kv.full[self.k.kv.full_index[i]]
             attn.decode_attention_full(q, full[0], full[1], inp.block_tables[:b], inp.seq_lens[:b], sinks,

@@ -2,10 +2,11 @@
 
     full  [num_full_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
           position p of a request lives in block block_table[p // block_size], row p % block_size
-    ring  [num_sliding_layers, 2 (K, V), num_slots, window, kv_heads, head_dim]
-          position p lives at row p % window of the request's slot; the last `window` positions
-          written are there, older ones are overwritten; slots past max_num_seqs hold prefix-cache
-          snapshots (copies of a request's rings, core/prefix_cache.py)
+    ring  [num_sliding_layers, 2 (K, V), num_slots, ring_rows, kv_heads, head_dim]
+          position p lives at row p % ring_rows of the request's slot (ring_rows = window +
+          block_size - 1, core/kv_allocator.ring_rows); the last ring_rows positions written are
+          there, older ones are overwritten; slots past max_num_seqs hold prefix-cache snapshots
+          (copies of a request's rings, core/prefix_cache.py)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from flint_sched.config import FlintConfig
+from flint_sched.core.kv_allocator import ring_rows
 
 
 class KVCache:
@@ -21,8 +23,10 @@ class KVCache:
         g, d = config.num_key_value_heads, config.head_dim
         self.block_size = block_size
         self.window = config.sliding_window
+        self.ring_rows = ring_rows(self.window, block_size)
         self.full = torch.zeros(len(config.full_layers), 2, num_blocks, block_size, g, d, dtype=dtype, device=device)
-        self.ring = torch.zeros(len(config.sliding_layers), 2, num_slots, self.window, g, d, dtype=dtype, device=device)
+        self.ring = torch.zeros(len(config.sliding_layers), 2, num_slots, self.ring_rows, g, d, dtype=dtype,
+                                device=device)
         self.full_index = {layer: i for i, layer in enumerate(config.full_layers)}
         self.ring_index = {layer: i for i, layer in enumerate(config.sliding_layers)}
 
@@ -32,9 +36,9 @@ class KVCache:
         return len(config.full_layers) * 2 * block_size * config.kv_size * itemsize
 
     @staticmethod
-    def bytes_per_slot(config: FlintConfig, dtype: torch.dtype) -> int:
+    def bytes_per_slot(config: FlintConfig, block_size: int, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return len(config.sliding_layers) * 2 * config.sliding_window * config.kv_size * itemsize
+        return len(config.sliding_layers) * 2 * ring_rows(config.sliding_window, block_size) * config.kv_size * itemsize
 
     def _paged_rows(self, block_table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return block_table[positions // self.block_size], positions % self.block_size
@@ -54,9 +58,9 @@ class KVCache:
         return kv[0, blocks, rows], kv[1, blocks, rows]
 
     def write_ring(self, layer: int, slot: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the last `window` of the given positions (older ones would be overwritten anyway)."""
-        keep = slice(max(0, positions.numel() - self.window), None)
-        rows = positions[keep] % self.window
+        """Write the last ring_rows of the given positions (older ones would be overwritten anyway)."""
+        keep = slice(max(0, positions.numel() - self.ring_rows), None)
+        rows = positions[keep] % self.ring_rows
         kv = self.ring[self.ring_index[layer]]
         kv[0, slot, rows] = k[keep].to(kv.dtype)
         kv[1, slot, rows] = v[keep].to(kv.dtype)
@@ -67,7 +71,7 @@ class KVCache:
             self.ring[:, :, destination] = self.ring[:, :, source]
 
     def read_ring(self, layer: int, slot: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of the given past positions, which must be among the last `window` written."""
-        rows = positions % self.window
+        """K, V of the given past positions, which must be among the last ring_rows written."""
+        rows = positions % self.ring_rows
         kv = self.ring[self.ring_index[layer]]
         return kv[0, slot, rows], kv[1, slot, rows]

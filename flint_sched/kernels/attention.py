@@ -166,11 +166,15 @@ def decode_attention_full(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def decode_attention_sliding(q: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor, ring_slots: torch.Tensor,
                              seq_lens: torch.Tensor, sinks: torch.Tensor, workspace: torch.Tensor,
                              out: torch.Tensor | None = None, num_splits: int | None = None,
-                             softmax_scale: float | None = None, pdl: bool = False) -> torch.Tensor:
-    """out = attention over the last min(seq_lens[b], window) positions, window = ring rows."""
+                             softmax_scale: float | None = None, pdl: bool = False,
+                             window: int | None = None) -> torch.Tensor:
+    """out = attention over the last min(seq_lens[b], window) positions; position p at ring row
+    p % ring rows (window: the model's, at most the ring's rows; default the ring's rows)."""
     b = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else -1
     check_tensor(ring_slots, "ring_slots", torch.int32, (b,), q.device, 4)
-    window = k_ring.shape[1]
+    window = k_ring.shape[1] if window is None else window
+    if not 1 <= window <= k_ring.shape[1]:
+        raise ValueError(f"window {window} must be in 1..{k_ring.shape[1]} (the ring's rows)")
     return _attention(q, k_ring, v_ring, None, 0, ring_slots, window, seq_lens, sinks, workspace, window, out,
                       num_splits, softmax_scale, pdl, b)
 

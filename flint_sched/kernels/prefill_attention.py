@@ -56,13 +56,14 @@ class PrefillMetadata:
     block_tables [E, B]   each entry's block table (padded with 0)
     positions [T]         absolute position of each row (RoPE)
     kv_rows [T]           the paged pool row of each row's K/V: block * block_size + offset
-    ring_src / ring_dst [R]   the rows a sliding layer keeps (each entry's last <= window) and their
-                          ring rows, slot * window + position % window
+    ring_src / ring_dst [R]   the rows a sliding layer keeps (each entry's last <= ring_rows) and
+                          their ring rows, slot * ring_rows + position % ring_rows
     """
 
     num_tokens: int
     block_size: int
     window: int
+    ring_rows: int
     entries: torch.Tensor
     tiles: torch.Tensor
     block_tables: torch.Tensor
@@ -81,12 +82,15 @@ class PrefillMetadata:
 
 
 def prefill_metadata(chunks: Sequence[Chunk], block_size: int, window: int,
-                     device: torch.device | str) -> PrefillMetadata:
-    """The step's metadata for `chunks` (in row order); one host-to-device copy."""
+                     device: torch.device | str, ring_rows: int | None = None) -> PrefillMetadata:
+    """The step's metadata for `chunks` (in row order); one host-to-device copy. ring_rows: rows
+    of a ring slot (>= window; default window; the engine's: core/kv_allocator.ring_rows)."""
     if not chunks:
         raise ValueError("a prompt step needs at least one entry")
-    if block_size < 1 or window < 1:
-        raise ValueError(f"block_size ({block_size}) and window ({window}) must be positive")
+    ring_rows = window if ring_rows is None else ring_rows
+    if block_size < 1 or window < 1 or ring_rows < window:
+        raise ValueError(f"block_size ({block_size}) and window ({window}) must be positive and ring_rows "
+                         f"({ring_rows}) >= window")
     entries, tiles, work, positions, kv_rows, ring_src, ring_dst = [], [], [], [], [], [], []
     row = 0
     width = max(1, max(len(c.block_table) for c in chunks))
@@ -107,9 +111,9 @@ def prefill_metadata(chunks: Sequence[Chunk], block_size: int, window: int,
         pos = np.arange(s, s + n)
         positions.append(pos)
         kv_rows.append(table[pos // block_size] * block_size + pos % block_size)
-        kept = pos[max(0, n - window):]
+        kept = pos[max(0, n - ring_rows):]
         ring_src.append(row + kept - s)
-        ring_dst.append(c.ring_slot * window + kept % window)
+        ring_dst.append(c.ring_slot * ring_rows + kept % ring_rows)
         row += n
     order = np.argsort(-np.concatenate(work), kind="stable")
     parts = [np.asarray(entries, dtype=np.int64), np.concatenate(tiles)[order], tables,
@@ -121,7 +125,7 @@ def prefill_metadata(chunks: Sequence[Chunk], block_size: int, window: int,
     for p in parts:
         views.append(flat[start:start + p.size].view(p.shape))
         start += p.size
-    return PrefillMetadata(row, block_size, window, *views)
+    return PrefillMetadata(row, block_size, window, ring_rows, *views)
 
 
 # ---- launches ------------------------------------------------------------------------------------
@@ -165,15 +169,15 @@ def prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
 
     Full layers (sliding False): keys 0 .. p from the paged pool [num_blocks, block_size, G, 128]
     through meta.block_tables; the chunk's rows must be written (prefill_qk_norm_rope with pools).
-    Sliding layers: the last meta.window keys up to p, history from the ring [slots, window, G, 128]
+    Sliding layers: the last meta.window keys up to p, history from the ring [slots, ring_rows, G, 128]
     and the chunk's own from qkv; the ring is written afterwards (prefill_ring_write).
     """
     h, g = _check_qkv(qkv, meta)
     dev = qkv.device
     if _check_pools(k_pool, v_pool) != g or k_pool.device != dev:
         raise ValueError(f"pools must be [pages, rows, {g}, {HEAD_DIM}] on {dev}")
-    if sliding and k_pool.shape[1] != meta.window:
-        raise ValueError(f"ring of {k_pool.shape[1]} rows != metadata window {meta.window}")
+    if sliding and k_pool.shape[1] != meta.ring_rows:
+        raise ValueError(f"ring of {k_pool.shape[1]} rows != metadata ring rows {meta.ring_rows}")
     if not sliding and k_pool.shape[1] != meta.block_size:
         raise ValueError(f"pool block size {k_pool.shape[1]} != metadata block size {meta.block_size}")
     if sinks.dtype not in (torch.bfloat16, torch.float32):
@@ -194,10 +198,10 @@ def prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
 
 def prefill_ring_write(qkv: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor, meta: PrefillMetadata,
                        pdl: bool = False) -> None:
-    """Each entry's last <= window K/V rows (normed, roped) into its ring slot, after attention."""
+    """Each entry's last <= ring_rows K/V rows (normed, roped) into its ring slot, after attention."""
     h, g = _check_qkv(qkv, meta)
-    if _check_pools(k_ring, v_ring) != g or k_ring.shape[1] != meta.window or k_ring.device != qkv.device:
-        raise ValueError(f"rings must be [slots, {meta.window}, {g}, {HEAD_DIM}] on {qkv.device}")
+    if _check_pools(k_ring, v_ring) != g or k_ring.shape[1] != meta.ring_rows or k_ring.device != qkv.device:
+        raise ValueError(f"rings must be [slots, {meta.ring_rows}, {g}, {HEAD_DIM}] on {qkv.device}")
     rows = meta.ring_src.shape[0]
     _kernel("prefill_qkv.cu", "prefill_kv_copy_bf16").launch(
         (rows,), (COPY_THREADS,), [k_ring, v_ring, qkv, meta.ring_src, meta.ring_dst, I32(h), I32(g)],

@@ -152,32 +152,33 @@ def test_full_fp32_sinks_and_padding_request():
 # ---- sliding layers (ring) ----------------------------------------------------------------------
 
 
-def ring_case(lens, seed=0):
-    """NaN rings (two spare slots); request b's visible positions at row p % WINDOW of a shuffled slot."""
+def ring_case(lens, seed=0, rows=WINDOW):
+    """NaN rings of `rows` rows (two spare slots); request b's visible positions at row p % rows of a
+    shuffled slot (rows > WINDOW: the engine's rings, kv_allocator.ring_rows; the rest stays NaN)."""
     g = gen(seed)
     num_slots = len(lens) + 2
     slots = torch.randperm(num_slots, device="cuda", generator=g)[:len(lens)].int()
-    k = torch.full((num_slots, WINDOW, G, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    k = torch.full((num_slots, rows, G, D), float("nan"), dtype=torch.bfloat16, device="cuda")
     v = torch.full_like(k, float("nan"))
     kv = []
     for b, n in enumerate(lens):
         pos = torch.arange(max(0, n - WINDOW), n, device="cuda")
         kb = torch.randn(pos.numel(), G, D, device="cuda", generator=g).bfloat16()
         vb = torch.randn(pos.numel(), G, D, device="cuda", generator=g).bfloat16()
-        k[int(slots[b]), pos % WINDOW], v[int(slots[b]), pos % WINDOW] = kb, vb
+        k[int(slots[b]), pos % rows], v[int(slots[b]), pos % rows] = kb, vb
         kv.append((pos, kb, vb))
     q = (2 * torch.randn(len(lens), H, D, device="cuda", generator=g)).bfloat16()
     return q, k, v, slots, kv
 
 
-def run_sliding(lens, num_splits=None, seed=0):
-    q, k, v, slots, kv = ring_case(lens, seed)
+def run_sliding(lens, num_splits=None, seed=0, rows=WINDOW):
+    q, k, v, slots, kv = ring_case(lens, seed, rows)
     sinks = mixed_sinks(seed + 1)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
     ws = attention_workspace("cuda", max_splits=num_splits)
     ws[TICKET_SLOTS:] = float("nan")
-    decode_attention_sliding(q, k, v, slots, seq_lens, sinks, ws, out=out, num_splits=num_splits)
+    decode_attention_sliding(q, k, v, slots, seq_lens, sinks, ws, out=out, num_splits=num_splits, window=WINDOW)
     ref = torch.stack([attention_with_sinks(q[b:b + 1].float(), kb.float(), vb.float(), sinks.float(), pos[-1:], pos,
                                             WINDOW)[0] for b, (pos, kb, vb) in enumerate(kv)])
     splits = num_splits or decode_splits(len(lens), WINDOW)
@@ -187,6 +188,12 @@ def run_sliding(lens, num_splits=None, seed=0):
 @pytest.mark.parametrize("context", CONTEXTS + [LONG, 262_144])
 def test_sliding_batch1(context):
     run_sliding([context])
+
+
+def test_sliding_ring_longer_than_the_window():
+    """The engine's rings hold WINDOW + 15 rows (a prefix-cache snapshot after a prompt's last
+    chunk): the kernel attends the last WINDOW positions, found at p % rows."""
+    run_sliding([1, 512, 513, 514, 528, 529, 530, 1000, 4097], seed=9, rows=WINDOW + 15)
 
 
 @pytest.mark.parametrize("batch", [3, 8, 19, 300])
