@@ -2,7 +2,8 @@
 CUDA executor get, at their last sampled position (whose inputs are the request's whole history),
 the logits the same request gets alone, fed the same tokens, within bf16 noise: the batch changes
 which kernels run (fused below 9 rows, grouped above, prompt chunks beside decodes) and their
-summation order, never what a request reads. Not yet run on the GPU when written (session 5)."""
+summation order, never what a request reads. Passed on the H200 in session 6 (BF16 and NVFP4);
+`pytest -s` prints the measured relative errors and greedy flips."""
 
 import random
 
@@ -67,6 +68,7 @@ def test_each_request_in_a_crowd_gets_its_logits_alone(executor):
         flips += alone_outputs[f"a{rid}"][0] != crowd_outputs[rid][-1]
     errors.sort()
     summary = f"median {errors[len(errors) // 2]:.3e}, worst five {errors[-5:]}, greedy flips {flips}"
+    print(f"crowd vs alone, relative logit error: {summary}")
     # The same tolerance as the reference checks of test_cuda_executor.py (bf16 through 7 layers,
     # now and then one routed expert of one token flipped by bf16 noise).
     assert errors[len(errors) // 2] < 1.5e-2, summary
