@@ -12,8 +12,8 @@
 //   paged (block_tables != null):   page = block_tables[b][p / page_rows]   (page_rows = block_size)
 //        positions 0 1 2 3 | 4 5 6 7 | 8 9 ..      block_table[b] = [7, 2, 9, ..]
 //        rows      7*4+0.. | 2*4+0.. | 9*4+0..
-//   ring  (block_tables == null):   page = ring_slots[b]                    (page_rows = window)
-//        position p -> row p % window of the slot; the newest `window` positions are resident
+//   ring  (block_tables == null):   page = ring_slots[b]     (page_rows = the ring's rows >= window)
+//        position p -> row p % page_rows of the slot; the newest page_rows positions are resident
 //
 //   row = page * page_rows + p % page_rows   (64-bit: pools exceed 2^31 elements)
 struct KvPages {

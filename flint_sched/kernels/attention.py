@@ -3,7 +3,8 @@
 One new token per request, B <= 1024 (the grouped path's batches); head dim 128 and 8 query heads per KV head (H = 8 G) are
 fixed by cuda/qk_norm_rope_kv.cu and cuda/decode_attention.cu. Pools are one layer's K or V view
 of executor/kv_cache.py, bf16 contiguous: `full[i, 0]` [num_blocks, block_size, G, 128] or
-`ring[i, 0]` [num_slots, window, G, 128]. Splits depend only on (batch, a host-side bound on the
+`ring[i, 0]` [num_slots, ring_rows, G, 128] (ring_rows >= the window: core/kv_allocator.ring_rows).
+Splits depend only on (batch, a host-side bound on the
 context), so a CUDA graph captured for a bound stays valid while the device-side seq_lens grow.
 """
 
@@ -98,7 +99,7 @@ def qk_norm_rope_kv_sliding(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_no
                             positions: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
                             ring_slots: torch.Tensor, eps: float, rope_theta: float,
                             q_out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """Sliding layer: q_out = rope(rms_norm(q)); K/V at row positions[b] % window of ring_slots[b]."""
+    """Sliding layer: q_out = rope(rms_norm(q)); K/V at row positions[b] % ring rows of ring_slots[b]."""
     if not rope_theta > 0:
         raise ValueError(f"rope_theta must be positive, got {rope_theta}")
     b = qkv.shape[0] if isinstance(qkv, torch.Tensor) and qkv.dim() == 2 else -1
