@@ -78,6 +78,7 @@ async def run_case(args: argparse.Namespace, caching: bool) -> dict:
     params = SamplingParams(temperature=1.0, max_tokens=args.output_tokens, ignore_eos=True)
 
     async def session(s: int) -> None:
+        await asyncio.sleep(s * args.stagger_ms / 1e3)
         own = random.Random(s + 1)
         prompt = system + [own.randrange(300, vocab) for _ in range(args.first_tokens)]
         for turn in range(args.turns):
@@ -107,6 +108,7 @@ def main() -> int:
     p.add_argument("--first-tokens", type=int, default=200, help="each session's own first message")
     p.add_argument("--grow", type=int, default=450, help="new prompt tokens per turn")
     p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--stagger-ms", type=float, default=0.0, help="session s starts s times this late (0: together)")
     p.add_argument("--step-ms", type=float, default=6.5)
     p.add_argument("--us-per-prompt-token", type=float, default=22.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)

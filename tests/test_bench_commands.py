@@ -72,7 +72,7 @@ def test_bench_agent_sim_smoke():
     from flint_sched.llm import run_async
     args = argparse.Namespace(sessions=2, turns=3, system_tokens=600, first_tokens=20, grow=40, output_tokens=4,
                               step_ms=0.5, us_per_prompt_token=0.1, max_num_batched_tokens=2048, max_num_seqs=4,
-                              num_ring_snapshots=2)
+                              num_ring_snapshots=2, stagger_ms=0.0)
     cached, cold = run_async(run_case(args, True)), run_async(run_case(args, False))
     assert cached["steps"] > 0 and cached["ttft_turn0_ms"] > 0 and cached["ttft_later_ms"] > 0
     assert cached["hit_rate"] > 0.5 and cold["hit_rate"] == 0
