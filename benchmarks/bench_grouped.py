@@ -12,6 +12,7 @@ Run on the GPU machine: python3 benchmarks/bench_grouped.py [--pdl] [--tokens ..
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -170,6 +171,8 @@ def main() -> None:
     parser.add_argument("--pdl", action="store_true")
     parser.add_argument("--moe-tiles", type=int, nargs="+", default=[0],
                         help="16-row weight tiles per CTA of the MoE GEMMs to compare (1, 4; 0: the launcher's choice)")
+    parser.add_argument("--moe-small-chunk", type=int, nargs="+", default=[0],
+                        help="rows per item of the decode-sized MoE GEMMs to compare (8, 16; 0: grouped.MOE_SMALL_CHUNK)")
     parser.add_argument("--no-peers", action="store_true", help="skip torch._grouped_mm")
     parser.add_argument("--paths", nargs="+", default=["auto"], choices=sorted(PATHS),
                         help="MoE expert GEMMs: the launcher's choice, the swap-AB ones, the tiled ones")
@@ -206,17 +209,20 @@ def main() -> None:
                     default = dict(expert_gemm.DEFAULT_CONFIG)
                     if config:
                         expert_gemm.DEFAULT_CONFIG[fmt] = config
-                    for tiles in args.moe_tiles:
-                        for tuning in [""] + args.define:
-                            grouped.TUNING.clear()
-                            grouped.TUNING.update({k: int(v) for k, v in
-                                                   (d.split("=") for d in tuning.split(",") if d)})
-                            name = " ".join(filter(None, ["moe_grouped" if path == "auto" else path, config,
-                                                          f"t{tiles}" if tiles else "", tuning]))
-                            with forced_tiles(tiles):
-                                add(bench_moe(fmt, sets, m, args.pdl, name, PATHS[path], peers=first))
-                            first = False
+                    for tiles, small, tuning in itertools.product(args.moe_tiles, args.moe_small_chunk,
+                                                                  [""] + args.define):
                         grouped.TUNING.clear()
+                        grouped.TUNING.update({k: int(v) for k, v in (d.split("=") for d in tuning.split(",") if d)})
+                        default_small = grouped.MOE_SMALL_CHUNK
+                        grouped.MOE_SMALL_CHUNK = small or default_small
+                        name = " ".join(filter(None, ["moe_grouped" if path == "auto" else path, config,
+                                                      f"t{tiles}" if tiles else "", f"c{small}" if small else "",
+                                                      tuning]))
+                        with forced_tiles(tiles):
+                            add(bench_moe(fmt, sets, m, args.pdl, name, PATHS[path], peers=first))
+                        first = False
+                        grouped.MOE_SMALL_CHUNK = default_small
+                    grouped.TUNING.clear()
                     expert_gemm.DEFAULT_CONFIG.update(default)
         del sets, probe
         torch.cuda.empty_cache()

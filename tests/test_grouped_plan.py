@@ -55,13 +55,18 @@ def test_tiles_per_cta_and_grid():
         grouped.grid(1, 70000 * 4 + 1, 4)
 
 
-def test_every_plan_uses_a_compiled_variant():
+@pytest.mark.parametrize("small_chunk", [8, 16])
+def test_every_plan_uses_a_compiled_variant(monkeypatch, small_chunk):
+    monkeypatch.setattr(grouped, "MOE_SMALL_CHUNK", small_chunk)
+    assert grouped.moe_chunk(256, 6, 256) == small_chunk and grouped.moe_chunk(1024, 6, 256) == 64
     for m in (1, 9, 64, 256, 1024, 8192):
-        for chunk in (grouped.dense_chunk(m), grouped_moe.moe_chunk(m, 6, 256)):
-            for tiles in (16, 64, 128, 320, 9472):
-                picked = {"GROUPED_CHUNK": chunk,
-                          "GROUPED_TILES": grouped.tiles_per_cta(grouped.cdiv(m, chunk), tiles, chunk, 132)}
-                assert picked in kernels.VARIANTS["grouped_gemm.cu"]
+        chunk = grouped.dense_chunk(m)
+        for tiles in (16, 64, 128, 320, 9472):
+            picked = {"GROUPED_CHUNK": chunk,
+                      "GROUPED_TILES": grouped.tiles_per_cta(grouped.cdiv(m, chunk), tiles, chunk, 132)}
+            assert picked in kernels.VARIANTS["grouped_gemm.cu"]
+        moe = {"GROUPED_CHUNK": grouped_moe.moe_chunk(m, 6, 256), "GROUPED_TILES": grouped_moe.moe_tiles_per_cta()}
+        assert moe in kernels.VARIANTS["grouped_gemm.cu"]
 
 
 def test_routing_shared_memory_and_workspace_checks():
@@ -71,6 +76,6 @@ def test_routing_shared_memory_and_workspace_checks():
         grouped_moe.moe_routing_workspace(8, 4, 5, "cpu")
     ws = grouped_moe.moe_routing_workspace(9, 32, 6, "cpu", hidden_size=64, intermediate_size=32)
     assert ws.sorted_token.numel() == 9 * 7 and ws.pair_row.shape == (9, 7)
-    assert ws.work_expert.numel() == grouped.work_bound(63, 33, 16)
+    assert ws.work_expert.numel() == grouped.work_bound(63, 33, min(grouped.CHUNKS))
     assert ws.h_sorted.shape == (63, 32) and ws.y_sorted.shape == (63, 64)
     assert int(ws.ticket) == 0

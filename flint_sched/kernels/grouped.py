@@ -19,7 +19,13 @@ from flint_sched.kernels.hardware import sm_count
 from flint_sched.kernels.linear import (Weight, cdiv, check_row_splits, check_tensor, gate_up_args, weight_args,
                                         weight_format)
 
-CHUNKS = (16, 64)          # rows per item (cuda/grouped_gemm.cu GROUPED_CHUNK)
+CHUNKS = (8, 16, 64)       # rows per item (cuda/grouped_gemm.cu GROUPED_CHUNK)
+# Rows per item of the MoE GEMMs for decode-sized steps (<= 16 rows per touched expert on
+# average). 8 = one row group per item: the k-loop's SASS is ~23 % shorter than at 16 (the second
+# group's loads, PRMTs and HMMAs issue even when predicated off), but an expert with more than 8
+# rows takes two items (its weights read again, from L2). Not yet measured on the H200: compare
+# with `benchmarks/bench_grouped.py --moe-small-chunk 8 16`.
+MOE_SMALL_CHUNK = 16
 TILES_PER_CTA = (1, 4)     # 16-row weight tiles per CTA (GROUPED_TILES)
 WARPS = 4                  # GG_WARPS
 TILE_ROWS = 16
@@ -48,15 +54,15 @@ def gemm_kernel(name: str, fmt: str, chunk: int, tiles: int) -> Kernel:
 
 def dense_chunk(num_rows: int) -> int:
     """16 rows per item up to 16 rows (2 groups of 8: fewer registers), else 64."""
-    return CHUNKS[0] if num_rows <= CHUNKS[0] else CHUNKS[1]
+    return 16 if num_rows <= 16 else 64
 
 
 def moe_chunk(num_tokens: int, top_k: int, num_experts: int) -> int:
     """By the mean rows per touched routed expert (num_tokens * top_k pairs over at most
-    num_experts experts): 16 while it is <= 16 (decode: 1-6 at 16-256 tokens), else 64."""
+    num_experts experts): MOE_SMALL_CHUNK while it is <= 16 (decode: 1-6 at 16-256 tokens), else 64."""
     pairs = num_tokens * top_k
     mean_rows = pairs / max(1, min(num_experts, pairs))
-    return CHUNKS[0] if mean_rows <= CHUNKS[0] else CHUNKS[1]
+    return MOE_SMALL_CHUNK if mean_rows <= 16 else 64
 
 
 def work_bound(num_pairs: int, num_bins: int, chunk: int) -> int:
@@ -70,7 +76,7 @@ def tiles_per_cta(num_items: int, num_tiles: int, chunk: int, sms: int) -> int:
     """4 tiles per CTA (one per warp: its x rows are shared by the 4 warps in L1, 4x less L2
     traffic) where items are large and the grid still has >= 4 CTAs per SM; else 1 (the warps
     split K: more CTAs for small grids)."""
-    if chunk == CHUNKS[1] and num_items * cdiv(num_tiles, 4) >= 4 * sms:
+    if chunk == 64 and num_items * cdiv(num_tiles, 4) >= 4 * sms:
         return TILES_PER_CTA[1]
     return TILES_PER_CTA[0]
 

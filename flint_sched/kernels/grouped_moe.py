@@ -65,7 +65,7 @@ class MoeRoutingWorkspace:
     offsets: torch.Tensor       # int32 [E + 2]
     sorted_token: torch.Tensor  # int32 [P_max]
     pair_row: torch.Tensor      # int32 [max_tokens, A + 1]
-    work_expert: torch.Tensor   # int32 [work bound at CHUNKS[0]]
+    work_expert: torch.Tensor   # int32 [work bound at the smallest chunk]
     work_row: torch.Tensor      # int32 [same]
     num_work: torch.Tensor      # int32 [1]
     ticket: torch.Tensor        # int32 [1], zero between calls

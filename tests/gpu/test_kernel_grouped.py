@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flint_sched.kernels import grouped_gate_up, grouped_linear, moe_routing_workspace, route_and_sort
+from flint_sched.kernels import grouped, grouped_gate_up, grouped_linear, moe_routing_workspace, route_and_sort
 from flint_sched.kernels.dequant import dequantize_bf16
 from flint_sched.kernels.linear import concat_rows
 from gpu_checks import assert_close_bf16, gen, poisoned
@@ -98,6 +98,14 @@ def small_moe(request):
 def test_moe_grouped_flint_shapes(flint_moe, tokens):
     fmt, p = flint_moe
     check_moe(fmt, p, FLINT, tokens, "flint")
+
+
+@pytest.mark.parametrize("tokens", [9, 64, 256])
+def test_moe_grouped_with_8_row_items(flint_moe, tokens, monkeypatch):
+    """grouped.MOE_SMALL_CHUNK = 8 (one row group per item; experts with more rows split)."""
+    monkeypatch.setattr(grouped, "MOE_SMALL_CHUNK", 8)
+    fmt, p = flint_moe
+    check_moe(fmt, p, FLINT, tokens, "flint, 8-row items")
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
