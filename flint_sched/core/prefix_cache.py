@@ -115,17 +115,17 @@ class PrefixCache:
         if hit.num_tokens or position < max(1, self.min_shared_tokens) or position >= self.snapshot_position(request):
             position = 0
         if position:       # one request cuts and snapshots a D (many may arrive with it together)
-            key = self.keys(request)[position // self.block_size - 1]
+            key = self._key_at(request, position)
             taker = self._d_takers.get(key)
             if taker is not None and taker is not request and _will_snapshot(taker, position):
                 position = 0
             else:
                 if len(self._d_takers) >= 1024:
-                    self._d_takers = {k: r for k, r in self._d_takers.items() if _will_snapshot(r, r.shared_prefix_position)}
+                    self._d_takers = {k: r for k, r in self._d_takers.items()
+                                      if _will_snapshot(r, r.shared_prefix_position)}
                 self._d_takers[key] = request
         request.shared_prefix_position = position
-        request.restored_snapshot_key = (self.keys(request)[hit.num_tokens // self.block_size - 1]
-                                         if hit.snapshot_slot is not None else None)
+        request.restored_snapshot_key = self._key_at(request, hit.num_tokens) if hit.snapshot_slot is not None else None
 
     def count(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
@@ -141,45 +141,41 @@ class PrefixCache:
         d = request.shared_prefix_position
         return (d, b) if 0 < d < b else (b,) if b else ()
 
-    def _kept(self, request: Request, position: int) -> bool:
-        return self.keys(request)[position // self.block_size - 1] in self.allocator.snapshots
+    def _key_at(self, request: Request, position: int) -> bytes:
+        """The key of the block that ends at `position` (a block boundary > 0): a snapshot's key."""
+        return self.keys(request)[position // self.block_size - 1]
+
+    def _due(self, request: Request, reached: int, after: int = -1) -> list[int]:
+        """Snapshot positions p in (after, reached] with no snapshot kept yet whose history the ring
+        still holds once positions up to `reached` are computed (reached <= p + snapshot_slack)."""
+        return [p for p in self._positions(request) if after < p <= reached <= p + self.snapshot_slack
+                and self._key_at(request, p) not in self.allocator.snapshots]
 
     def chunk_end(self, request: Request, start: int, end: int) -> int:
         """end, or the first snapshot position with no snapshot kept yet that the chunk start ..
         end-1 crosses and ends more than snapshot_slack past (the ring would lose its history)."""
         for position in self._positions(request):
-            if start < position < end - self.snapshot_slack and not self._kept(request, position):
+            if (start < position < end - self.snapshot_slack
+                    and self._key_at(request, position) not in self.allocator.snapshots):
                 return position
         return end
-
-    def _position_reached_in_flight(self, request: Request) -> int:
-        """Under async scheduling: a snapshot position with no snapshot kept yet that the chunk in
-        flight reaches (ending at most snapshot_slack past it), or 0."""
-        computed = request.num_computed_tokens
-        if computed >= self.snapshot_position(request):     # decoding: every position is behind it
-            return 0
-        reached = computed + request.num_in_flight_tokens
-        for position in self._positions(request):
-            if computed < position <= reached <= position + self.snapshot_slack and not self._kept(request, position):
-                return position
-        return 0
 
     def snapshot_in_flight(self, request: Request, allocation: KVAllocation, copies: list[tuple[int, int]]) -> None:
         """Async scheduling: when the chunk in flight reaches a snapshot position, keep the snapshot
         now and copy the rings first thing in the plan being built (after the forward in flight,
         before this plan's), so the next step need not wait for the update."""
-        position = self._position_reached_in_flight(request)
-        if position:
+        computed = request.num_computed_tokens
+        if computed >= self.snapshot_position(request):     # decoding: every position is behind it
+            return
+        for position in self._due(request, computed + request.num_in_flight_tokens, after=computed):
             self._cache_blocks(request, allocation, position)   # a snapshot's key block is cached
             self._snapshot(request, allocation, position, copies)
 
     def computed(self, request: Request, allocation: KVAllocation) -> None:
         """After a step: cache the blocks the request has filled, and snapshot its rings at D or B."""
-        computed = request.num_computed_tokens
-        self._cache_blocks(request, allocation, computed)
-        for position in self._positions(request):
-            if position <= computed <= position + self.snapshot_slack and not self._kept(request, position):
-                self._snapshot(request, allocation, position, self._pending_copies)
+        self._cache_blocks(request, allocation, request.num_computed_tokens)
+        for position in self._due(request, request.num_computed_tokens):
+            self._snapshot(request, allocation, position, self._pending_copies)
 
     def _snapshot(self, request: Request, allocation: KVAllocation, position: int,
                   copies: list[tuple[int, int]]) -> None:
@@ -188,7 +184,7 @@ class PrefixCache:
         hits this one, and with LRU alone a snapshot per conversation would evict the ones
         other conversations still need (one slot per session: the hit rate fell from 82 % to 56 %
         in benchmarks/bench_agent_sim.py)."""
-        key = self.keys(request)[position // self.block_size - 1]
+        key = self._key_at(request, position)
         if self.allocator.blocks.cached_block(key) is None:   # its block's key was dropped by a reset
             return
         if request.restored_snapshot_key is not None:     # before the add, which may evict

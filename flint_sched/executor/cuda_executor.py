@@ -156,16 +156,17 @@ class CudaExecutor:
         n = max(1, min(max_prompt_tokens, self.max_model_len - 2, (kv.full.shape[2] - 1) * bs))
         table = list(range(n // bs + 1))
         ids = [f"warm-up-{i}" for i in range(min(slots, self.grouped_batch_sizes[0]))]
+
+        def entry(rid: str, tokens: list[int], start: int, slot: int, params: SamplingParams) -> ScheduledRequest:
+            return ScheduledRequest(rid, tokens, start, table, slot, True, params, [], [], False)
+
         for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
-
-            def entry(rid: str, tokens: list[int], start: int, slot: int) -> ScheduledRequest:
-                return ScheduledRequest(rid, tokens, start, table, slot, True, params, [], [], False)
-
-            plans = [StepPlan([entry(ids[0], [0] * n, 0, 0)], n, "grouped", [], []),     # position n fits the table
-                     StepPlan([entry(ids[0], [0], n, 0)], 1, "fused", [], [])]
+            # position n fits the table
+            plans = [StepPlan([entry(ids[0], [0] * n, 0, 0, params)], n, "grouped", [], []),
+                     StepPlan([entry(ids[0], [0], n, 0, params)], 1, "fused", [], [])]
             if len(ids) > FUSED_MAX_BATCH:
-                plans.append(StepPlan([entry(i, [0], n, slot) for slot, i in enumerate(ids)], len(ids), "grouped",
-                                      [], []))
+                plans.append(StepPlan([entry(i, [0], n, slot, params) for slot, i in enumerate(ids)], len(ids),
+                                      "grouped", [], []))
             for plan in plans:
                 self.execute(plan)
             self.inputs.forget(StepPlan([], 0, "fused", [], ids))
