@@ -206,6 +206,8 @@ def main() -> None:
             for path in args.paths:
                 configs = args.tiled_configs if path == "tiled" and args.tiled_configs else [""]
                 for config in configs:
+                    if config and fmt not in expert_gemm.formats(config):
+                        continue
                     default = dict(expert_gemm.DEFAULT_CONFIG)
                     if config:
                         expert_gemm.DEFAULT_CONFIG[fmt] = config

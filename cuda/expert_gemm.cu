@@ -28,6 +28,7 @@
 // epilogue (as grouped_gemm.cu).
 #include "async_copy.cuh"
 #include "nvfp4.cuh"
+#include "wgmma.cuh"
 
 #ifndef EG_BN
 #define EG_BN 256  // weight rows per CTA: 128 or 256 (kernels/expert_gemm.py CONFIGS)
@@ -37,6 +38,9 @@
 #endif
 #ifndef EG_MIN_CTAS
 #define EG_MIN_CTAS 1
+#endif
+#ifndef EG_WGMMA
+#define EG_WGMMA 0  // 1: warpgroup MMAs (wgmma) from the shared tiles, EG_BN 256 only (see expert_gemm_wgmma)
 #endif
 #define EG_BM 128  // rows per M-tile = the routing chunk (kernels/expert_gemm.py TILE_M)
 #define EG_BK 64
@@ -155,17 +159,128 @@ __device__ __forceinline__ void compute_tile(float (&acc)[4][8][4], u32 a_base, 
   }
 }
 
+// The main loop and epilogue on warpgroup MMAs (EG_WGMMA, EG_BN 256: two warpgroups, warpgroup w
+// computes tile rows 64w .. 64w + 63 against all EG_BN B rows, one m64n256k16 per k16 step; a tail
+// tile of <= 64 rows leaves warpgroup 1 idle: splitting the B rows between the warpgroups instead
+// (two m64n64k16 for gate/up) measured ~5 % slower for NVFP4 at 1K-8K tokens). The wgmmas of
+// k-tile kt stay in flight while the next k-tile is waited for, so a stage is refilled only two
+// k-tiles after its last read:
+//   BF16  iteration kt loads tile kt + S - 2 into stage (kt - 2) % S, read by wgmma(kt - 2), which
+//         every warpgroup finished (wgmma_wait<1> in iteration kt - 1) before this barrier.
+//   NVFP4 the raw stages likewise; tile kt + 1 is decoded (one row per thread) into decoded buffer
+//         (kt + 1) % 3 while wgmma(kt) reads buffer kt % 3; buffer (kt + 1) % 3 was last read by
+//         wgmma(kt - 2).
+template <bool GATE_UP, bool FP4, class LoadTile, class RawStage>
+__device__ __forceinline__ void expert_gemm_wgmma(u16* out, unsigned char* smem, u32 base, u32 dec_base,
+                                                  const u32* table, LoadTile&& load_tile, RawStage&& raw_stage,
+                                                  int row0, int rows, int n0, float sum_scale_a, float sum_scale_b,
+                                                  int N, int K) {
+  static_assert(EG_BN == 256 && EG_THREADS == 256, "wgmma tiles: 2 warpgroups x m64n256");
+  static_assert(EG_STAGES >= (FP4 ? 4 : 3), "stages: two in use by wgmma plus the prefetch distance");
+  constexpr int S = EG_STAGES;
+  constexpr int STAGE_B = FP4 ? EG_BN * 36 : EG_B_BYTES;
+  constexpr int STAGE = (EG_A_BYTES + STAGE_B + 1023) / 1024 * 1024;
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const bool active = wg * 64 < rows;  // warpgroup-uniform
+  const int KT = K / EG_BK;
+
+  float acc[EG_BN / 2];
+#pragma unroll
+  for (int i = 0; i < EG_BN / 2; ++i) acc[i] = 0.0f;
+  wgmma_fence_acc(acc);
+
+  auto mma_tile = [&](u32 a_tile, u32 b_tile) {
+    if (!active) return;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_m64n256k16(acc, wgmma_desc(a_tile + wg * 64 * 128 + kk * 32), wgmma_desc(b_tile + kk * 32));
+  };
+
+#pragma unroll
+  for (int s = 0; s < S - 2; ++s) {
+    if (s < KT) load_tile(s, s);
+    cp_async_commit();
+  }
+  if (!FP4) {
+    for (int kt = 0; kt < KT; ++kt) {
+      cp_async_wait<S - 3>();  // tile kt (committed: tiles 0 .. kt + S - 3)
+      fence_proxy_async_shared();
+      __syncthreads();
+      if (kt + S - 2 < KT) load_tile(kt + S - 2, (kt + S - 2) % S);
+      cp_async_commit();
+      const u32 sa = base + (kt % S) * STAGE;
+      mma_tile(sa, sa + EG_A_BYTES);
+      wgmma_commit();
+      wgmma_wait<1>();
+    }
+  } else {
+    cp_async_wait<S - 3>();
+    __syncthreads();  // the scale table, tile 0's raw bytes
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) decode_block(dec_base, raw_stage(0), raw_stage(0) + EG_BN * 32, table, tid, kk);
+    for (int kt = 0; kt < KT; ++kt) {
+      cp_async_wait<S - 4>();  // tile kt + 1
+      fence_proxy_async_shared();  // this thread's decoded rows and copied A chunks, to wgmma
+      __syncthreads();
+      if (kt + S - 2 < KT) load_tile(kt + S - 2, (kt + S - 2) % S);
+      cp_async_commit();
+      const u32 sa = base + (kt % S) * STAGE;
+      mma_tile(sa, dec_base + (kt % 3) * EG_B_BYTES);
+      wgmma_commit();
+      if (kt + 1 < KT) {
+        const unsigned char* raw = raw_stage((kt + 1) % S);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          decode_block(dec_base + ((kt + 1) % 3) * EG_B_BYTES, raw, raw + EG_BN * 32, table, tid, kk);
+      }
+      wgmma_wait<1>();
+    }
+  }
+  cp_async_wait<0>();
+  wgmma_wait<0>();
+  wgmma_fence_acc(acc);
+  if (!active) return;
+
+  // Thread (warp w of the warpgroup, lane 4g + q): rows 64 wg + 16 w + g (+ 8), columns 8j + 2q (+ 1).
+  const int lane = tid & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = wg * 64 + ((tid >> 5) & 3) * 16 + g + 8 * half;
+    if (r >= rows) continue;
+    u16* orow = out + (size_t)(row0 + r) * N;
+    if (GATE_UP) {
+#pragma unroll
+      for (int j = 0; j < EG_BN / 16; ++j) {  // gate block j, up block j + EG_BN / 16
+        const float* ga = &acc[4 * j + 2 * half];
+        const float* ua = &acc[4 * (j + EG_BN / 16) + 2 * half];
+        const float h0 = eg_silu(ga[0] * sum_scale_a) * (ua[0] * sum_scale_b);
+        const float h1 = eg_silu(ga[1] * sum_scale_a) * (ua[1] * sum_scale_b);
+        *reinterpret_cast<u32*>(orow + n0 + 8 * j + 2 * q) = pack_bf16x2(h0, h1);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < EG_BN / 8; ++j)
+        *reinterpret_cast<u32*>(orow + n0 + 8 * j + 2 * q) =
+            pack_bf16x2(acc[4 * j + 2 * half] * sum_scale_a, acc[4 * j + 2 * half + 1] * sum_scale_a);
+    }
+  }
+}
+
 template <bool GATE_UP, bool FP4>
 __device__ __forceinline__ void expert_gemm(u16* out, const u16* act, const int* gather, const Bf16B* wb,
                                             const Nvfp4B* wq, const int* offsets, const int* work_expert,
                                             const int* work_row, const int* num_work, int N, int K, int E) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  // stage s: A [EG_BM][128 B] then B: bf16 [EG_BN][128 B] or codes [EG_BN][32 B] + scales [EG_BN][4 B]
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // stage s: A [EG_BM][128 B] then B: bf16 [EG_BN][128 B] or codes [EG_BN][32 B] + scales [EG_BN][4 B];
+  // wgmma: every tile 1024-byte aligned (the 128-byte swizzle's period), the launcher adds 1 KB.
   constexpr int STAGE_B = FP4 ? EG_BN * 36 : EG_B_BYTES;
-  constexpr int STAGE = EG_A_BYTES + STAGE_B;
-  const u32 base = smem_addr(smem);
-  const u32 dec_base = base + EG_STAGES * STAGE;  // FP4: two decoded bf16 B tiles, then the scale table
-  u32* table = reinterpret_cast<u32*>(smem + EG_STAGES * STAGE + 2 * EG_B_BYTES);
+  constexpr int STAGE = EG_WGMMA ? (EG_A_BYTES + STAGE_B + 1023) / 1024 * 1024 : EG_A_BYTES + STAGE_B;
+  constexpr int DECODED = EG_WGMMA ? 3 : 2;  // FP4: decoded bf16 B tiles in rotation
+  const u32 base = EG_WGMMA ? (smem_addr(smem_raw) + 1023u) & ~1023u : smem_addr(smem_raw);
+  unsigned char* smem = smem_raw + (base - smem_addr(smem_raw));
+  const u32 dec_base = base + EG_STAGES * STAGE;  // FP4: the decoded bf16 B tiles, then the scale table
+  u32* table = reinterpret_cast<u32*>(smem + EG_STAGES * STAGE + DECODED * EG_B_BYTES);
 
   pdl_launch_dependents();
   pdl_wait();
@@ -173,8 +288,7 @@ __device__ __forceinline__ void expert_gemm(u16* out, const u16* act, const int*
   if (item >= __ldcg(num_work)) return;
   const int expert = __ldcg(work_expert + item), row0 = __ldcg(work_row + item);
   const int rows = min(EG_BM, __ldcg(offsets + expert + 1) - row0);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp / EG_WARPS_N, wn = warp % EG_WARPS_N;
+  const int tid = threadIdx.x;
   const int n0 = blockIdx.x * (GATE_UP ? EG_BN / 2 : EG_BN);  // first output column / weight row
   const bool shared_expert = expert == E;
   if (FP4)
@@ -252,6 +366,11 @@ __device__ __forceinline__ void expert_gemm(u16* out, const u16* act, const int*
   };
   auto raw_stage = [&](int stage) { return smem + stage * STAGE + EG_A_BYTES; };
 
+#if EG_WGMMA
+  expert_gemm_wgmma<GATE_UP, FP4>(out, smem, base, dec_base, table, load_tile, raw_stage, row0, rows, n0,
+                                  sum_scale_a, sum_scale_b, N, K);
+#else
+  const int lane = tid & 31, wm = (tid >> 5) / EG_WARPS_N, wn = (tid >> 5) % EG_WARPS_N;
   float acc[4][8][4];
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
@@ -324,6 +443,7 @@ __device__ __forceinline__ void expert_gemm(u16* out, const u16* act, const int*
       }
     }
   }
+#endif
 }
 
 #define EG_KERNEL extern "C" __global__ void __launch_bounds__(EG_THREADS, EG_MIN_CTAS)

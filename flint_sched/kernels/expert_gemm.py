@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from flint_sched.kernels import _runtime
 from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
 from flint_sched.kernels.linear import Weight, cdiv, check_tensor, expert_args, moe_gate_up_args, weight_format
 from flint_sched.quant.nvfp4 import NVFP4Tensor
@@ -21,15 +22,23 @@ TILE_K = 64         # EG_BK: K must be a multiple
 MAX_GRID_Y = 65535
 
 # name -> compile-time defines. "n256": 8 warps, 128 x 256 CTA tile, 1 CTA per SM; "n128": 4 warps,
-# 128 x 128, 2 CTAs per SM (3 stages: 96 KB BF16, 95 KB NVFP4). Measured on the H200, gate/up + down
-# of Flint's MoE (benchmarks/bench_expert_gemm.py), µs at 8K / 16K tokens: BF16 n128 1306 / 2479,
-# n256 1529 / 2656; NVFP4 n128 1926 / 3451, n256 2227 / 3965. Two CTAs per SM hide each other's
-# barriers, prologue and epilogue, which one CTA of 8 warps cannot.
+# 128 x 128, 2 CTAs per SM (3 stages: 96 KB BF16, 95 KB NVFP4), both on mma.sync; "w256", "w256s5":
+# the n256 tile on warpgroup MMAs (wgmma, sm_90a), 4 or 5 stages (5 fit NVFP4 only). Measured on the
+# H200, Flint's MoE layer (benchmarks/bench_grouped.py --pdl --paths tiled --tiled-configs ...), µs
+# at 1K / 4K / 8K tokens: BF16 n128 449 / 934 / 1591, w256 386 / 760 / 1313; NVFP4 n128 636 / 1280 /
+# 2195, w256 477 / 984 / 1676, w256s5 467 / 973 / 1644 (RESULTS.md, session 7).
 CONFIGS = {
     "n256": {"EG_BN": 256, "EG_STAGES": 4, "EG_MIN_CTAS": 1},
     "n128": {"EG_BN": 128, "EG_STAGES": 3, "EG_MIN_CTAS": 2},
+    "w256": {"EG_BN": 256, "EG_STAGES": 4, "EG_MIN_CTAS": 1, "EG_WGMMA": 1},
+    "w256s5": {"EG_BN": 256, "EG_STAGES": 5, "EG_MIN_CTAS": 1, "EG_WGMMA": 1},
 }
-DEFAULT_CONFIG = {"bf16": "n128", "nvfp4": "n128"}
+DEFAULT_CONFIG = {"bf16": "w256", "nvfp4": "w256s5"}
+
+
+def formats(config: str) -> tuple[str, ...]:
+    """Weight formats whose shared memory the config fits (five BF16 stages of 48 KB do not)."""
+    return ("nvfp4",) if config == "w256s5" else ("bf16", "nvfp4")
 
 
 @functools.cache
@@ -39,12 +48,14 @@ def _kernel(name: str, config: str) -> Kernel:
 
 def shared_bytes(fmt: str, config: str) -> int:
     """Dynamic shared memory: the ring of A [128 x 128 B] + B tiles; NVFP4 stages hold codes and
-    scales ([BN x 36 B]) and add two decoded bf16 B tiles and the 1 KB scale table."""
+    scales ([BN x 36 B]) and add two (wgmma: three) decoded bf16 B tiles and the 1 KB scale table."""
     c = CONFIGS[config]
     bn, stages = c["EG_BN"], c["EG_STAGES"]
-    if fmt == "bf16":
-        return stages * (TILE_M + bn) * 128
-    return stages * (TILE_M * 128 + bn * 36) + 2 * bn * 128 + 1024
+    stage = TILE_M * 128 + (bn * 128 if fmt == "bf16" else bn * 36)
+    if c.get("EG_WGMMA"):   # 1 KB-aligned tiles (stages padded, 1 KB to align the base), 3 decoded tiles
+        stage = cdiv(stage, 1024) * 1024
+        return 1024 + stages * stage + (0 if fmt == "bf16" else 3 * bn * 128 + 1024)
+    return stages * stage + (0 if fmt == "bf16" else 2 * bn * 128 + 1024)
 
 
 def threads(config: str) -> int:
@@ -56,6 +67,14 @@ def supported(fmt: str, hidden: int, inter: int) -> bool:
     I a multiple of BN / 2 and hidden a multiple of BN for every config."""
     bn = max(c["EG_BN"] for c in CONFIGS.values())
     return hidden % TILE_K == 0 and inter % TILE_K == 0 and inter % (bn // 2) == 0 and hidden % bn == 0
+
+
+def _config(fmt: str, config: str | None) -> str:
+    if config is None:   # wgmma is sm_90a's alone: other GPUs take the mma.sync tile
+        config = DEFAULT_CONFIG[fmt] if _runtime.current_arch() == "sm_90a" else "n128"
+    if fmt not in formats(config):
+        raise ValueError(f"expert GEMM config {config} does not fit {fmt} weights")
+    return config
 
 
 def _check_routing(routing, rows_needed: int, num_experts: int) -> None:
@@ -93,7 +112,7 @@ def expert_gate_up(x: torch.Tensor, routing, gate: Weight, up: Weight, shared_ga
     if routing.pair_row.shape[0] != m:
         raise ValueError(f"x has {m} tokens, routing {routing.pair_row.shape[0]}")
     fmt = weight_format(gate, up, shared_gate, shared_up)
-    config = config or DEFAULT_CONFIG[fmt]
+    config = _config(fmt, config)
     bn = CONFIGS[config]["EG_BN"]
     if k % TILE_K or i % (bn // 2):
         raise ValueError(f"expert_gate_up needs K % {TILE_K} == 0 and I % {bn // 2} == 0, got K {k}, I {i}")
@@ -115,7 +134,7 @@ def expert_down(h: torch.Tensor, routing, down: Weight, shared_down: Weight, out
     check_tensor(h, "h", torch.bfloat16, (p, k), h.device)
     _check_routing(routing, p, e)
     fmt = weight_format(down, shared_down)
-    config = config or DEFAULT_CONFIG[fmt]
+    config = _config(fmt, config)
     bn = CONFIGS[config]["EG_BN"]
     if k % TILE_K or n % bn:
         raise ValueError(f"expert_down needs K % {TILE_K} == 0 and N % {bn} == 0, got K {k}, N {n}")

@@ -232,12 +232,13 @@ def moe_finalize(y_sorted: torch.Tensor, routing: Routing, residual: torch.Tenso
 
 
 # Tokens from which moe_grouped runs the tiled expert GEMMs. Measured on the H200, Flint's MoE layer
-# (benchmarks/bench_grouped.py --pdl --paths old tiled), µs swap-AB / tiled (n128; at 256, n256):
-# BF16 256: 330 / 397, 512: 469 / 368, 1024: 701 / 448, 8192: 4366 / 1626; NVFP4 256: 252 / 579,
-# 512: 387 / 525, 1024: 724 / 643, 4096: 2157 / 1296, 8192: 4268 / 2200. The weights of every
-# touched expert are read either way, so the swap-AB GEMMs (no smem staging, no 128-row padding)
-# win while rows per expert are few: the decode graphs (<= 256 tokens) stay on them.
-EXPERT_GEMM_MIN_TOKENS = {"bf16": 512, "nvfp4": 1024}
+# (benchmarks/bench_grouped.py --pdl --paths old tiled --tiled-configs w256 w256s5), µs swap-AB /
+# tiled: BF16 256: 330 / 283, 512: 469 / 317, 1024: 703 / 380, 8192: 4418 / 1319; NVFP4 256: 245 /
+# 363, 512: 388 / 389, 1024: 728 / 484, 8192: 4323 / 1763. The weights of every touched expert are
+# read either way; the swap-AB GEMMs (no smem staging, no 128-row padding) win while rows per expert
+# are few and each weight costs an FP4 decode per 16 rows: NVFP4 decode graphs (<= 256 tokens) stay
+# on them, BF16 ones of 256 rows run tiled.
+EXPERT_GEMM_MIN_TOKENS = {"bf16": 256, "nvfp4": 512}
 
 
 def use_expert_gemm(num_tokens: int, fmt: str, hidden: int, inter: int, tiled: bool | None = None) -> bool:
