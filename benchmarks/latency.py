@@ -66,8 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode requests sample with this temperature (0: greedy, the token chosen on the GPU)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--host-profile", action="store_true",
+                   help="after each prefill case, profile one chunk's host side (cProfile, by own time)")
     p.add_argument("--kernel-breakdown", action="store_true",
-                   help="after each decode case, trace a few steps and print GPU time per kernel")
+                   help="after each case, trace a few steps (decode) or one chunk (prefill) and print GPU "
+                        "time per kernel")
 
 
 def _ints(text: str) -> list[int]:
@@ -140,16 +143,32 @@ def _breakdown(executor, args, batch: int, context: int) -> list[tuple[str, floa
             executor.use_graphs = graphs
 
 
-def run_prefill(executor, args, length: int) -> float | None:
-    """Prompt tokens per second for one prompt of `length` tokens, or None past the time limit."""
-    chunk = args.max_num_batched_tokens
+def _host_profile(step, pos: int, top: int = 30) -> None:
+    """The host functions of one chunk (launched, not waited for), by their own time."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.runcall(step, pos)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(top)
+
+
+def _prefill_step(executor, args, length: int):
+    """step(pos): the chunk of one `length`-token prompt that starts at pos, executed."""
     table = list(range(math.ceil(length / args.block_size)))
 
     def step(pos: int) -> None:
-        n = min(chunk, length - pos)
+        n = min(args.max_num_batched_tokens, length - pos)
         entry = ScheduledRequest("p", [7] * n, pos, table, 0, pos + n == length, GREEDY, [7], [], False)
         executor.execute(StepPlan([entry], n, "grouped", [], []))
 
+    return step
+
+
+def run_prefill(executor, args, length: int) -> float | None:
+    """Prompt tokens per second for one prompt of `length` tokens, or None past the time limit."""
+    chunk = args.max_num_batched_tokens
+    step = _prefill_step(executor, args, length)
     step(0)          # untimed: first-use costs (workspaces grown, kernels loaded, cuBLAS plans) of this size
     deadline = time.perf_counter() + args.max_case_seconds
     _sync(executor.device)
@@ -242,6 +261,13 @@ def run(args: argparse.Namespace) -> int:
         prefill[length] = run_prefill(executor, args, length) if fits else None
         print(f"prefill {length:>7} tokens: " + (f"{prefill[length]:.0f} tok/s" if prefill[length] else
                                                  "skipped (KV or time limit)"), flush=True)
+        if args.host_profile and prefill[length]:
+            _host_profile(_prefill_step(executor, args, length), length - min(length, args.max_num_batched_tokens))
+        if args.kernel_breakdown and device.type == "cuda" and prefill[length]:
+            chunk = min(length, args.max_num_batched_tokens)
+            step = _prefill_step(executor, args, length)
+            print(format_breakdown(kernel_breakdown(lambda: step(length - chunk), num_steps=1),
+                                   1e3 * chunk / prefill[length]), flush=True)
     if skipped:
         print("skipped (KV does not fit): " + ", ".join(f"B={b} C={c}" for b, c in skipped))
     if args.output_json:

@@ -69,12 +69,18 @@ def _nvrtc():
     return nvrtc
 
 
+_driver_module = None
+
+
 def _driver():
-    try:
-        from cuda.bindings import driver
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise KernelRuntimeUnavailable(f"cuda.bindings.driver cannot be imported: {exc}") from exc
-    return driver
+    global _driver_module
+    if _driver_module is None:    # imported once: launches call this on every kernel
+        try:
+            from cuda.bindings import driver
+        except ImportError as exc:  # pragma: no cover - depends on the machine
+            raise KernelRuntimeUnavailable(f"cuda.bindings.driver cannot be imported: {exc}") from exc
+        _driver_module = driver
+    return _driver_module
 
 
 def nvrtc_available() -> tuple[bool, str]:
@@ -294,6 +300,17 @@ def _ensure_context(device: int) -> None:
         _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+_MAX_CONFIGS = 512
+# torch's raw current-stream handle without building a Stream object (CUDA builds of torch have it).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream_handle(device: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(device)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 class _ArgPack:
     """Prebuilt kernelParams for one argument signature: a void*[] of pointers to ctypes slots."""
 
@@ -335,8 +352,9 @@ class Kernel:
         self.cubin = cubin
         self._functions: dict[int, object] = {}
         self._dynamic_shared: dict[int, int] = {}
-        self._packs: dict[tuple, _ArgPack] = {}
+        self._packs: dict[tuple, _ArgPack] = {}    # by the arguments' types
         self._streams: dict[int, object] = {}
+        self._configs: dict[tuple, object] = {}    # PDL launch configs by grid, block, shared bytes, stream
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r})"
@@ -393,13 +411,13 @@ class Kernel:
             function = self.load(device)
         if shared_bytes:
             self._allow_dynamic_shared(device, function, shared_bytes)
-        kinds = tuple(map(_kind, args))
-        pack = self._packs.get(kinds)
+        types = tuple(map(type, args))       # C-level; the kinds are worked out once per signature
+        pack = self._packs.get(types)
         if pack is None:
-            pack = self._packs[kinds] = _ArgPack(kinds)
+            pack = self._packs[types] = _ArgPack(tuple(map(_kind, args)))
         params = pack.fill(args)
         if stream is None:
-            handle = torch.cuda.current_stream(device).cuda_stream
+            handle = _current_stream_handle(device)
         elif isinstance(stream, int):
             handle = stream
         else:
@@ -408,13 +426,19 @@ class Kernel:
         bx, by, bz = (tuple(block) + (1, 1))[:3]
         driver = _driver()
         if pdl:
-            result = driver.cuLaunchKernelEx(self._pdl_config(gx, gy, gz, bx, by, bz, shared_bytes, handle),
-                                             function, params, 0)
+            key = (gx, gy, gz, bx, by, bz, shared_bytes, handle)
+            config = self._configs.get(key)
+            if config is None:
+                if len(self._configs) >= _MAX_CONFIGS:   # prompt steps vary the grid; keep the cache small
+                    self._configs.clear()
+                config = self._configs[key] = self._pdl_config(*key)
+            result = driver.cuLaunchKernelEx(config, function, params, 0)
         else:
             result = driver.cuLaunchKernel(function, gx, gy, gz, bx, by, bz, shared_bytes,
                                            self._stream(handle), params, 0)
-        _check(result, f"launch of {self.name} (grid {gx}x{gy}x{gz}, block {bx}x{by}x{bz}, "
-                       f"{shared_bytes} B dynamic shared)", KernelLaunchError)
+        if result[0] != driver.CUresult.CUDA_SUCCESS:    # the message is built on failure only
+            _check(result, f"launch of {self.name} (grid {gx}x{gy}x{gz}, block {bx}x{by}x{bz}, "
+                           f"{shared_bytes} B dynamic shared)", KernelLaunchError)
 
     def _pdl_config(self, gx, gy, gz, bx, by, bz, shared_bytes, handle):
         driver = _driver()
