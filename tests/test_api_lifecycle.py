@@ -100,12 +100,14 @@ def test_sigterm_drains_then_aborts_the_rest_and_exits_cleanly(request):
 
     async def run():
         async with httpx.AsyncClient(base_url=server.base_url, headers=HEADERS, timeout=60) as c:
+            # The non-streamed request runs first: started after the streams, it could still be
+            # waiting when the quick one (0.5 s after its first token) had already finished.
+            full = asyncio.ensure_future(c.post("/v1/chat/completions", json=chat("ENDLESS_STORY", False)))
+            await asyncio.wait_for(running_at_least(c, 1), 30)
             started = [asyncio.Event() for _ in range(3)]
             streams = [asyncio.ensure_future(read_stream(c, chat(content, True), event))
                        for content, event in zip(("ENDLESS_STORY", "ENDLESS_STORY", "QUICK_ANSWER"), started)]
-            full = asyncio.ensure_future(c.post("/v1/chat/completions", json=chat("ENDLESS_STORY", False)))
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
-            await asyncio.wait_for(running_at_least(c, 4), 30)
             server.process.send_signal(signal.SIGTERM)
             await asyncio.wait_for(until_unhealthy(c), 30)
             try:
