@@ -98,6 +98,7 @@ prefill_attention_bf16(u16* out, const u16* qkv, const u16* k_pool, const u16* v
   pdl_wait();  // q/k/v and the pool rows of this chunk come from the kernel before
 
   const int e = tiles[2 * tile], t0 = tiles[2 * tile + 1];
+  if (e < 0) return;  // a padding tile of a captured prompt step (kernels/prefill_attention.py PrefillBuffers)
   const int row0 = entries[4 * e], s = entries[4 * e + 1], n = entries[4 * e + 2];
   const int n_q = min(PF_TOKENS, n - t0);              // real tokens in this tile
   const int q_first = s + t0, q_last = q_first + PF_TOKENS - 1;  // padded tokens keep their would-be positions

@@ -3,7 +3,9 @@
 //                               in place in the q/k/v buffer; full layers also write each row's K
 //                               (normed) and V to its paged pool row kv_rows[t]
 //   prefill_kv_copy_bf16        after attention, sliding layers: K/V of rows src_rows[r] into pool
-//                               rows dst_rows[r] (the ring rows of each chunk's last <= window tokens)
+//                               rows dst_rows[r] (the ring rows of each chunk's last <= window tokens;
+//                               dst_rows[r] < 0: padding, nothing)
+// kv_rows[t] < 0 (padding rows of a captured step) writes no K/V.
 // qkv [T, (H + 2G) * 128] bf16: q heads, then k heads, then v heads. The norm and RoPE arithmetic is
 // qk_norm_rope.cuh's, shared with the decode kernel (qk_norm_rope_kv.cu), so a prompt leaves the
 // same K bits in the cache as token-by-token decode does.
@@ -61,6 +63,7 @@ prefill_kv_copy_bf16(u16* k_pool, u16* v_pool, const u16* qkv, const int* src_ro
                      int num_q_heads, int num_kv_heads) {
   const int r = blockIdx.x, H = num_q_heads, G = num_kv_heads, pieces = G * HEAD_DIM / 8;
   pdl_launch_dependents();
+  if (dst_rows[r] < 0) return;  // padding of a captured prompt step
   const long long src = (long long)src_rows[r] * (H + 2 * G) * HEAD_DIM + H * HEAD_DIM;
   const long long dst = (long long)dst_rows[r] * G * HEAD_DIM;
   pdl_wait();  // the attention before still reads the ring rows this overwrites

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flint_sched.kernels import _runtime, prefill_attention
-from flint_sched.kernels.prefill_attention import Chunk, prefill_metadata
+from flint_sched.kernels.prefill_attention import Chunk, PrefillBuffers, prefill_metadata
 
 available, why = _runtime.nvrtc_available()
 needs_nvrtc = pytest.mark.skipif(not available, reason=f"NVRTC cannot be imported: {why}")
@@ -71,3 +71,42 @@ def test_launchers_reject_cpu_tensors():
     k = torch.zeros(1, 16, 4, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError):
         prefill_attention.prefill_attention(qkv, k, k, meta, torch.zeros(32), False)
+
+
+def test_static_buffers_hold_the_step_then_padding():
+    chunks = [Chunk(0, 40, 1, [3, 4, 5]), Chunk(100, 1, 0, list(range(8)))]
+    buffers = PrefillBuffers(64, 4, 10, 16, 513, 528, "cpu")
+    for _ in range(2):                          # a second fill leaves no trace of the first
+        buffers.fill(chunks)
+        ref, got = prefill_metadata(chunks, 16, 513, "cpu", ring_rows=528), buffers.meta
+        assert got.num_tokens == 64 and buffers.num_tokens.tolist() == [sum(c.num_tokens for c in chunks)]
+        e = ref.num_entries
+        assert torch.equal(got.entries[:e], ref.entries) and not got.entries[e:].any()
+        assert torch.equal(got.tiles[:ref.num_tiles], ref.tiles)
+        assert got.num_tiles == 64 // 16 + 4 and (got.tiles[ref.num_tiles:] == torch.tensor([-1, 0])).all()
+        w = ref.block_tables.shape[1]
+        assert torch.equal(got.block_tables[:e, :w], ref.block_tables)     # past each table: never read
+        for name, pad in (("positions", 0), ("kv_rows", -1), ("ring_src", 0), ("ring_dst", -1)):
+            real, static = getattr(ref, name), getattr(got, name)
+            assert torch.equal(static[:real.numel()], real), name
+            assert (static[real.numel():] == pad).all(), name
+        chunks = [Chunk(0, 64, 2, [7, 8, 9, 10])]
+
+
+def test_static_buffers_share_one_block_table_buffer():
+    tables = torch.zeros(8, 10, dtype=torch.int32)
+    small, large = (PrefillBuffers(t, e, 10, 16, 513, 528, "cpu", block_tables=tables) for t, e in ((32, 2), (64, 8)))
+    small.fill([Chunk(0, 20, 0, [4, 5])])
+    assert small.meta.block_tables.data_ptr() == large.meta.block_tables.data_ptr() == tables.data_ptr()
+    assert tables[0, :2].tolist() == [4, 5]
+    with pytest.raises(ValueError):
+        PrefillBuffers(64, 9, 10, 16, 513, 528, "cpu", block_tables=tables)
+
+
+def test_static_buffers_refuse_steps_they_cannot_hold():
+    buffers = PrefillBuffers(32, 2, 4, 16, 513, 528, "cpu")
+    assert buffers.fits([Chunk(0, 32, 0, [0, 1])])
+    for chunks in ([Chunk(0, 33, 0, [0, 1, 2])], [Chunk(0, 1, i, [0]) for i in range(3)], [Chunk(0, 8, 0, [0] * 5)]):
+        assert not buffers.fits(chunks)
+        with pytest.raises(ValueError):
+            buffers.fill(chunks)

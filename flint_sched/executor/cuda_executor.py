@@ -3,7 +3,8 @@
     plan                                   variant    how
     <= 8 one-token decodes ("fused")       fused      CUDA graph per batch size 1..8
     more decodes, up to the largest size   grouped    CUDA graph per padded batch size (graphs.py)
-    prompt chunks (mixed steps), or more   prompt     eager launches; prefill attention kernels
+    prompt chunks (mixed steps), or more   prompt     CUDA graph per padded row count up to 2,048
+                                                      (graphs.PROMPT_GRAPH_TOKENS), eager above
 
 A mixed step (prompt chunks beside running decodes) is one forward of the prompt variant over all
 rows, a decode being a chunk of one token, so every weight is read once for both. Past
@@ -32,7 +33,14 @@ from flint_sched.core.plan import ScheduledRequest, StepPlan, StepResult
 from flint_sched.executor.forward import forward
 from flint_sched.executor.grammar_masks import GrammarMasks
 from flint_sched.executor.graph_sampler import GraphSampler, plain
-from flint_sched.executor.graphs import FIRST_GRAPH_LAYERS, GROUPED_BATCH_SIZES, StepGraphs, graph_segments, padded_batch
+from flint_sched.executor.graphs import (
+    FIRST_GRAPH_LAYERS,
+    GROUPED_BATCH_SIZES,
+    PROMPT_GRAPH_TOKENS,
+    StepGraphs,
+    graph_segments,
+    padded_batch,
+)
 from flint_sched.executor.kernel_ops import KernelOps, KernelWeights
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.limits import ExecutorLimits
@@ -44,7 +52,7 @@ from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.executor.workspace import Workspaces
 from flint_sched.kernels import attention as attn
 from flint_sched.kernels.linear import MAX_TOKENS, concat_rows
-from flint_sched.kernels.prefill_attention import Chunk, prefill_metadata
+from flint_sched.kernels.prefill_attention import Chunk, PrefillBuffers, prefill_metadata
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 from flint_sched.sampling_params import SamplingParams
 
@@ -61,7 +69,7 @@ def supports(config: FlintConfig) -> bool:
             and config.num_key_value_heads <= attn.MAX_KV_HEADS and config.hidden_size % 64 == 0)
 
 
-def prompt_rows(entries: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def prompt_rows(entries: list) -> tuple[list[int], list[int]]:
     """Token ids of a prompt step's rows (entries one after another), and the last row of each entry
     that samples (the rows whose logits are needed)."""
     ids, sample_rows, end = [], [], 0
@@ -70,8 +78,7 @@ def prompt_rows(entries: list, device: torch.device) -> tuple[torch.Tensor, torc
         end += e.num_tokens
         if e.samples:
             sample_rows.append(end - 1)
-    return (torch.tensor(ids, dtype=torch.long, device=device),
-            torch.tensor(sample_rows, dtype=torch.long, device=device))
+    return ids, sample_rows
 
 
 def _kernel_weight(w: torch.Tensor | NVFP4Tensor, device: torch.device):
@@ -86,12 +93,15 @@ class CudaExecutor:
     def __init__(self, config: FlintConfig, weights: Weights, kv_cache: KVCache, eos_token_ids: Collection[int],
                  max_model_len: int, device: torch.device | str = "cuda", seed: int = 0, use_graphs: bool = True,
                  pdl: bool = True, first_graph_layers: int = FIRST_GRAPH_LAYERS,
-                 grouped_batch_sizes: tuple[int, ...] = GROUPED_BATCH_SIZES):
+                 grouped_batch_sizes: tuple[int, ...] = GROUPED_BATCH_SIZES,
+                 prompt_graph_tokens: tuple[int, ...] = PROMPT_GRAPH_TOKENS):
         """`pdl`: launch every kernel with programmatic dependent launch, so each one starts while its
         predecessor drains (every kernel waits with griddepcontrol.wait before reading inputs).
         `first_graph_layers`: the step is captured as three graphs (`graph_segments`), so that the
         GPU starts on the first while the host still launches the rest (0: one graph).
-        `grouped_batch_sizes`: the padded batch sizes of the grouped path's graphs."""
+        `grouped_batch_sizes`: the padded batch sizes of the grouped path's graphs.
+        `prompt_graph_tokens`: the padded row counts of prompt steps replayed from graphs (() or
+        use_graphs False: every prompt step eager)."""
         if not supports(config):
             raise ValueError("the CUDA kernels need head_dim 128 and 8 query heads per KV head")
         self.config = config
@@ -103,7 +113,11 @@ class CudaExecutor:
         max_rows = max((FUSED_MAX_BATCH, *grouped_batch_sizes))
         self.w = {name: _kernel_weight(t, self.device) for name, t in weights.items()}
         qkv = {i: self._fuse_qkv(f"model.layers.{i}.self_attn.") for i in range(config.num_hidden_layers)}
-        self.ws = Workspaces(config, max_rows, kv_cache.ring.shape[2], self.device)
+        self.prompt_graph_tokens = tuple(sorted(prompt_graph_tokens)) if use_graphs else ()
+        self.ws = Workspaces(config, max_rows, kv_cache.ring.shape[2], self.device,
+                             prompt_graph_rows=max(self.prompt_graph_tokens, default=0))
+        self._prompt_static: dict[int, tuple] = {}    # padded rows -> (PrefillBuffers, hidden, token ids, sample rows)
+        self._prompt_shared: tuple | None = None       # what the sizes' views are of (_prompt_buffers)
         self.weights = KernelWeights(config, self.w, qkv, kv_cache, self.ws, pdl)
         # Every sampling row of a step holds a ring slot: room for one token per slot.
         self.sampled = SampledTokens(max(kv_cache.ring.shape[2], max_rows), self.device)
@@ -199,6 +213,8 @@ class CudaExecutor:
         # eagerly after it. The requests are disjoint, so the order of the two parts does not matter.
         prompts = [e for e in entries if not (e.num_tokens == 1 and e.samples)]
         first = self._decode(decodes, *self._decode_graph(len(decodes)))
+        if first[1] is not None:                      # the static buffers the prompt part may reuse
+            first = (first[0], first[1].clone(), first[2])
         first_logits = self.last_logits.clone()
         second = self._prompt(prompts)
         done = first[0] + second[0]
@@ -245,12 +261,19 @@ class CudaExecutor:
         return self._choose(entries, self.ws.next_tokens[:b], graph_sampler=self.use_graphs)
 
     def _prompt(self, entries: list) -> tuple:
-        """Prompt chunks (or more decodes than any graph): eager launches over all their rows."""
-        token_ids, sample_rows = prompt_rows(entries, self.device)
-        sources = self.sampled.sources(entries)
-        starts = itertools.accumulate((e.num_tokens for e in entries), initial=0)
-        fed = [(row, source) for row, source in zip(starts, sources) if source >= 0]
-        self.sampled.resolve(token_ids, [row for row, _ in fed], [source for _, source in fed])
+        """Prompt chunks (or more decodes than any graph): one forward over all their rows, from a
+        graph of the padded row count where one fits (`_prompt_graph`), else eager launches."""
+        if self.use_graphs and self.layer_outputs is None and not prompt_spans(entries):
+            rows = padded_batch(sum(e.num_tokens for e in entries), self.prompt_graph_tokens)
+            if rows is not None:
+                chunks = [Chunk(e.start_position, e.num_tokens, e.ring_slot, e.block_table) for e in entries]
+                static = self._prompt_buffers(rows)
+                if static[0].fits(chunks):
+                    return self._prompt_graph(entries, chunks, rows, *static)
+        ids, samples = prompt_rows(entries)
+        token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        sample_rows = torch.tensor(samples, dtype=torch.long, device=self.device)
+        self._feed(entries, token_ids)
         prefill = prefill_metadata([Chunk(e.start_position, e.num_tokens, e.ring_slot, e.block_table) for e in entries],
                                    self.kv.block_size, self.kv.window, self.device, ring_rows=self.kv.ring_rows)
         sampling = [e for e in entries if e.samples]
@@ -272,6 +295,54 @@ class CudaExecutor:
         result = self._on_host(*chosen)
         result.prompt_logprobs = prompt_logprobs(logits[n:], entries, spans)
         return sampling, None, result
+
+    def _feed(self, entries: list, token_ids: torch.Tensor) -> None:
+        """The first token of each entry fed from the previous step's samples, on the device."""
+        sources = self.sampled.sources(entries)
+        starts = itertools.accumulate((e.num_tokens for e in entries), initial=0)
+        fed = [(row, source) for row, source in zip(starts, sources) if source >= 0]
+        self.sampled.resolve(token_ids, [row for row, _ in fed], [source for _, source in fed])
+
+    def _prompt_buffers(self, rows: int) -> tuple:
+        """The static inputs of the prompt graphs of `rows` rows: metadata buffers for up to as many
+        entries as the logits buffer has rows, and views of buffers shared by every size (the graphs
+        never run at once): hidden state, token ids, sample rows, block tables."""
+        kv = self.kv
+        max_entries = min(self.ws.max_rows, kv.ring.shape[2])
+        if self._prompt_shared is None:
+            c, top = self.config, max(self.prompt_graph_tokens)
+            width = -(-self.max_model_len // kv.block_size) + 1
+            self._prompt_shared = (torch.zeros(2, top, c.hidden_size, dtype=torch.bfloat16, device=self.device),
+                                   torch.zeros(top, dtype=torch.long, device=self.device),
+                                   torch.zeros(max_entries, dtype=torch.long, device=self.device),
+                                   torch.zeros(max_entries, width, dtype=torch.int32, device=self.device))
+        static = self._prompt_static.get(rows)
+        if static is None:
+            hidden, ids, samples, tables = self._prompt_shared
+            entries = min(rows, max_entries)
+            buffers = PrefillBuffers(rows, entries, tables.shape[1], kv.block_size, kv.window, kv.ring_rows,
+                                     self.device, block_tables=tables)
+            static = self._prompt_static[rows] = (buffers, hidden[:, :rows], ids[:rows], samples[:entries])
+        return static
+
+    def _prompt_graph(self, entries: list, chunks: list, rows: int, buffers: PrefillBuffers, hidden: torch.Tensor,
+                      token_ids: torch.Tensor, sample_rows: torch.Tensor) -> tuple:
+        """A prompt step from the graph of `rows` padded rows: its inputs copied into the static
+        buffers (padding: see PrefillBuffers), then replayed; the first step of a size runs eagerly
+        while its graph is captured."""
+        buffers.fill(chunks)
+        ids, samples = prompt_rows(entries)
+        n = len(samples)
+        token_ids[:len(ids)].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
+        sample_rows.copy_(torch.tensor(samples + [0] * (sample_rows.numel() - n), dtype=torch.long),
+                          non_blocking=True)          # padding: row 0 (in range; its logits unread)
+        self._feed(entries, token_ids)
+        ops = KernelOps(self.weights, "prompt", rows, hidden, self.ws.logits, self.ws.next_tokens,
+                        token_ids=token_ids, prefill=buffers.meta, sample_rows=sample_rows, num_rows=buffers.num_tokens)
+        self.graphs.run(("prompt", rows), lambda first, last: forward(ops, self.config, first, last),
+                        replay_first=False)
+        self.last_logits = self.ws.logits[:n]
+        return self._choose([e for e in entries if e.samples], self.ws.next_tokens[:n], graph_sampler=False)
 
     def _choose(self, entries: list, greedy_tokens: torch.Tensor, graph_sampler: bool) -> tuple:
         """(entries, tokens on the device, None) or (entries, None, a StepResult on the host): one token per

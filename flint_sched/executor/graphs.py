@@ -1,4 +1,4 @@
-"""CUDA graphs of decode steps: one set per (variant, batch size), captured on first use.
+"""CUDA graphs of steps: one set per (variant, padded rows), captured on first use.
 
 A step is captured as a few graphs over layer ranges (`graph_segments`) so the GPU starts on the
 first while the host still launches the rest. Batches of the grouped path run in the smallest
@@ -19,6 +19,10 @@ import torch
 # (benchmarks/RESULTS.md). Each graph boundary costs a few µs (no PDL overlap across it).
 FIRST_GRAPH_LAYERS = 3
 GROUPED_BATCH_SIZES = (16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Rows of the prompt steps (chunks and the decodes beside them) replayed from graphs. Eager, a step
+# of ~1K rows takes ~49 ms of host time for ~22 ms of GPU work (H200, NVFP4; benchmarks/RESULTS.md,
+# session 7); from a few thousand rows on the GPU time hides the launches and steps run eagerly.
+PROMPT_GRAPH_TOKENS = (64, 128, 256, 512, 768, 1024, 1536, 2048)
 
 
 def graph_segments(num_layers: int, first_graph_layers: int) -> list[tuple[int, int]]:
@@ -58,11 +62,16 @@ class StepGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
-    def run(self, key: tuple, segment: Callable[[int, int], object]) -> None:
+    def run(self, key: tuple, segment: Callable[[int, int], object], replay_first: bool = True) -> None:
+        """Replay the key's graphs, capturing them first if new. A capture runs the step once
+        eagerly (loading kernels and workspaces); `replay_first` False lets that run stand for the
+        step, for steps that must not run twice (a prompt step reads ring rows it then overwrites)."""
         graphs = self.graphs.get(key)
+        self.last_key = key
         if graphs is None:
             graphs = self.graphs[key] = self._capture(segment)
-        self.last_key = key
+            if not replay_first:
+                return
         for graph in graphs:
             graph.replay()
 

@@ -10,7 +10,9 @@ Three variants of the same operations, chosen per step by the CUDA executor:
 
 Decode variants run from CUDA graphs: inputs live in `DecodeInputs` (padded rows: position -1, no
 KV write; length 0, zero attention; outside `num_rows`, no expert work), the hidden state stays in
-two static buffers, and every launch may use PDL. A layer starts and ends in `hidden[0]`.
+two static buffers, and every launch may use PDL. A layer starts and ends in `hidden[0]`. Prompt
+steps of up to graphs.PROMPT_GRAPH_TOKENS rows do too, over `PrefillBuffers` (padding rows: no
+KV write, in no attention tile, outside `num_rows`).
 """
 
 from __future__ import annotations
@@ -55,13 +57,14 @@ class KernelOps:
 
     hidden: two [rows, hidden] buffers (static for graphs); logits / next_tokens: where the LM head
     and the greedy choice write. `inputs` feeds decode variants; `prefill` (the step's metadata) the
-    prompt variant, whose rows are given by `sample_rows` to the LM head.
+    prompt variant, whose rows are given by `sample_rows` to the LM head; `num_rows` (device int32
+    [1], prompt graphs) the real rows of a padded prompt step.
     """
 
     def __init__(self, weights: KernelWeights, variant: str, rows: int, hidden: torch.Tensor,
                  logits: torch.Tensor, next_tokens: torch.Tensor, inputs: DecodeInputs | None = None,
                  token_ids: torch.Tensor | None = None, prefill: PrefillMetadata | None = None,
-                 sample_rows: torch.Tensor | None = None):
+                 sample_rows: torch.Tensor | None = None, num_rows: torch.Tensor | None = None):
         if variant not in ("fused", "grouped", "prompt"):
             raise ValueError(f"unknown variant {variant!r}")
         self.k, self.c, self.w, self.variant, self.rows = weights, weights.config, weights.w, variant, rows
@@ -69,6 +72,8 @@ class KernelOps:
         self.hidden = hidden[:, :rows]
         self.logits_out, self.next_tokens = logits, next_tokens
         self.inputs, self.token_ids, self.prefill, self.sample_rows = inputs, token_ids, prefill, sample_rows
+        # Rows past this device count are padding (graphs): the MoE gives them no expert work.
+        self.num_rows = inputs.num_rows if inputs is not None else num_rows
         self.eps, self.pdl = self.c.rms_norm_eps, weights.pdl
         self.routing = self.ws.routing_for(rows) if variant != "fused" else None
 
@@ -160,10 +165,9 @@ class KernelOps:
         router, bias = w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"]
         out = self._other(residual)
         if self.variant != "fused":
-            num_rows = self.inputs.num_rows if self.inputs is not None else None
             return moe_grouped(x, router, bias, c.num_experts_per_tok, c.routed_scaling_factor, *experts, *shared,
                                residual=residual, workspace=self.routing, out=out,
-                               num_tokens=num_rows, pdl=self.pdl)
+                               num_tokens=self.num_rows, pdl=self.pdl)
         ids, weights = route(x, router, bias, c.num_experts_per_tok, c.routed_scaling_factor, pdl=self.pdl,
                              workspace=self.ws.router)
         hidden = torch.empty(self.rows, c.num_experts_per_tok + 1, c.moe_intermediate_size, dtype=torch.bfloat16,

@@ -21,7 +21,8 @@ class Workspaces:
     """Sized for decode graphs of up to `max_rows` rows; `max_seqs` rows of logits may be sampled
     in a prompt step (one per request)."""
 
-    def __init__(self, config: FlintConfig, max_rows: int, max_seqs: int, device: torch.device):
+    def __init__(self, config: FlintConfig, max_rows: int, max_seqs: int, device: torch.device,
+                 prompt_graph_rows: int = 0):
         c = config
         self.config, self.max_rows = config, max_rows
         self.hidden = torch.zeros(2, max_rows, c.hidden_size, dtype=torch.bfloat16, device=device)
@@ -31,14 +32,20 @@ class Workspaces:
         self.router = router_workspace(c.n_routed_experts, device)
         self.argmax = argmax_workspace(max(max_rows, max_seqs), c.vocab_size, device)
         self.moe_routing = self._routing(max_rows, device)
+        # Prompt steps replayed from graphs (up to prompt_graph_rows rows) share one, kept for good:
+        # the graphs hold its addresses.
+        self.prompt_graph_rows = prompt_graph_rows
+        self.prompt_graph_routing = self._routing(prompt_graph_rows, device) if prompt_graph_rows > max_rows else None
         self._prompt_routing = None      # grown to the longest prompt step seen (eager steps only)
 
     def routing_for(self, rows: int):
         """The grouped MoE's routing workspace for `rows` tokens: the static one of the decode graphs,
-        or, for a prompt step longer than any graph, one kept across prompt steps and grown when a
-        longer one comes (steps run one at a time; its ticket resets itself)."""
+        the prompt graphs' one, or, for a prompt step longer than any graph, one kept across prompt
+        steps and grown when a longer one comes (steps run one at a time; its ticket resets itself)."""
         if rows <= self.max_rows:
             return self.moe_routing
+        if rows <= self.prompt_graph_rows:
+            return self.prompt_graph_routing
         if self._prompt_routing is None or self._prompt_routing.max_tokens < rows:
             self._prompt_routing = self._routing(rows, self.hidden.device)
         return self._prompt_routing

@@ -13,6 +13,7 @@ normed and roped in place; head dim 128 and 8 query heads per KV head are fixed 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,12 +86,85 @@ def prefill_metadata(chunks: Sequence[Chunk], block_size: int, window: int,
                      device: torch.device | str, ring_rows: int | None = None) -> PrefillMetadata:
     """The step's metadata for `chunks` (in row order); one host-to-device copy. ring_rows: rows
     of a ring slot (>= window; default window; the engine's: core/kv_allocator.ring_rows)."""
-    if not chunks:
-        raise ValueError("a prompt step needs at least one entry")
+    ring_rows = _check_sizes(block_size, window, ring_rows)
+    rows, parts = _metadata_parts(chunks, block_size, ring_rows)
+    flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int32)).to(device)
+    views, start = [], 0
+    for p in parts:
+        views.append(flat[start:start + p.size].view(p.shape))
+        start += p.size
+    return PrefillMetadata(rows, block_size, window, ring_rows, *views)
+
+
+class PrefillBuffers:
+    """PrefillMetadata of fixed shapes in static device memory, for prompt steps replayed from a CUDA
+    graph: `tokens` rows (the step's, then padding), up to `max_entries` entries with block tables
+    `table_width` wide. `fill(chunks)` writes a step's metadata (stream-ordered copies, so the
+    previous step may still be reading the old one). Padding: tiles (-1, 0) (their CTAs exit),
+    kv_rows -1 and ring_dst -1 (nothing written), positions 0; `num_tokens` (device int32 [1])
+    holds the real row count for the MoE, whose routing skips the rest. Of the block tables only
+    each step's [entries, longest table] corner is copied (an entry reads no further than its own
+    table); `block_tables` ([>= max_entries, table_width] int32) may be shared by several buffers
+    whose graphs never run at once."""
+
+    def __init__(self, tokens: int, max_entries: int, table_width: int, block_size: int, window: int,
+                 ring_rows: int, device: torch.device | str, block_tables: torch.Tensor | None = None):
+        self.ring_rows = _check_sizes(block_size, window, ring_rows)
+        self.tokens, self.max_entries, self.table_width = tokens, max_entries, table_width
+        self.max_tiles = math.ceil(tokens / TILE_TOKENS) + max_entries
+        # entries, tiles, positions, kv_rows, ring_src, ring_dst, num_tokens
+        self.shapes = [(max_entries, 4), (self.max_tiles, 2), (tokens,), (tokens,), (tokens,), (tokens,), (1,)]
+        sizes = [math.prod(shape) for shape in self.shapes]
+        self.flat = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
+        self._host = np.zeros(sum(sizes), dtype=np.int32)
+        self._offsets = list(itertools.accumulate(sizes, initial=0))
+        views = [self.flat[o:o + n].view(shape) for o, n, shape in zip(self._offsets, sizes, self.shapes)]
+        if block_tables is None:
+            block_tables = torch.zeros(max_entries, table_width, dtype=torch.int32, device=device)
+        if (block_tables.dtype != torch.int32 or block_tables.shape[0] < max_entries
+                or block_tables.shape[1] != table_width):
+            raise ValueError(f"block_tables must be int32 [>= {max_entries}, {table_width}]")
+        self.num_tokens = views[-1]
+        self.meta = PrefillMetadata(tokens, block_size, window, self.ring_rows, views[0], views[1],
+                                    block_tables[:max_entries], *views[2:-1])
+
+    def fits(self, chunks: Sequence[Chunk]) -> bool:
+        return (len(chunks) <= self.max_entries and sum(c.num_tokens for c in chunks) <= self.tokens
+                and max(len(c.block_table) for c in chunks) <= self.table_width)
+
+    def fill(self, chunks: Sequence[Chunk]) -> None:
+        if not self.fits(chunks):
+            raise ValueError(f"{len(chunks)} entries / {sum(c.num_tokens for c in chunks)} tokens / tables of "
+                             f"{max(len(c.block_table) for c in chunks)} blocks do not fit buffers of "
+                             f"{self.max_entries} / {self.tokens} / {self.table_width}")
+        rows, parts = _metadata_parts(chunks, self.meta.block_size, self.ring_rows)
+        entries, tiles, tables, *per_row = parts
+        host = self._host
+        for i, (part, pad) in enumerate(zip([entries, tiles, *per_row], [0, -1, 0, -1, 0, -1])):
+            region = host[self._offsets[i]:self._offsets[i + 1]].reshape(self.shapes[i])
+            region.fill(pad)
+            if i == 1:
+                region[:, 1] = 0                    # padding tiles: (-1, 0)
+            region[:len(part)] = part
+        host[-1] = rows
+        # Pageable host memory: each copy is staged at once, so the host arrays are free again.
+        self.flat.copy_(torch.from_numpy(host), non_blocking=True)
+        e, w = tables.shape
+        self.meta.block_tables[:e, :w].copy_(torch.from_numpy(tables.astype(np.int32)), non_blocking=True)
+
+
+def _check_sizes(block_size: int, window: int, ring_rows: int | None) -> int:
     ring_rows = window if ring_rows is None else ring_rows
     if block_size < 1 or window < 1 or ring_rows < window:
         raise ValueError(f"block_size ({block_size}) and window ({window}) must be positive and ring_rows "
                          f"({ring_rows}) >= window")
+    return ring_rows
+
+
+def _metadata_parts(chunks: Sequence[Chunk], block_size: int, ring_rows: int) -> tuple[int, list[np.ndarray]]:
+    """(rows, [entries, tiles, block_tables, positions, kv_rows, ring_src, ring_dst]) on the host."""
+    if not chunks:
+        raise ValueError("a prompt step needs at least one entry")
     entries, tiles, work, positions, kv_rows, ring_src, ring_dst = [], [], [], [], [], [], []
     row = 0
     width = max(1, max(len(c.block_table) for c in chunks))
@@ -120,12 +194,7 @@ def prefill_metadata(chunks: Sequence[Chunk], block_size: int, window: int,
              *(np.concatenate(p) for p in (positions, kv_rows, ring_src, ring_dst))]
     if max(int(p.max(initial=0)) for p in parts) >= 2**31:
         raise ValueError("prompt step metadata exceeds int32")
-    flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int32)).to(device)
-    views, start = [], 0
-    for p in parts:
-        views.append(flat[start:start + p.size].view(p.shape))
-        start += p.size
-    return PrefillMetadata(row, block_size, window, ring_rows, *views)
+    return row, parts
 
 
 # ---- launches ------------------------------------------------------------------------------------
