@@ -14,6 +14,7 @@ import torch
 from flint_sched.kernels.attention import qk_norm_rope_kv_full, qk_norm_rope_kv_sliding
 from flint_sched.kernels.prefill_attention import (
     Chunk,
+    PrefillBuffers,
     prefill_attention,
     prefill_metadata,
     prefill_qk_norm_rope,
@@ -206,3 +207,33 @@ def test_rejects_bad_inputs():
         prefill_attention(case.qkv, case.k, case.v, meta, case.sinks, True)              # pool is no ring
     with pytest.raises(ValueError):
         prefill_qk_norm_rope(case.qkv, case.q_w, case.k_w, meta, EPS, None, case.k, None)
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
+def test_padded_static_buffers_give_the_exact_step(sliding):
+    """The same step through PrefillBuffers (what prompt graphs replay: rows padded to 2,048, padding
+    tiles, kv_rows and ring rows -1) and through exact metadata: the same output rows and the same
+    cache, bit for bit; the padding rows write nothing."""
+    chunks = [(0, 1), (700, 300), (1000, 37), (0, 513), (16, 17)]
+    runs = []
+    for padded in (False, True):
+        case = Case(chunks, sliding, seed=91)
+        t = case.qkv.shape[0]
+        entries = [Chunk(s, n, case.slots[b], case.tables[b]) for b, (s, n) in enumerate(chunks)]
+        if padded:
+            buffers = PrefillBuffers(2048, 16, max(map(len, case.tables)) + 3, case.block_size, WINDOW, WINDOW, "cuda")
+            buffers.fill(entries)
+            meta = buffers.meta
+            qkv = torch.cat([case.qkv, torch.randn(2048 - t, case.qkv.shape[1], device="cuda").bfloat16()])
+        else:
+            meta, qkv = prefill_metadata(entries, case.block_size, WINDOW, "cuda"), case.qkv.clone()
+        pools = () if sliding else (case.k, case.v)
+        prefill_qk_norm_rope(qkv, case.q_w, case.k_w, meta, EPS, THETA if sliding else None, *pools)
+        out = prefill_attention(qkv, case.k, case.v, meta, case.sinks, sliding)
+        if sliding:
+            prefill_ring_write(qkv, case.k, case.v, meta)
+        torch.cuda.synchronize()
+        runs.append((out[:t], case.k, case.v))
+    (out_a, k_a, v_a), (out_b, k_b, v_b) = runs
+    assert same_bits(out_a, out_b), "outputs differ"
+    assert same_bits(k_a, k_b) and same_bits(v_a, v_b), "the padding rows touched the cache"
