@@ -342,7 +342,9 @@ class CudaExecutor:
         self.graphs.run(("prompt", rows), lambda first, last: forward(ops, self.config, first, last),
                         replay_first=False)
         self.last_logits = self.ws.logits[:n]
-        return self._choose([e for e in entries if e.samples], self.ws.next_tokens[:n], graph_sampler=False)
+        # The logits and greedy ids sit where the graph sampler reads them: sampled rows draw on the
+        # device too, so a sampled prompt step makes the host wait no more than a greedy one.
+        return self._choose([e for e in entries if e.samples], self.ws.next_tokens[:n], graph_sampler=True)
 
     def _choose(self, entries: list, greedy_tokens: torch.Tensor, graph_sampler: bool) -> tuple:
         """(entries, tokens on the device, None) or (entries, None, a StepResult on the host): one token per
