@@ -9,8 +9,10 @@ on a timeline the engine's async scheduling launches ahead into (as bench_host's
 measures is the scheduling: how many steps, and which, a turn waits for its first token.
 
     python3 -m flint_sched.benchmarks.bench_agent_sim [--sessions 16 --turns 8 --step-ms 6.5 --us-per-prompt-token 22]
+        [--prompt-host-ms 45 --prompt-graph-rows 0] [--max-num-batched-tokens 8192]
 
-The defaults follow the H200 at 16 streams (NVFP4 decode step ~6.5 ms; prefill ~45,000 tokens/s).
+The defaults follow the H200 at 16 streams (NVFP4 decode step ~6.5 ms; prefill ~45,000 tokens/s;
+an eager prompt step needs ~45 ms of host time for its ~800 launches, benchmarks/RESULTS.md session 7).
 """
 
 from __future__ import annotations
@@ -37,16 +39,22 @@ from flint_sched.sampling_params import SamplingParams  # noqa: E402
 
 
 class CostExecutor(FakeExecutor):
-    """FakeExecutor's timeline, each step costing step_ms + us_per_prompt_token per prompt token."""
+    """FakeExecutor's timeline, each step costing step_ms + us_per_prompt_token per prompt token, and
+    at least prompt_host_ms when it has prompt tokens and more rows than prompt_graph_rows (a prompt
+    step launched eagerly takes the host that long, whatever the GPU needs)."""
 
-    def __init__(self, vocab: int, step_ms: float, us_per_prompt_token: float):
+    def __init__(self, vocab: int, step_ms: float, us_per_prompt_token: float, prompt_host_ms: float = 0.0,
+                 prompt_graph_rows: int = 0):
         super().__init__(vocab, step_ms)
         self.per_token_s = us_per_prompt_token / 1e6
+        self.prompt_host_s, self.prompt_graph_rows = prompt_host_ms / 1e3, prompt_graph_rows
 
     def launch(self, plan: StepPlan) -> tuple[float, StepResult]:
         fill_placeholders(plan.scheduled_requests, self.last)
         prompt_tokens = sum(e.num_tokens for e in plan.scheduled_requests if e.num_tokens > 1)
         cost = self.gpu_s + self.per_token_s * prompt_tokens
+        if prompt_tokens and plan.num_tokens > self.prompt_graph_rows:
+            cost = max(cost, self.prompt_host_s)
         now = time.perf_counter()
         start = max(now, self.ends[-1]) if self.ends else now
         self.starts.append(start)
@@ -62,7 +70,8 @@ async def run_case(args: argparse.Namespace, caching: bool) -> dict:
     model = preset("flint-tiny")
     vocab = model.vocab_size
     tokenizer = dummy_checkpoint(model, "bf16", 0, "cpu").tokenizer
-    executor = CostExecutor(vocab, args.step_ms, args.us_per_prompt_token)
+    executor = CostExecutor(vocab, args.step_ms, args.us_per_prompt_token, args.prompt_host_ms,
+                            args.prompt_graph_rows)
     longest = args.system_tokens + args.first_tokens + args.turns * args.grow + args.output_tokens
     snapshots = args.max_num_seqs if args.num_ring_snapshots is None else args.num_ring_snapshots
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -111,6 +120,10 @@ def main() -> int:
     p.add_argument("--stagger-ms", type=float, default=0.0, help="session s starts s times this late (0: together)")
     p.add_argument("--step-ms", type=float, default=6.5)
     p.add_argument("--us-per-prompt-token", type=float, default=22.0)
+    p.add_argument("--prompt-host-ms", type=float, default=45.0,
+                   help="host time of an eager prompt step, the least it takes (H200 machine, ~800 launches)")
+    p.add_argument("--prompt-graph-rows", type=int, default=0,
+                   help="prompt steps of up to this many rows replay a graph: no host floor (0: none do)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-ring-snapshots", type=int, default=None, help="default: --max-num-seqs, as the server")
