@@ -160,9 +160,9 @@ class CudaExecutor:
         return self.launch(plan).collect()
 
     def warm_up(self, max_prompt_tokens: int) -> None:
-        """Compile the kernels and capture the smallest graphs before the first request: a prompt
-        step of up to max_prompt_tokens tokens, then a fused and a grouped decode step, each greedy
-        and sampled (temperature 1, the OpenAI default: the sampler's graphs and kernels), on free
+        """Compile the kernels and capture the smallest graphs before the first request: the prompt
+        graphs, a prompt step of up to max_prompt_tokens tokens, then a fused and a grouped decode
+        step, each greedy and sampled (temperature 1, the OpenAI default: the sampler's graphs and kernels), on free
         KV blocks and ring slots (nothing reads them before a request writes them). On a machine
         whose kernel cache is cold the first requests otherwise wait for ~20 s of NVRTC compiles."""
         kv = self.kv
@@ -174,6 +174,11 @@ class CudaExecutor:
         def entry(rid: str, tokens: list[int], start: int, slot: int, params: SamplingParams) -> ScheduledRequest:
             return ScheduledRequest(rid, tokens, start, table, slot, True, params, [], [], False)
 
+        # The prompt graphs of every padded size a step of this budget can take (captured while their
+        # first step runs): serving then never stops for a capture (gc, empty_cache, a sync).
+        for rows in (r for r in self.prompt_graph_tokens if r <= max(n, self.prompt_graph_tokens[0])):
+            self.execute(StepPlan([entry(ids[0], [0] * min(rows, n), 0, 0, SamplingParams(temperature=0.0))],
+                                  min(rows, n), "grouped", [], []))
         for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
             # position n fits the table
             plans = [StepPlan([entry(ids[0], [0] * n, 0, 0, params)], n, "grouped", [], []),
