@@ -82,6 +82,7 @@ class SplitExecutor(CudaExecutor):
 
     def __init__(self):                                   # noqa: D107 - no GPU state
         self.grouped_batch_sizes = GROUPED_BATCH_SIZES
+        self.prompt_graph_tokens = ()
         self.inputs = DecodeInputs(256, 64, 4, torch.device("cpu"))
         self.sampled = SampledTokens(512, torch.device("cpu"))
         self.calls = []
@@ -170,4 +171,26 @@ def test_warm_up_runs_a_prompt_step_then_a_fused_and_a_grouped_decode_on_free_kv
         assert len(grouped.scheduled_requests) == 16 and {e.ring_slot for e in grouped.scheduled_requests} == set(range(16))
         assert {e.sampling_params.temperature for plan in plans for e in plan.scheduled_requests} == {temperature}
     assert all(len(e.block_table) * 4 > e.end_position - 1 for plan in ex.plans for e in plan.scheduled_requests)
+
+
+def test_warm_up_first_takes_a_prompt_step_of_each_graphed_size_the_prompts_reach():
+    class Warm(SplitExecutor):
+        def __init__(self):
+            super().__init__()
+            self.device, self.max_model_len = torch.device("cpu"), 200
+            self.prompt_graph_tokens = (16, 64, 128, 512)
+            self.weights = SimpleNamespace(kv=KVCache(preset("flint-tiny"), num_blocks=80, block_size=4, num_slots=20,
+                                                      dtype=torch.float32, device="cpu"))
+            self.plans = []
+
+        def execute(self, plan):
+            self.plans.append(plan)
+            return StepResult({})
+
+    ex = Warm()
+    ex.warm_up(100)
+    graphed = [p.scheduled_requests[0] for p in ex.plans[:3]]
+    assert [e.num_tokens for e in graphed] == [16, 64, 100]       # 128 holds the 100-token prompt; 512 none
+    assert all(e.start_position == 0 and e.sampling_params.is_greedy for e in graphed)
+    assert len(ex.plans) == 3 + 6 and ex.plans[3].scheduled_requests[0].num_tokens == 100
 

@@ -176,7 +176,9 @@ class CudaExecutor:
 
         # The prompt graphs of every padded size a step of this budget can take (captured while their
         # first step runs): serving then never stops for a capture (gc, empty_cache, a sync).
-        for rows in (r for r in self.prompt_graph_tokens if r <= max(n, self.prompt_graph_tokens[0])):
+        sizes = self.prompt_graph_tokens
+        top = (padded_batch(n, sizes) or sizes[-1]) if sizes else 0
+        for rows in (r for r in sizes if r <= top):
             self.execute(StepPlan([entry(ids[0], [0] * min(rows, n), 0, 0, SamplingParams(temperature=0.0))],
                                   min(rows, n), "grouped", [], []))
         for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
