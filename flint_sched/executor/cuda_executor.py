@@ -70,8 +70,11 @@ def prompt_rows(entries: list, device: torch.device) -> tuple[torch.Tensor, torc
         end += e.num_tokens
         if e.samples:
             sample_rows.append(end - 1)
-    return (torch.tensor(ids, dtype=torch.long, device=device),
-            torch.tensor(sample_rows, dtype=torch.long, device=device))
+    # NOTE: built on the host and copied without blocking: torch.tensor(..., device=cuda) copies
+    # with a stream sync, which would make the host wait for the previous step before launching
+    # this one (pageable memory is staged at once, so the lists are free when this returns).
+    return (torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True),
+            torch.tensor(sample_rows, dtype=torch.long).to(device, non_blocking=True))
 
 
 def _kernel_weight(w: torch.Tensor | NVFP4Tensor, device: torch.device):
