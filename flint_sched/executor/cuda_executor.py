@@ -277,9 +277,12 @@ class CudaExecutor:
                 static = self._prompt_buffers(rows)
                 if static[0].fits(chunks):
                     return self._prompt_graph(entries, chunks, rows, *static)
+        # NOTE: built on the host and copied without blocking: torch.tensor(..., device=cuda) copies
+        # with a stream sync, which would make the host wait for the previous step before launching
+        # this one (pageable memory is staged at once, so the lists are free when this returns).
         ids, samples = prompt_rows(entries)
-        token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        sample_rows = torch.tensor(samples, dtype=torch.long, device=self.device)
+        token_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        sample_rows = torch.tensor(samples, dtype=torch.long).to(self.device, non_blocking=True)
         self._feed(entries, token_ids)
         prefill = prefill_metadata([Chunk(e.start_position, e.num_tokens, e.ring_slot, e.block_table) for e in entries],
                                    self.kv.block_size, self.kv.window, self.device, ring_rows=self.kv.ring_rows)

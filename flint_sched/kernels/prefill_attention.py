@@ -84,11 +84,13 @@ class PrefillMetadata:
 
 def prefill_metadata(chunks: Sequence[Chunk], block_size: int, window: int,
                      device: torch.device | str, ring_rows: int | None = None) -> PrefillMetadata:
-    """The step's metadata for `chunks` (in row order); one host-to-device copy. ring_rows: rows
-    of a ring slot (>= window; default window; the engine's: core/kv_allocator.ring_rows)."""
+    """The step's metadata for `chunks` (in row order); one host-to-device copy, not waited for.
+    ring_rows: rows of a ring slot (>= window; default window; the engine's: core/kv_allocator.ring_rows)."""
     ring_rows = _check_sizes(block_size, window, ring_rows)
     rows, parts = _metadata_parts(chunks, block_size, ring_rows)
-    flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int32)).to(device)
+    # Without blocking: a blocking copy syncs the stream, and the host would wait for the step before.
+    flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int32)).to(
+        device, non_blocking=True)
     views, start = [], 0
     for p in parts:
         views.append(flat[start:start + p.size].view(p.shape))
