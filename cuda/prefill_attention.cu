@@ -436,14 +436,17 @@ prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const u16* k_pool, const 
       cp_async_commit();
     }
 
+    // P as bf16 A fragments, all written before the fence (wgmma reads them asynchronously).
+    u32 pa[4][4];  // keys 16kk .. 16kk+15: S blocks 2kk, 2kk+1
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      pa[kk][0] = pack_bf16x2(sc[8 * kk], sc[8 * kk + 1]), pa[kk][1] = pack_bf16x2(sc[8 * kk + 2], sc[8 * kk + 3]);
+      pa[kk][2] = pack_bf16x2(sc[8 * kk + 4], sc[8 * kk + 5]), pa[kk][3] = pack_bf16x2(sc[8 * kk + 6], sc[8 * kk + 7]);
+    }
     wgmma_fence_acc(o);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {  // keys 16kk .. 16kk+15: S blocks 2kk, 2kk+1 as the A fragment
-      const u32 pa[4] = {pack_bf16x2(sc[8 * kk], sc[8 * kk + 1]), pack_bf16x2(sc[8 * kk + 2], sc[8 * kk + 3]),
-                         pack_bf16x2(sc[8 * kk + 4], sc[8 * kk + 5]), pack_bf16x2(sc[8 * kk + 6], sc[8 * kk + 7])};
-      wgmma_m64n128k16_rs_tb(o, pa, wgmma_desc_mn(v_smem + kk * 16 * 128, PW_KV_SUB));
-    }
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k16_rs_tb(o, pa[kk], wgmma_desc_mn(v_smem + kk * 16 * 128, PW_KV_SUB));
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_acc(o);
