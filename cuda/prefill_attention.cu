@@ -442,6 +442,7 @@ prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const u16* k_pool, const 
     for (int kk = 0; kk < 4; ++kk) {
       pa[kk][0] = pack_bf16x2(sc[8 * kk], sc[8 * kk + 1]), pa[kk][1] = pack_bf16x2(sc[8 * kk + 2], sc[8 * kk + 3]);
       pa[kk][2] = pack_bf16x2(sc[8 * kk + 4], sc[8 * kk + 5]), pa[kk][3] = pack_bf16x2(sc[8 * kk + 6], sc[8 * kk + 7]);
+      wgmma_fence_frag(pa[kk]);
     }
     wgmma_fence_acc(o);
     wgmma_fence();

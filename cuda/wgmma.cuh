@@ -48,6 +48,12 @@ __device__ __forceinline__ void wgmma_fence_acc(float (&d)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// The same for A fragments in registers: computed before this point (so before the wgmma_fence).
+template <int R>
+__device__ __forceinline__ void wgmma_fence_frag(u32 (&a)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
 
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], u64 desc_a, u64 desc_b) {
   asm volatile(
