@@ -23,6 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from flint_sched.kernels.prefill_attention import (  # noqa: E402
+    KERNELS,
     Chunk,
     prefill_attention,
     prefill_metadata,
@@ -65,10 +66,11 @@ def bench(n: int) -> list[tuple[str, int, float, float]]:
     out = torch.empty(n, H, D, dtype=torch.bfloat16, device="cuda")
     w = torch.ones(D, dtype=torch.bfloat16, device="cuda")
     rows = []
-    full = time_us(lambda: prefill_attention(qkv, k_pool, v_pool, meta, sinks, False, out=out))
-    rows.append(("prefill attention, full layer", n, full, causal_flop(n, None) / full / 1e6))
-    sliding = time_us(lambda: prefill_attention(qkv, k_ring, v_ring, meta, sinks, True, out=out))
-    rows.append(("prefill attention, sliding layer", n, sliding, causal_flop(n, WINDOW) / sliding / 1e6))
+    for kernel in KERNELS:
+        full = time_us(lambda: prefill_attention(qkv, k_pool, v_pool, meta, sinks, False, out=out, kernel=kernel))
+        rows.append((f"prefill attention, full, {kernel}", n, full, causal_flop(n, None) / full / 1e6))
+        sliding = time_us(lambda: prefill_attention(qkv, k_ring, v_ring, meta, sinks, True, out=out, kernel=kernel))
+        rows.append((f"prefill attention, sliding, {kernel}", n, sliding, causal_flop(n, WINDOW) / sliding / 1e6))
     q = torch.randn(1, H, n, D, device="cuda").bfloat16()
     k, v = torch.randn(1, G, n, D, device="cuda").bfloat16(), torch.randn(1, G, n, D, device="cuda").bfloat16()
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

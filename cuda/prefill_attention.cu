@@ -277,3 +277,194 @@ prefill_attention_bf16(u16* out, const u16* qkv, const u16* k_pool, const u16* v
     }
   }
 }
+
+// ---- the same attention on warpgroup MMAs (sm_90a) -------------------------------------------------
+//
+// prefill_attention_wgmma_bf16: same arguments, grid and tiles as prefill_attention_bf16; 256 threads
+// = 2 warpgroups, warpgroup w owning tile rows 64w .. 64w + 63 (tokens 8w .. 8w + 7, all 8 heads).
+// Per key tile of 64:  S = Q K^T  (wgmma m64n64k16 x 8, Q and K K-major in shared memory),
+// masks + online softmax in registers (the accumulator layout is mma.sync's C: the quad of lanes
+// 4g .. 4g + 3 holds row g), then  O += P V  (wgmma m64n128k16 x 4, P from registers as the A
+// fragment, V MN-major: stored [key][dim] as the pool holds it, transposed by the instruction).
+// Shared tiles: [rows][64 dims] sub-tiles of 128-byte rows with the 128-byte swizzle (wgmma.cuh),
+// two per operand (dims 0-63, 64-127). Single K and V buffers, loaded as the mma.sync kernel does
+// (V(j) under S and the softmax, K(j-1) under P V); each wgmma group is waited for before its
+// inputs are reused. Thread (warp q of its warpgroup, lane 4g + t): rows 16q + g and + 8 of the
+// warpgroup's 64 = tokens 8w + 2q + {0, 1}, head g; columns 8j + 2t (+ 1).
+#include "wgmma.cuh"
+
+#define PW_THREADS 256
+#define PW_Q_SUB (PF_ROWS * 128)   // 16 KB: 128 rows x 64 dims
+#define PW_KV_SUB (PF_KEYS * 128)  //  8 KB: 64 keys x 64 dims
+// Q (2 sub-tiles), K (2), V (2), each 1024-byte aligned; the launcher adds 1 KB for the alignment.
+static_assert(2 * PW_Q_SUB + 4 * PW_KV_SUB == 65536, "kernels/prefill_attention.py WGMMA_SMEM_BYTES");
+
+__device__ __forceinline__ u32 sw128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+// K or V rows k0 .. k0+63 (all 128 dims) into two swizzled sub-tiles; rows past `hi` zeroed.
+// Thread: chunks (tid & 15) of rows (tid >> 4) + 16 i.
+__device__ __forceinline__ void load_kv_tile_sw(u32 dst, const KeySource& src, bool v, int k0, int hi, int tid) {
+  const int c = tid & 15;
+#pragma unroll
+  for (int i = 0; i < PF_KEYS / 16; ++i) {
+    const int kr = (tid >> 4) + 16 * i, kp = k0 + kr;
+    const bool valid = kp <= hi;
+    cp_async_16(dst + (c >> 3) * PW_KV_SUB + sw128(kr, c & 7), valid ? src.row(kp, v) + 8 * c : src.qkv, valid);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(PW_THREADS, 1)
+prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const u16* k_pool, const u16* v_pool,
+                             const int* block_tables, int table_stride, int page_rows, int window,
+                             const int* entries, const int* tiles, int num_q_heads, int num_kv_heads,
+                             const void* sinks, int sinks_bf16, float scale_log2) {
+  extern __shared__ __align__(128) unsigned char pw_smem[];
+  const int H = num_q_heads, G = num_kv_heads;
+  const int kvh = blockIdx.x % G, tile = blockIdx.x / G;
+  const int tid = threadIdx.x, wg = tid >> 7, q4 = (tid >> 5) & 3, lane = tid & 31, t = lane & 3, gr = lane >> 2;
+  const u32 q_smem = (smem_addr(pw_smem) + 1023u) & ~1023u;
+  const u32 k_smem = q_smem + 2 * PW_Q_SUB, v_smem = k_smem + 2 * PW_KV_SUB;
+  pdl_launch_dependents();
+  pdl_wait();
+
+  const int e = tiles[2 * tile], t0 = tiles[2 * tile + 1];
+  if (e < 0) return;
+  const int row0 = entries[4 * e], s = entries[4 * e + 1], n = entries[4 * e + 2];
+  const int n_q = min(PF_TOKENS, n - t0);
+  const int q_first = s + t0, q_last = q_first + PF_TOKENS - 1;
+  const int hi = min(q_last, s + n - 1);
+  const int lo = window > 0 ? max(0, q_first - window + 1) : 0;
+  const int n_tiles = (hi - lo) / PF_KEYS + 1;
+
+  __shared__ KeySource src;
+  if (tid == 0) {
+    src.qkv = qkv, src.k_pool = k_pool, src.v_pool = v_pool;
+    src.table = block_tables ? block_tables + (long long)e * table_stride : nullptr;
+    src.qkv_stride = (long long)(H + 2 * G) * HEAD_DIM, src.pool_stride = (long long)G * HEAD_DIM;
+    src.ring_page = entries[4 * e + 3], src.page_rows = page_rows, src.s = s, src.row0 = row0;
+    src.k_col = H * HEAD_DIM, src.v_col = (H + G) * HEAD_DIM, src.head_col = kvh * HEAD_DIM;
+  }
+  __syncthreads();
+
+  // Q: tile row r = 8 * token + head; thread: chunk tid & 15 of rows (tid >> 4) + 16 i.
+  {
+    const long long q_stride = (long long)(H + 2 * G) * HEAD_DIM;
+    const int c = tid & 15;
+#pragma unroll
+    for (int i = 0; i < PF_ROWS / 16; ++i) {
+      const int r = (tid >> 4) + 16 * i, token = r >> 3, head = r & 7;
+      const u16* q_src = qkv + (long long)(row0 + t0 + token) * q_stride + (kvh * GROUP + head) * HEAD_DIM + 8 * c;
+      cp_async_16(q_smem + (c >> 3) * PW_Q_SUB + sw128(r, c & 7), token < n_q ? q_src : qkv, token < n_q);
+    }
+  }
+  load_kv_tile_sw(k_smem, src, false, lo + (n_tiles - 1) * PF_KEYS, hi, tid);
+  cp_async_commit();
+
+  const float sink2 = (sinks_bf16 ? bf16_to_f32(static_cast<const u16*>(sinks)[kvh * GROUP + gr])
+                                  : static_cast<const float*>(sinks)[kvh * GROUP + gr]) * 1.4426950408889634f;
+  float m[2], l[2], o[64];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) m[h] = sink2, l[h] = t == 0 ? 1.0f : 0.0f;  // quad sums l at the end
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+  wgmma_fence_acc(o);
+  const int my_q = q_first + 8 * wg + 2 * q4;  // position of this thread's half-0 token (half 1: + 1)
+  const u32 q_rows = q_smem + wg * 64 * 128;   // this warpgroup's 64 rows in each Q sub-tile
+
+  for (int j = n_tiles - 1; j >= 0; --j) {
+    const int k0 = lo + j * PF_KEYS;
+    cp_async_wait_all();
+    fence_proxy_async_shared();
+    __syncthreads();  // K(j) (and Q) landed; every warpgroup is done with V(j+1)
+    load_kv_tile_sw(v_smem, src, true, k0, hi, tid);
+    cp_async_commit();
+
+    float sc[32];  // S: n8 block jj = keys 8jj .. 8jj+7: sc[4jj + {0,1}] row g, sc[4jj + {2,3}] row g + 8
+#pragma unroll
+    for (int i = 0; i < 32; ++i) sc[i] = 0.0f;
+    wgmma_fence_acc(sc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)  // dims 16kk .. 16kk+15: sub-tile kk / 4, 32-byte step kk % 4
+      wgmma_m64n64k16(sc, wgmma_desc(q_rows + (kk >> 2) * PW_Q_SUB + (kk & 3) * 32),
+                      wgmma_desc(k_smem + (kk >> 2) * PW_KV_SUB + (kk & 3) * 32));
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_acc(sc);
+
+    if (k0 + PF_KEYS - 1 > q_first || (window > 0 && q_last - window + 1 > k0)) {
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int kp = k0 + 8 * jj + 2 * t + (x & 1), qp = my_q + (x >> 1);
+          if (kp > qp || (window > 0 && qp - kp >= window)) sc[4 * jj + x] = NEG_INF;
+        }
+    }
+
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = NEG_INF;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) mx = fmaxf(mx, fmaxf(sc[4 * jj + 2 * h], sc[4 * jj + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+      const float m_new = fmaxf(m[h], mx * scale_log2);
+      alpha[h] = ex2(m[h] - m_new);
+      m[h] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int x = 2 * h; x < 2 * h + 2; ++x) {
+          sc[4 * jj + x] = ex2(fmaf(sc[4 * jj + x], scale_log2, -m_new));
+          sum += sc[4 * jj + x];
+        }
+      l[h] = l[h] * alpha[h] + sum;
+    }
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) {  // O's n8 blocks: dims 8jj .. 8jj+7
+      o[4 * jj] *= alpha[0], o[4 * jj + 1] *= alpha[0];
+      o[4 * jj + 2] *= alpha[1], o[4 * jj + 3] *= alpha[1];
+    }
+
+    cp_async_wait_all();
+    fence_proxy_async_shared();
+    __syncthreads();  // V(j) landed; every warpgroup is done with K(j)
+    if (j > 0) {
+      load_kv_tile_sw(k_smem, src, false, k0 - PF_KEYS, hi, tid);
+      cp_async_commit();
+    }
+
+    // P as bf16 A fragments, all written before the fence (wgmma reads them asynchronously).
+    u32 pa[4][4];  // keys 16kk .. 16kk+15: S blocks 2kk, 2kk+1
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      pa[kk][0] = pack_bf16x2(sc[8 * kk], sc[8 * kk + 1]), pa[kk][1] = pack_bf16x2(sc[8 * kk + 2], sc[8 * kk + 3]);
+      pa[kk][2] = pack_bf16x2(sc[8 * kk + 4], sc[8 * kk + 5]), pa[kk][3] = pack_bf16x2(sc[8 * kk + 6], sc[8 * kk + 7]);
+      wgmma_fence_frag(pa[kk]);
+    }
+    wgmma_fence_acc(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k16_rs_tb(o, pa[kk], wgmma_desc_mn(v_smem + kk * 16 * 128, PW_KV_SUB));
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_acc(o);
+  }
+
+  // out = o / l: thread rows (tokens 8wg + 2q4 + h, head g), dims 8jj + 2t (+1), 4-byte stores.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 2);
+    const int token = 8 * wg + 2 * q4 + h;
+    if (token >= n_q) continue;
+    const float inv = 1.0f / l[h];
+    u16* orow = out + (long long)(row0 + t0 + token) * H * HEAD_DIM + (kvh * GROUP + gr) * HEAD_DIM;
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj)
+      *reinterpret_cast<u32*>(orow + 8 * jj + 2 * t) = pack_bf16x2(o[4 * jj + 2 * h] * inv, o[4 * jj + 2 * h + 1] * inv);
+  }
+}

@@ -10,7 +10,8 @@ from flint_sched.kernels.prefill_attention import Chunk, PrefillBuffers, prefill
 available, why = _runtime.nvrtc_available()
 needs_nvrtc = pytest.mark.skipif(not available, reason=f"NVRTC cannot be imported: {why}")
 
-ENTRY_POINTS = [("prefill_attention.cu", "prefill_attention_bf16"), ("prefill_qkv.cu", "prefill_qk_norm_rope_bf16"),
+ENTRY_POINTS = [("prefill_attention.cu", "prefill_attention_bf16"),
+                ("prefill_attention.cu", "prefill_attention_wgmma_bf16"), ("prefill_qkv.cu", "prefill_qk_norm_rope_bf16"),
                 ("prefill_qkv.cu", "prefill_kv_copy_bf16")]
 
 
@@ -29,6 +30,7 @@ def test_launcher_constants_match_the_kernel_source():
     assert "#define PF_WARPS 4" in text and prefill_attention.ATTN_THREADS == 4 * 32
     assert f"Q_SMEM + 2 * KV_SMEM == {prefill_attention.SMEM_BYTES}" in text
     assert 2 * (prefill_attention.SMEM_BYTES + 1024) <= 228 * 1024          # two CTAs per SM
+    assert f"== {prefill_attention.WGMMA_SMEM_BYTES - 1024}, \"kernels/prefill_attention.py WGMMA_SMEM_BYTES\"" in text
 
 
 def test_metadata_rows_tiles_and_cache_rows():

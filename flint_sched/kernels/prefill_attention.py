@@ -28,6 +28,12 @@ from flint_sched.kernels.linear import check_tensor
 TILE_TOKENS = 16               # cuda/prefill_attention.cu PF_TOKENS: 16 tokens x 8 heads = 128 rows
 ATTN_THREADS = 128             # 4 warps of 32 rows
 SMEM_BYTES = 128 * 272 + 2 * 64 * 272   # Q tile + one K and one V tile of 64 keys, rows padded to 272 B
+# The warpgroup-MMA kernel (sm_90a): 2 warpgroups; Q, K, V in 128-byte-swizzled sub-tiles (+1 KB to align).
+WGMMA_THREADS = 256
+WGMMA_SMEM_BYTES = 65536 + 1024
+# "mma": mma.sync, measured (RESULTS.md); "wgmma": prefill_attention_wgmma_bf16, a draft to measure.
+KERNELS = ("mma", "wgmma")
+DEFAULT_KERNEL = "mma"
 NORM_THREADS = 256
 COPY_THREADS = 128
 
@@ -235,14 +241,19 @@ def prefill_qk_norm_rope(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_
 
 def prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: PrefillMetadata,
                       sinks: torch.Tensor, sliding: bool, out: torch.Tensor | None = None,
-                      softmax_scale: float | None = None, pdl: bool = False) -> torch.Tensor:
+                      softmax_scale: float | None = None, pdl: bool = False,
+                      kernel: str | None = None) -> torch.Tensor:
     """out [T, H, 128]: causal attention with sinks of each entry's queries (qkv, normed and roped).
 
     Full layers (sliding False): keys 0 .. p from the paged pool [num_blocks, block_size, G, 128]
     through meta.block_tables; the chunk's rows must be written (prefill_qk_norm_rope with pools).
     Sliding layers: the last meta.window keys up to p, history from the ring [slots, ring_rows, G, 128]
     and the chunk's own from qkv; the ring is written afterwards (prefill_ring_write).
+    kernel: one of KERNELS (None: DEFAULT_KERNEL).
     """
+    kernel = DEFAULT_KERNEL if kernel is None else kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     h, g = _check_qkv(qkv, meta)
     dev = qkv.device
     if _check_pools(k_pool, v_pool) != g or k_pool.device != dev:
@@ -258,12 +269,14 @@ def prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         out = torch.empty(meta.num_tokens, h, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     check_tensor(out, "out", torch.bfloat16, (meta.num_tokens, h, HEAD_DIM), dev)
     scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else softmax_scale
-    _kernel("prefill_attention.cu", "prefill_attention_bf16").launch(
-        (meta.num_tiles * g,), (ATTN_THREADS,),
+    name, threads, smem = (("prefill_attention_bf16", ATTN_THREADS, SMEM_BYTES) if kernel == "mma" else
+                           ("prefill_attention_wgmma_bf16", WGMMA_THREADS, WGMMA_SMEM_BYTES))
+    _kernel("prefill_attention.cu", name).launch(
+        (meta.num_tiles * g,), (threads,),
         [out, qkv, k_pool, v_pool, None if sliding else meta.block_tables, I32(meta.block_tables.shape[1]),
          I32(k_pool.shape[1]), I32(meta.window if sliding else 0), meta.entries, meta.tiles, I32(h), I32(g),
          sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E)],
-        shared_bytes=SMEM_BYTES, pdl=pdl, device=dev.index)
+        shared_bytes=smem, pdl=pdl, device=dev.index)
     return out
 
 

@@ -92,18 +92,18 @@ def checked_rows(n):
     return torch.cat([torch.arange(a, a + CHECK_ROWS, device="cuda") for a in (0, mid, n - CHECK_ROWS)])
 
 
-def run_case(case: Case):
+def run_case(case: Case, kernel: str | None = None):
     meta = case.metadata()
     raw = case.qkv.clone()
     k_before, v_before = case.k.clone(), case.v.clone()
     pools = () if case.sliding else (case.k, case.v)
     qkv = prefill_qk_norm_rope(case.qkv, case.q_w, case.k_w, meta, EPS, THETA if case.sliding else None, *pools)
     out = torch.full((meta.num_tokens, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    prefill_attention(qkv, case.k, case.v, meta, case.sinks, case.sliding, out=out)
+    prefill_attention(qkv, case.k, case.v, meta, case.sinks, case.sliding, out=out, kernel=kernel)
     if case.sliding:
         prefill_ring_write(qkv, case.k, case.v, meta)
     torch.cuda.synchronize()
-    kind = "sliding" if case.sliding else f"full bs={case.block_size}"
+    kind = ("sliding" if case.sliding else f"full bs={case.block_size}") + f" {kernel or 'default'} kernel"
     first = 0
     for b, (s, n) in enumerate(case.chunks):
         what = f"{kind} chunk {b} (start {s}, {n} tokens of {case.chunks})"
@@ -237,3 +237,12 @@ def test_padded_static_buffers_give_the_exact_step(sliding):
     (out_a, k_a, v_a), (out_b, k_b, v_b) = runs
     assert same_bits(out_a, out_b), "outputs differ"
     assert same_bits(k_a, k_b) and same_bits(v_a, v_b), "the padding rows touched the cache"
+
+@pytest.mark.parametrize("chunks", [[(0, 1)], [(0, 1000)], [(700, 300)], [(5000, 2000)],
+                                    [(0, 1), (0, 513), (700, 300), (1000, 37), (5, 1), (0, 1000), (2000, 514)]],
+                         ids=["1", "1000", "700+300", "5000+2000", "several"])
+def test_wgmma_kernel_against_the_reference(chunks, sliding):
+    """prefill_attention_wgmma_bf16 (warpgroup MMAs, V transposed by the instruction) on the cases of
+    the mma.sync kernel: outputs against the reference, the cache as token-by-token decode leaves it."""
+    run_case(Case(chunks, sliding, seed=len(chunks) * 31 + chunks[0][1]), kernel="wgmma")
+
