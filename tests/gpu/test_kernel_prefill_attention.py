@@ -238,6 +238,8 @@ def test_padded_static_buffers_give_the_exact_step(sliding):
     assert same_bits(out_a, out_b), "outputs differ"
     assert same_bits(k_a, k_b) and same_bits(v_a, v_b), "the padding rows touched the cache"
 
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
 @pytest.mark.parametrize("chunks", [[(0, 1)], [(0, 1000)], [(700, 300)], [(5000, 2000)],
                                     [(0, 1), (0, 513), (700, 300), (1000, 37), (5, 1), (0, 1000), (2000, 514)]],
                          ids=["1", "1000", "700+300", "5000+2000", "several"])
