@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flint_sched.benchmarks.bench_host import FakeExecutor  # noqa: E402
 from flint_sched.checkpoint.make import dummy_checkpoint  # noqa: E402
 from flint_sched.config import preset  # noqa: E402
-from flint_sched.core.plan import StepPlan, StepResult, fill_placeholders  # noqa: E402
+from flint_sched.core.plan import StepPlan  # noqa: E402
 from flint_sched.core.scheduler import Scheduler  # noqa: E402
 from flint_sched.core.scheduler_config import SchedulerConfig  # noqa: E402
 from flint_sched.engine.async_engine import AsyncEngine  # noqa: E402
@@ -49,21 +49,12 @@ class CostExecutor(FakeExecutor):
         self.per_token_s = us_per_prompt_token / 1e6
         self.prompt_host_s, self.prompt_graph_rows = prompt_host_ms / 1e3, prompt_graph_rows
 
-    def launch(self, plan: StepPlan) -> tuple[float, StepResult]:
-        fill_placeholders(plan.scheduled_requests, self.last)
+    def step_cost_s(self, plan: StepPlan) -> float:
         prompt_tokens = sum(e.num_tokens for e in plan.scheduled_requests if e.num_tokens > 1)
         cost = self.gpu_s + self.per_token_s * prompt_tokens
         if prompt_tokens and plan.num_tokens > self.prompt_graph_rows:
             cost = max(cost, self.prompt_host_s)
-        now = time.perf_counter()
-        start = max(now, self.ends[-1]) if self.ends else now
-        self.starts.append(start)
-        self.ends.append(start + cost)
-        self.busy_s += cost
-        self.steps += 1
-        tokens = {e.request_id: [self.rng.randrange(300, self.vocab)] for e in plan.scheduled_requests if e.samples}
-        self.last = {rid: t[-1] for rid, t in tokens.items()}
-        return self.ends[-1], StepResult(tokens)
+        return cost
 
 
 async def run_case(args: argparse.Namespace, caching: bool) -> dict:

@@ -54,14 +54,19 @@ class FakeExecutor:
         self.busy_s += self.ends[-1] - start
         return StepResult(tokens)
 
+    def step_cost_s(self, plan: StepPlan) -> float:
+        """The fake GPU's time for the step (subclasses model more)."""
+        return self.gpu_s
+
     def launch(self, plan: StepPlan) -> tuple[float, StepResult]:
         """Queue the step on the fake GPU's timeline; the host returns at once."""
         fill_placeholders(plan.scheduled_requests, self.last)
+        cost = self.step_cost_s(plan)
         now = time.perf_counter()
         start = max(now, self.ends[-1]) if self.ends else now
         self.starts.append(start)
-        self.ends.append(start + self.gpu_s)
-        self.busy_s += self.gpu_s
+        self.ends.append(start + cost)
+        self.busy_s += cost
         self.steps += 1
         tokens = {e.request_id: [self.rng.randrange(300, self.vocab)] for e in plan.scheduled_requests if e.samples}
         self.last = {rid: t[-1] for rid, t in tokens.items()}

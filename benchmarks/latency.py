@@ -261,13 +261,13 @@ def run(args: argparse.Namespace) -> int:
         prefill[length] = run_prefill(executor, args, length) if fits else None
         print(f"prefill {length:>7} tokens: " + (f"{prefill[length]:.0f} tok/s" if prefill[length] else
                                                  "skipped (KV or time limit)"), flush=True)
-        if args.host_profile and prefill[length]:
-            _host_profile(_prefill_step(executor, args, length), length - min(length, args.max_num_batched_tokens))
-        if args.kernel_breakdown and device.type == "cuda" and prefill[length]:
-            chunk = min(length, args.max_num_batched_tokens)
-            step = _prefill_step(executor, args, length)
-            print(format_breakdown(kernel_breakdown(lambda: step(length - chunk), num_steps=1),
-                                   1e3 * chunk / prefill[length]), flush=True)
+        if prefill[length] and (args.host_profile or (args.kernel_breakdown and device.type == "cuda")):
+            step, chunk = _prefill_step(executor, args, length), min(length, args.max_num_batched_tokens)
+            if args.host_profile:                  # the prompt's last chunk, as the breakdown
+                _host_profile(step, length - chunk)
+            if args.kernel_breakdown and device.type == "cuda":
+                print(format_breakdown(kernel_breakdown(lambda: step(length - chunk), num_steps=1),
+                                       1e3 * chunk / prefill[length]), flush=True)
     if skipped:
         print("skipped (KV does not fit): " + ", ".join(f"B={b} C={c}" for b, c in skipped))
     if args.output_json:

@@ -39,13 +39,6 @@
 #ifndef BF16_UNROLL
 #define BF16_UNROLL 4
 #endif
-// GG_X_BASE 1 (a tuning experiment, kernels/grouped.py TUNING): lane g's x row of each group as one
-// pointer per round (a row past the item's points at row 0: its mma column is never written), so
-// the round's x loads sit at constant offsets from it instead of each redoing 64-bit address math
-// and a predicate (SASS: ~300 -> ~250 instructions per NVFP4 k-step).
-#ifndef GG_X_BASE
-#define GG_X_BASE 0
-#endif
 #ifndef NVFP4_UNROLL
 #define NVFP4_UNROLL (GG_GROUPS > 2 ? 2 : 4)  // CHUNK 64: 4 spilled at 3 CTAs per SM
 #endif
@@ -188,12 +181,6 @@ __device__ __forceinline__ void grouped(void* out, int out_f32, const u16* x, co
       waited = true;
       x_rows();
     }
-#if GG_X_BASE
-    const u16* xr[GG_GROUPS];  // lane g's x row of each group at this round's first k
-#pragma unroll
-    for (int grp = 0; grp < GG_GROUPS; ++grp)
-      xr[grp] = x + (xoff[grp] != ~0u ? xoff[grp] : 0u) + s0 * Wt::KSTEP + t * Wt::LANE_K;
-#endif
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int s = s0 + u * GG_KSPLIT, k = s * Wt::KSTEP + t * Wt::LANE_K;
@@ -203,13 +190,8 @@ __device__ __forceinline__ void grouped(void* out, int out_f32, const u16* x, co
         uint4 xv[GG_GROUPS];
 #pragma unroll
         for (int grp = 0; grp < GG_GROUPS; ++grp)
-#if GG_X_BASE
-          xv[grp] = (grp < groups && k < K) ? ld_act_v4(xr[grp] + u * GG_KSPLIT * Wt::KSTEP + 8 * part)
-                                            : make_uint4(0, 0, 0, 0);
-#else
           xv[grp] = (grp < groups && xoff[grp] != ~0u && k < K) ? ld_act_v4(x + xoff[grp] + k + 8 * part)
                                                               : make_uint4(0, 0, 0, 0);
-#endif
         u32 w[8];
         Parts<Wt>::decode(w, f[u], part, sh);
 #pragma unroll

@@ -36,9 +36,12 @@ CONFIGS = {
 DEFAULT_CONFIG = {"bf16": "w256", "nvfp4": "w256s5"}
 
 
+MAX_SHARED_BYTES = 227 * 1024   # sm_90's opt-in dynamic shared memory per block
+
+
 def formats(config: str) -> tuple[str, ...]:
     """Weight formats whose shared memory the config fits (five BF16 stages of 48 KB do not)."""
-    return ("nvfp4",) if config == "w256s5" else ("bf16", "nvfp4")
+    return tuple(fmt for fmt in ("bf16", "nvfp4") if shared_bytes(fmt, config) <= MAX_SHARED_BYTES)
 
 
 @functools.cache

@@ -23,8 +23,10 @@ CHUNKS = (8, 16, 64)       # rows per item (cuda/grouped_gemm.cu GROUPED_CHUNK)
 # Rows per item of the MoE GEMMs for decode-sized steps (<= 16 rows per touched expert on
 # average). 8 = one row group per item: the k-loop's SASS is ~23 % shorter than at 16 (the second
 # group's loads, PRMTs and HMMAs issue even when predicated off), but an expert with more than 8
-# rows takes two items (its weights read again, from L2). Not yet measured on the H200: compare
-# with `benchmarks/bench_grouped.py --moe-small-chunk 8 16`.
+# rows takes two items (its weights read again, from L2). Measured on the H200 (`bench_grouped.py
+# --moe-small-chunk 8 16`, RESULTS.md session 7), NVFP4 µs at 16 / 64 / 256 tokens: 8-row items
+# 69 / 131 / 271, 16-row 74 / 137 / 254: within the noise of the fake router below 256, worse at
+# 256, so 16 stays.
 MOE_SMALL_CHUNK = 16
 TILES_PER_CTA = (1, 4)     # 16-row weight tiles per CTA (GROUPED_TILES)
 WARPS = 4                  # GG_WARPS
