@@ -47,7 +47,7 @@ async def test_concurrent_requests_through_the_cuda_executor(parts):
         allocator = engine.scheduler.kv_allocator
         assert allocator.num_used_blocks == 0 and allocator.num_used_ring_slots == 0
         variants = {variant for variant, _ in parts.executor.graphs.graphs}
-        assert variants == {"fused", "grouped"}, f"decode graphs run: {variants}"
+        assert variants == {"fused", "grouped", "prompt"}, f"graphs run: {variants}"
     finally:
         await engine.shutdown()
 
