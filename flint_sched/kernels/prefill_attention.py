@@ -28,12 +28,18 @@ from flint_sched.kernels.linear import check_tensor
 TILE_TOKENS = 16               # cuda/prefill_attention.cu PF_TOKENS: 16 tokens x 8 heads = 128 rows
 ATTN_THREADS = 128             # 4 warps of 32 rows
 SMEM_BYTES = 128 * 272 + 2 * 64 * 272   # Q tile + one K and one V tile of 64 keys, rows padded to 272 B
-# The warpgroup-MMA kernel (sm_90a): 2 warpgroups; Q, K, V in 128-byte-swizzled sub-tiles (+1 KB to align).
-WGMMA_THREADS = 256
-WGMMA_SMEM_BYTES = 65536 + 1024
-# "mma": mma.sync, measured (RESULTS.md); "wgmma": prefill_attention_wgmma_bf16, a draft to measure.
-KERNELS = ("mma", "wgmma")
-DEFAULT_KERNEL = "mma"
+# The warp-specialized warpgroup-MMA kernel (sm_90a): a producer and two consumer warpgroups; Q and two
+# stages of K and V tiles of 128 keys, in 128-byte-swizzled sub-tiles (+1 KB to align).
+WGMMA_THREADS = 384
+WGMMA_SMEM_BYTES = 163840 + 1024
+# name -> (entry point, threads, shared bytes). "mma": mma.sync, any GPU from sm_80; "wgmma":
+# FlashAttention-3's design, sm_90a only, the default there (measured in RESULTS.md: 443 against 177
+# TFLOP/s for a full layer at 8K tokens).
+_VARIANTS = {
+    "mma": ("prefill_attention_bf16", ATTN_THREADS, SMEM_BYTES),
+    "wgmma": ("prefill_attention_wgmma_bf16", WGMMA_THREADS, WGMMA_SMEM_BYTES),
+}
+KERNELS = tuple(_VARIANTS)
 NORM_THREADS = 256
 COPY_THREADS = 128
 
@@ -41,6 +47,12 @@ COPY_THREADS = 128
 @functools.cache
 def _kernel(source: str, name: str) -> Kernel:
     return compile_kernel(source, name)
+
+
+@functools.cache
+def default_kernel(device_index: int | None) -> str:
+    """"wgmma" on Hopper (sm_90a), "mma" elsewhere."""
+    return "wgmma" if torch.cuda.get_device_capability(device_index) == (9, 0) else "mma"
 
 
 @dataclass(frozen=True)
@@ -249,13 +261,13 @@ def prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     through meta.block_tables; the chunk's rows must be written (prefill_qk_norm_rope with pools).
     Sliding layers: the last meta.window keys up to p, history from the ring [slots, ring_rows, G, 128]
     and the chunk's own from qkv; the ring is written afterwards (prefill_ring_write).
-    kernel: one of KERNELS (None: DEFAULT_KERNEL).
+    kernel: one of KERNELS (None: default_kernel, by the GPU).
     """
-    kernel = DEFAULT_KERNEL if kernel is None else kernel
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     h, g = _check_qkv(qkv, meta)
     dev = qkv.device
+    kernel = default_kernel(dev.index) if kernel is None else kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if _check_pools(k_pool, v_pool) != g or k_pool.device != dev:
         raise ValueError(f"pools must be [pages, rows, {g}, {HEAD_DIM}] on {dev}")
     if sliding and k_pool.shape[1] != meta.ring_rows:
@@ -269,8 +281,7 @@ def prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         out = torch.empty(meta.num_tokens, h, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     check_tensor(out, "out", torch.bfloat16, (meta.num_tokens, h, HEAD_DIM), dev)
     scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else softmax_scale
-    name, threads, smem = (("prefill_attention_bf16", ATTN_THREADS, SMEM_BYTES) if kernel == "mma" else
-                           ("prefill_attention_wgmma_bf16", WGMMA_THREADS, WGMMA_SMEM_BYTES))
+    name, threads, smem = _VARIANTS[kernel]
     _kernel("prefill_attention.cu", name).launch(
         (meta.num_tiles * g,), (threads,),
         [out, qkv, k_pool, v_pool, None if sliding else meta.block_tables, I32(meta.block_tables.shape[1]),

@@ -92,7 +92,7 @@ def checked_rows(n):
     return torch.cat([torch.arange(a, a + CHECK_ROWS, device="cuda") for a in (0, mid, n - CHECK_ROWS)])
 
 
-def run_case(case: Case, kernel: str | None = None):
+def run_case(case: Case, kernel: str = "mma"):
     meta = case.metadata()
     raw = case.qkv.clone()
     k_before, v_before = case.k.clone(), case.v.clone()
@@ -244,7 +244,8 @@ def test_padded_static_buffers_give_the_exact_step(sliding):
                                     [(0, 1), (0, 513), (700, 300), (1000, 37), (5, 1), (0, 1000), (2000, 514)]],
                          ids=["1", "1000", "700+300", "5000+2000", "several"])
 def test_wgmma_kernel_against_the_reference(chunks, sliding):
-    """prefill_attention_wgmma_bf16 (warpgroup MMAs, V transposed by the instruction) on the cases of
-    the mma.sync kernel: outputs against the reference, the cache as token-by-token decode leaves it."""
+    """prefill_attention_wgmma_bf16 (a producer warpgroup, two consumers on warpgroup MMAs taking
+    turns, V transposed by the instruction) on the cases of the mma.sync kernel: outputs against the
+    reference, the cache as token-by-token decode leaves it."""
     run_case(Case(chunks, sliding, seed=len(chunks) * 31 + chunks[0][1]), kernel="wgmma")
 
