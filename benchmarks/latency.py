@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="1024,32768,102400")
     p.add_argument("--prefill-lens", default="1024,8192,102400")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--mixed-chunks", default="",
+                   help="prompt chunk sizes: each decode case is also timed with a chunk of that many prompt "
+                        "rows beside its decodes, ending at the decodes' context (a chunked prefill's mixed step)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-budget-gib", type=float, default=None,
                    help="memory for KV; default: free GPU memory minus 6 GiB (CPU: 4 GiB)")
@@ -106,13 +109,24 @@ def decode_plan(batch: int, context: int, blocks_per_request: int, params: Sampl
     return StepPlan(entries, batch, "fused" if batch <= fused_max_batch else "grouped", [], [])
 
 
+def mixed_plan(batch: int, context: int, chunk: int, blocks_per_request: int, params: SamplingParams = GREEDY) -> StepPlan:
+    """decode_plan's B decodes beside `chunk` rows of one prompt at positions context - chunk ..
+    context - 1 (a middle chunk: nothing sampled), with its own ring slot (B) and blocks."""
+    if not 1 <= chunk <= context:
+        raise ValueError(f"a prompt chunk of {chunk} rows does not end at position {context}")
+    decodes = decode_plan(batch, context, blocks_per_request, params).scheduled_requests
+    first = batch * blocks_per_request
+    table = list(range(first, first + blocks_per_request))
+    prompt = ScheduledRequest("p", [7] * chunk, context - chunk, table, batch, False, GREEDY, [7], [], False)
+    return StepPlan(decodes + [prompt], batch + chunk, "grouped", [], [])
+
+
 def sampling_params(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=1)
 
 
-def run_decode(executor, args, batch: int, context: int, bandwidth: float) -> DecodeResult:
-    plan = decode_plan(batch, context, math.ceil((context + 1) / args.block_size), sampling_params(args),
-                       executor.limits.fused_max_batch)
+def _step_seconds(executor, args, plan: StepPlan) -> float:
+    """Median wall time of the plan's step (after one untimed run), waited for each time."""
     executor.execute(plan)                                          # warm-up
     times, deadline = [], time.perf_counter() + args.max_case_seconds
     for _ in range(args.num_steps):
@@ -123,16 +137,20 @@ def run_decode(executor, args, batch: int, context: int, bandwidth: float) -> De
         times.append(time.perf_counter() - start)
         if time.perf_counter() > deadline:
             break
-    step = statistics.median(times)
+    return statistics.median(times)
+
+
+def run_decode(executor, args, batch: int, context: int, bandwidth: float) -> DecodeResult:
+    plan = decode_plan(batch, context, math.ceil((context + 1) / args.block_size), sampling_params(args),
+                       executor.limits.fused_max_batch)
+    step = _step_seconds(executor, args, plan)
     nbytes = decode_step_bytes(executor.config, batch, context, args.weight_format).total
     return DecodeResult(batch, context, step * 1e3, batch / step, nbytes, nbytes / bandwidth / 1e6,
                         nbytes / step / 1e9, nbytes / step / 1e9 / bandwidth)
 
 
-def _breakdown(executor, args, batch: int, context: int) -> list[tuple[str, float, float]]:
+def _breakdown(executor, plan: StepPlan) -> list[tuple[str, float, float]]:
     """Kernel times of a few eager steps (graphs off: each kernel shows under its own name)."""
-    plan = decode_plan(batch, context, math.ceil((context + 1) / args.block_size),
-                       fused_max_batch=executor.limits.fused_max_batch)
     graphs = getattr(executor, "use_graphs", None)
     if graphs is not None:
         executor.use_graphs = False
@@ -197,7 +215,7 @@ def build(args: argparse.Namespace):
     batches, contexts, prefills = _ints(args.batch_sizes), _ints(args.contexts), _ints(args.prefill_lens)
     if not batches and not prefills:
         raise SystemExit("nothing to measure: give --batch-sizes (with --contexts) or --prefill-lens")
-    max_seqs = max(batches, default=1)
+    max_seqs = max(batches, default=1) + bool(args.mixed_chunks)     # the mixed steps' prompt: one more slot
     placeholder = KVCache(config, 1, args.block_size, 1, dtype, device)
     if args.executor == "cuda":
         max_len = max(contexts + prefills) + 1
@@ -207,7 +225,7 @@ def build(args: argparse.Namespace):
         executor = TorchExecutor(config, ckpt.weights, placeholder, ckpt.tokenizer.eos_token_ids, dtype, device,
                                  args.seed)
     del ckpt                                   # the executor holds what it needs
-    largest = max([b * math.ceil((c + 1) / args.block_size) for b in batches for c in contexts]
+    largest = max([(b + bool(args.mixed_chunks)) * math.ceil((c + 1) / args.block_size) for b in batches for c in contexts]
                   + [math.ceil(n / args.block_size) for n in prefills])
     fit = int((_budget(args, device) - max_seqs * KVCache.bytes_per_slot(config, args.block_size, dtype))
               // KVCache.bytes_per_block(config, args.block_size, dtype))
@@ -241,10 +259,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"device {device}, {args.executor} executor, {args.weight_format} weights, KV pool {num_blocks} blocks of {args.block_size}, "
           f"bandwidth {_gbps(bandwidth)}{' (measured on GPUs only: no floors)' if math.isnan(bandwidth) else ''}, "
           f"{sampling} decode", flush=True)
-    results, skipped = [], []
+    results, skipped, mixed = [], [], []
     for context in contexts:
         for batch in batches:
-            if batch * math.ceil((context + 1) / args.block_size) > num_blocks:
+            blocks = math.ceil((context + 1) / args.block_size)
+            if (batch + bool(args.mixed_chunks)) * blocks > num_blocks:
                 skipped.append((batch, context))
                 continue
             r = run_decode(executor, args, batch, context, bandwidth)
@@ -254,7 +273,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"decode B={batch:<4} C={context:<7} {r.step_ms:9.2f} ms/step {r.tokens_per_s:10.1f} tok/s{floor}",
                   flush=True)
             if args.kernel_breakdown and device.type == "cuda":
-                print(format_breakdown(_breakdown(executor, args, batch, context), r.step_ms), flush=True)
+                plan = decode_plan(batch, context, blocks, fused_max_batch=executor.limits.fused_max_batch)
+                print(format_breakdown(_breakdown(executor, plan), r.step_ms), flush=True)
+            for chunk in _ints(args.mixed_chunks):
+                plan = mixed_plan(batch, context, min(chunk, context), blocks, sampling_params(args))
+                step_ms = 1e3 * _step_seconds(executor, args, plan)
+                mixed.append({"batch": batch, "context": context, "chunk": min(chunk, context), "step_ms": step_ms})
+                print(f"mixed  B={batch:<4} C={context:<7} + {min(chunk, context)} prompt rows {step_ms:9.2f} ms/step "
+                      f"({step_ms / r.step_ms:.1f}x the decode step)", flush=True)
+                if args.kernel_breakdown and device.type == "cuda":
+                    print(format_breakdown(_breakdown(executor, plan), step_ms), flush=True)
     prefill = {}
     for length in prefills:
         fits = math.ceil(length / args.block_size) <= num_blocks
@@ -273,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         settings = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
         report = {"args": settings, "bandwidth_gbps": bandwidth, "decode": [asdict(r) for r in results],
-                  "prefill_tokens_per_s": prefill, "skipped": skipped}
+                  "mixed": mixed, "prefill_tokens_per_s": prefill, "skipped": skipped}
         with open(args.output_json, "w") as f:
             json.dump(_finite(report), f, indent=2)
     return 0

@@ -18,7 +18,8 @@
 // exact zeros; out = o / l.
 //
 // Pipeline (FlashAttention-2's): single K and V buffers; V(j) loads under Q.K(j) and the softmax,
-// K(j-1) under P.V(j). Two CTAs per SM overlap each other's waits.
+// K(j-1) under P.V(j). Two CTAs per SM overlap each other's waits. On sm_90a the warp-specialized
+// prefill_attention_wgmma_bf16 below (the same tiles and masks) runs instead.
 #include "attention_common.cuh"
 
 #define PF_WARPS 4

@@ -12,10 +12,14 @@ def test_bench_latency_smoke(tmp_path, capsys):
     out = tmp_path / "latency.json"
     assert main(["bench", "latency", "--model", "flint-tiny", "--device", "cpu", "--batch-sizes", "1,3",
                  "--contexts", "16,600", "--prefill-lens", "40", "--num-steps", "2",
-                 "--max-num-batched-tokens", "32", "--output-json", str(out)]) == 0
+                 "--max-num-batched-tokens", "32", "--mixed-chunks", "24", "--output-json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [(d["batch"], d["context"]) for d in result["decode"]] == [(1, 16), (3, 16), (1, 600), (3, 600)]
     assert all(d["step_ms"] > 0 and d["bytes_per_step"] > 0 for d in result["decode"])
+    # each decode case beside a prompt chunk ending at its context (16: the whole 16 positions)
+    assert [(m["batch"], m["context"], m["chunk"]) for m in result["mixed"]] == [
+        (1, 16, 16), (3, 16, 16), (1, 600, 24), (3, 600, 24)]
+    assert all(m["step_ms"] > 0 for m in result["mixed"])
     assert result["prefill_tokens_per_s"]["40"] > 0
     assert "decode B=3" in capsys.readouterr().out
 
