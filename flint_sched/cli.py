@@ -106,6 +106,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="most requests running at once (default: 256 on a GPU, 64 on the CPU)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step, prompt chunks and decodes together (default: 8192 on a GPU, 2048 on the CPU)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
+                   help="at most N tokens of one prompt per step, so long prompts share steps with running "
+                        "decodes in smaller chunks (0: up to the step's budget)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes seen before (on by default, as in vLLM v1)")
@@ -174,7 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=int(args.vllm_block_size or 16),
         enable_prefix_caching=args.enable_prefix_caching, num_ring_snapshots=args.num_ring_snapshots,
-        **_engine_args(args))
+        long_prefill_token_threshold=args.long_prefill_token_threshold, **_engine_args(args))
     step_timeout_s = args.engine_iteration_timeout_s
     step_timeout_s = DEFAULT_ENGINE_ITERATION_TIMEOUT_S if step_timeout_s is None else step_timeout_s
     if not step_timeout_s >= 0:

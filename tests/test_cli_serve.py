@@ -133,3 +133,11 @@ def test_prefix_caching_is_on_unless_turned_off():
     assert serve_args("--enable-prefix-caching").enable_prefix_caching is True
     assert serve_args("--no-enable-prefix-caching").enable_prefix_caching is False
     assert serve_args("--num-ring-snapshots", "8").num_ring_snapshots == 8
+
+
+def test_long_prefill_token_threshold_reaches_the_scheduler_and_refuses_negatives(tmp_path, monkeypatch, capsys):
+    assert serve_args().long_prefill_token_threshold == 0
+    assert serve_args("--long-prefill-token-threshold", "512").long_prefill_token_threshold == 512
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
+    assert main(["serve", "--device", "cpu", "--port", "0", "--long-prefill-token-threshold", "-1"]) == 2
+    assert "long_prefill_token_threshold must be >= 0" in capsys.readouterr().err

@@ -250,3 +250,35 @@ def test_offline_llm_keeps_its_prefix_cache_across_generate_calls(tmp_path, monk
     assert first.outputs[0].token_ids == second.outputs[0].token_ids
     assert llm.reset_prefix_cache()
     assert llm.generate(prompt, params)[0].num_cached_tokens == 0
+
+
+def test_long_prefill_token_threshold_reads_prompts_in_smaller_chunks_with_the_same_tokens(ckpt):
+    """--long-prefill-token-threshold 7: prompts beside each other advance at most 7 tokens a step
+    (many more steps than the 64-token budget needs), and every request's greedy tokens are those
+    of the unthrottled engine."""
+    prompts = [list(range(3, 90)), list(range(5, 40)), [9] * 3]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def run(parts):
+        engine = build_engine(parts)
+        schedule, chunks = engine.scheduler.schedule, []
+
+        def recording():
+            plan = schedule()
+            chunks.extend(len(e.token_ids) for e in plan.scheduled_requests)
+            return plan
+
+        engine.scheduler.schedule = recording
+        engine.start()
+        try:
+            outs = await asyncio.gather(*(collect(engine.add_request(p, params)) for p in prompts))
+            return [out[1].outputs[0].token_ids for out in outs], chunks
+        finally:
+            await engine.shutdown()
+
+    throttled = parts_for(ckpt, long_prefill_token_threshold=7)
+    assert throttled.scheduler_config.long_prefill_token_threshold == 7
+    tokens, chunks = asyncio.run(run(throttled))
+    reference, reference_chunks = asyncio.run(run(parts_for(ckpt)))
+    assert tokens == reference
+    assert max(chunks) == 7 and max(reference_chunks) > 7

@@ -54,6 +54,7 @@ BAD_CONFIGS = [
     ("max_num_seqs", 0), ("max_num_seqs", 2.0), ("max_num_batched_tokens", 0),
     ("num_blocks", 0), ("max_model_len", 1), ("block_size", 0), ("block_size", True),
     ("sliding_window", 0), ("fused_max_seqs", -1), ("max_num_batched_tokens", 3),
+    ("long_prefill_token_threshold", -1),
 ]
 
 
@@ -150,6 +151,32 @@ def test_budget_is_shared_decodes_then_prefills_then_waiting():
     plan, _ = step(scheduler)
     assert [(e.request_id, len(e.token_ids)) for e in plan.scheduled_requests] == [
         ("a", 1), ("b", 5), ("c", 3)]
+
+
+def test_long_prefill_token_threshold_caps_each_prompts_chunk_not_the_step():
+    """vLLM's --long-prefill-token-threshold: every prompt (running or newly admitted) advances at
+    most 6 tokens a step, short prompts and decodes as before, the budget still the step's limit."""
+    scheduler = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=6)
+    scheduler.add_request("a", prompt(4), params())
+    scheduler.add_request("b", prompt(20), params())
+    scheduler.add_request("c", prompt(20, start=50), params())
+    steps = []
+    for _ in range(5):
+        plan, outputs = step(scheduler)
+        assert plan.num_tokens <= 16
+        steps.append([(e.request_id, e.start_position, len(e.token_ids), e.samples) for e in plan.scheduled_requests])
+    assert steps == [
+        [("a", 0, 4, True), ("b", 0, 6, False), ("c", 0, 6, False)],
+        [("a", 4, 1, True), ("b", 6, 6, False), ("c", 6, 6, False)],
+        [("a", 5, 1, True), ("b", 12, 6, False), ("c", 12, 6, False)],
+        [("a", 6, 1, True), ("b", 18, 2, True), ("c", 18, 2, True)],
+        [("a", 7, 1, True), ("b", 20, 1, True), ("c", 20, 1, True)],
+    ]
+    # a threshold above the budget changes nothing: the budget cuts first
+    wide = make_scheduler(max_num_batched_tokens=8, long_prefill_token_threshold=100)
+    wide.add_request("d", prompt(20), params())
+    plan, _ = step(wide)
+    assert [len(e.token_ids) for e in plan.scheduled_requests] == [8]
 
 
 def test_decodes_go_before_an_older_requests_chunk():

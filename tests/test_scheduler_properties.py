@@ -58,6 +58,7 @@ def configs(draw):
         block_size=block_size,
         sliding_window=draw(st.sampled_from([5, 513])),
         fused_max_seqs=draw(st.integers(0, 8)),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 3, 8])),
     )
 
 
@@ -137,6 +138,8 @@ class Harness:
         assert plan.num_tokens <= config.max_num_batched_tokens
         assert len(entries) <= config.max_num_seqs
         assert len({e.request_id for e in entries}) == len(entries)
+        if config.long_prefill_token_threshold:
+            assert all(len(e.token_ids) <= config.long_prefill_token_threshold for e in entries)
 
         victims = plan.preempted_request_ids
         if victims:

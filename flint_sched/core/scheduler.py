@@ -185,7 +185,7 @@ class Scheduler:
                 prefilling.append(request)
         for request in prefilling:
             if request.status is _RUNNING and step.budget > 0:
-                self._schedule_running(request, min(_num_left(request), step.budget), step)
+                self._schedule_running(request, self._prompt_chunk(_num_left(request), step), step)
         if not step.preempted_request_ids:
             self._admit_waiting(step)
 
@@ -258,6 +258,13 @@ class Scheduler:
             )
         return outputs
 
+    def _prompt_chunk(self, num_left: int, step: _StepBuilder) -> int:
+        """Prompt tokens a request may take this step: what is left of the budget, and at most
+        long_prefill_token_threshold (when set) so that one long prompt does not fill a step that
+        running decodes wait for."""
+        threshold = self.config.long_prefill_token_threshold
+        return min(num_left, step.budget, threshold) if threshold else min(num_left, step.budget)
+
     def _chunk_end(self, request: Request, start: int, num_new_tokens: int) -> int:
         end = start + num_new_tokens
         if self.prefix_cache is None or num_new_tokens == 1:     # one token never crosses a snapshot position
@@ -281,7 +288,7 @@ class Scheduler:
             if cache is not None:
                 cache.admit(request, hit)
             start = hit.num_tokens
-            end = self._chunk_end(request, start, min(len(request.all_token_ids) - start, step.budget))
+            end = self._chunk_end(request, start, self._prompt_chunk(len(request.all_token_ids) - start, step))
             if not allocator.can_allocate(request.request_id, end, hit.blocks):
                 return
             self._waiting.popleft()

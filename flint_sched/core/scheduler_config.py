@@ -26,6 +26,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     num_ring_snapshots: int = 0  # ring slots kept for prefix-cache snapshots, after the max_num_seqs ones
     prefix_cache_key: str = ""   # what else changes the KV (model, revision): part of every block key
+    long_prefill_token_threshold: int = 0  # > 0: a prompt advances at most this many tokens a step (vLLM's)
 
     def __post_init__(self) -> None:
         minimums = {
@@ -37,6 +38,7 @@ class SchedulerConfig:
             "sliding_window": 1,
             "fused_max_seqs": 0,
             "num_ring_snapshots": 0,
+            "long_prefill_token_threshold": 0,
         }
         for name, minimum in minimums.items():
             value = getattr(self, name)

@@ -163,6 +163,7 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
         fused_max_seqs=executor.limits.fused_max_batch,
         enable_prefix_caching=config.enable_prefix_caching,
         num_ring_snapshots=num_snapshots,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
         prefix_cache_key=f"{config.model or 'flint-tiny'}@{config.revision}:{dtype}:seed{config.seed}",
     )
     # Async scheduling pays where the host's per-step work would leave the GPU idle: the CUDA
