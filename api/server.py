@@ -30,6 +30,7 @@ from starlette.routing import Route
 from flint_sched import __version__
 from flint_sched.api import errors
 from flint_sched.api.errors import error_response
+from flint_sched.api.gc_pauses import PauseWatch, freeze_startup_heap
 from flint_sched.api.lifecycle import FlintServer, Lifecycle
 from flint_sched.api.limits import check_json_depth, check_text_fits, max_chars_per_token
 from flint_sched.api.metrics import CONTENT_TYPE, MeteredExecutor, ServerMetrics
@@ -310,9 +311,13 @@ def build_app(engine_state: EngineState, server_config: ServerConfig, lifecycle:
         lifecycle.loop = asyncio.get_running_loop()
         engine_state.start(metrics_)
         lifecycle.spawn(lifecycle.supervise(engine_state.engine))
+        freeze_startup_heap()                   # before the first request: see api/gc_pauses.py
+        gc_watch = PauseWatch()
+        gc_watch.install()
         try:
             yield
         finally:
+            gc_watch.remove()
             await engine_state.stop()
             ctx.prepare_pool.shutdown(wait=False, cancel_futures=True)
 

@@ -9,7 +9,8 @@
 #
 # The server's log goes to ${SERVE_LOG:-/tmp/flint-serve.log}; after each run the script prints the
 # lines of /metrics that say what is still running or waiting and how full the KV cache is (all should
-# be back to 0), the prefix cache's counters, and the server's mean time to first token and queue time.
+# be back to 0), the prefix cache's counters, the server's mean time to first token and queue time,
+# and how many garbage-collector pauses of 50 ms or more its log reports.
 set -euo pipefail
 port=${PORT:-8000}
 log=${SERVE_LOG:-/tmp/flint-serve.log}
@@ -43,4 +44,6 @@ for bench_flags in "$@"; do
             name = $1; sub(/\{.*/, "", name); split(name, a, "_seconds_"); v[a[1] "," a[2]] = $2 }
          END { for (m in v) { split(m, k, ","); if (k[2] == "sum" && v[k[1] ",count"] > 0)
                  printf "%s mean (server): %.1f ms\n", k[1], 1000 * v[m] / v[k[1] ",count"] } }' <<<"$metrics"
+    # garbage-collector pauses of 50 ms or more so far (api/gc_pauses.py logs each)
+    echo "long GC pauses (server log): $(grep -c "garbage collector paused" "$log" || true)"
 done
