@@ -294,7 +294,8 @@ prefill_attention_bf16(u16* out, const u16* qkv, const u16* k_pool, const u16* v
 // Key tiles of 128 from the diagonal down, in PW_STAGES buffers; K and V of a stage have their own
 // full / empty barriers, so K(i) is refilled as soon as S(i) is done. The two consumers take turns
 // issuing their MMAs (named barriers 1 and 2), so one warpgroup's softmax runs under the other's
-// MMAs (measured: 0-3 % over issuing freely). The producer looks up each key row's address once per tile (barrier 3).
+// MMAs (measured: 0-3 % over issuing freely). The producer looks up each key row's address once
+// per tile (128 rows, one per thread; barrier 3 among the producers), then copies from the list.
 // Registers: producer 40, consumers 232 (S 64 + O 64 + P 32 + ...).
 // Thread (consumer warpgroup w, warp q, lane 4g + t): rows 16q + g and + 8 of the warpgroup's 64 =
 // tokens 8w + 2q + {0, 1}, head g; columns 8j + 2t (+ 1) (the accumulator layout in wgmma.cuh).
