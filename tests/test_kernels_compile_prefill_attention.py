@@ -55,6 +55,39 @@ def test_metadata_rows_tiles_and_cache_rows():
     assert all(t.dtype == torch.int32 for t in (meta.entries, meta.tiles, meta.kv_rows, meta.ring_dst))
 
 
+def test_metadata_of_a_mixed_step_row_by_row():
+    """Many entries (decodes beside prompt chunks, as a mixed step has): every field against a plain
+    per-row walk of the chunks, tiles heaviest first with ties in entry order."""
+    import random
+    rng = random.Random(5)
+    chunks = []
+    for e in range(60):
+        n = rng.choice([1, 1, 1, 7, 16, 17, 600])
+        s = rng.randrange(0, 3000)
+        table = [rng.randrange(5000) for _ in range(-(-(s + n) // 16) + rng.randrange(3))]
+        chunks.append(Chunk(s, n, e, table))
+    meta = prefill_metadata(chunks, 16, 513, "cpu", ring_rows=528)
+    rows, positions, kv_rows, src, dst, entries, tiles = 0, [], [], [], [], [], []
+    for e, c in enumerate(chunks):
+        entries.append([rows, c.start_position, c.num_tokens, c.ring_slot])
+        for i in range(c.num_tokens):
+            p = c.start_position + i
+            positions.append(p)
+            kv_rows.append(c.block_table[p // 16] * 16 + p % 16)
+            if i >= c.num_tokens - 528:
+                src.append(rows + i)
+                dst.append(c.ring_slot * 528 + p % 528)
+        tiles += [(c.start_position + t + 16, e, t) for t in range(0, c.num_tokens, 16)]
+        rows += c.num_tokens
+    assert meta.num_tokens == rows and meta.entries.tolist() == entries
+    assert meta.positions.tolist() == positions and meta.kv_rows.tolist() == kv_rows
+    assert meta.ring_src.tolist() == src and meta.ring_dst.tolist() == dst
+    assert meta.tiles.tolist() == [[e, t] for _, e, t in sorted(tiles, key=lambda x: -x[0])]
+    for e, c in enumerate(chunks):
+        assert meta.block_tables[e, :len(c.block_table)].tolist() == c.block_table
+        assert not meta.block_tables[e, len(c.block_table):].any()
+
+
 def test_metadata_ring_rows_are_distinct_per_slot():
     meta = prefill_metadata([Chunk(200, 2000, 4, [0] * 200), Chunk(0, 513, 2, [0] * 40)], 16, 513, "cpu")
     dst = meta.ring_dst.numpy()

@@ -182,39 +182,44 @@ def _check_sizes(block_size: int, window: int, ring_rows: int | None) -> int:
 
 
 def _metadata_parts(chunks: Sequence[Chunk], block_size: int, ring_rows: int) -> tuple[int, list[np.ndarray]]:
-    """(rows, [entries, tiles, block_tables, positions, kv_rows, ring_src, ring_dst]) on the host."""
+    """(rows, [entries, tiles, block_tables, positions, kv_rows, ring_src, ring_dst]) on the host,
+    whole arrays at a time (a mixed step has an entry per decode: 256 at 256 streams)."""
     if not chunks:
         raise ValueError("a prompt step needs at least one entry")
-    entries, tiles, work, positions, kv_rows, ring_src, ring_dst = [], [], [], [], [], [], []
-    row = 0
-    width = max(1, max(len(c.block_table) for c in chunks))
-    tables = np.zeros((len(chunks), width), dtype=np.int64)
-    for e, c in enumerate(chunks):
-        s, n = c.start_position, c.num_tokens
-        if n < 1 or s < 0 or c.ring_slot < 0:
-            raise ValueError(f"entry {e}: needs >= 1 token, start >= 0 and a ring slot, got {c}")
-        if len(c.block_table) * block_size < s + n:
-            raise ValueError(f"entry {e}: block table of {len(c.block_table)} blocks of {block_size} "
-                             f"cannot hold positions up to {s + n - 1}")
-        table = np.asarray(c.block_table, dtype=np.int64)
-        tables[e, :len(table)] = table
-        entries.append((row, s, n, c.ring_slot))
-        first = np.arange(0, n, TILE_TOKENS)
-        tiles.append(np.stack([np.full_like(first, e), first], axis=1))
-        work.append(s + first + TILE_TOKENS)            # keys of a full layer: the cost of the tile
-        pos = np.arange(s, s + n)
-        positions.append(pos)
-        kv_rows.append(table[pos // block_size] * block_size + pos % block_size)
-        kept = pos[max(0, n - ring_rows):]
-        ring_src.append(row + kept - s)
-        ring_dst.append(c.ring_slot * ring_rows + kept % ring_rows)
-        row += n
-    order = np.argsort(-np.concatenate(work), kind="stable")
-    parts = [np.asarray(entries, dtype=np.int64), np.concatenate(tiles)[order], tables,
-             *(np.concatenate(p) for p in (positions, kv_rows, ring_src, ring_dst))]
+    num = len(chunks)
+    starts = np.fromiter((c.start_position for c in chunks), np.int64, num)
+    counts = np.fromiter((c.num_tokens for c in chunks), np.int64, num)
+    slots = np.fromiter((c.ring_slot for c in chunks), np.int64, num)
+    lens = np.fromiter((len(c.block_table) for c in chunks), np.int64, num)
+    bad = np.flatnonzero((counts < 1) | (starts < 0) | (slots < 0))
+    if bad.size:
+        raise ValueError(f"entry {bad[0]}: needs >= 1 token, start >= 0 and a ring slot, got {chunks[bad[0]]}")
+    short = np.flatnonzero(lens * block_size < starts + counts)
+    if short.size:
+        e = short[0]
+        raise ValueError(f"entry {e}: block table of {lens[e]} blocks of {block_size} "
+                         f"cannot hold positions up to {starts[e] + counts[e] - 1}")
+    tables = np.zeros((num, max(1, int(lens.max()))), dtype=np.int64)
+    filled = np.arange(tables.shape[1]) < lens[:, None]
+    tables[filled] = np.fromiter(itertools.chain.from_iterable(c.block_table for c in chunks), np.int64, int(lens.sum()))
+    first_row = np.cumsum(counts) - counts
+    rows = int(counts.sum())
+    entry = np.repeat(np.arange(num), counts)                  # each row's entry
+    offset = np.arange(rows) - first_row[entry]                 # its place in the entry's chunk
+    positions = starts[entry] + offset
+    kv_rows = tables[entry, positions // block_size] * block_size + positions % block_size
+    kept = offset >= (counts - ring_rows)[entry]                # each entry's last <= ring_rows rows
+    ring_src = np.flatnonzero(kept)
+    ring_dst = slots[entry[kept]] * ring_rows + positions[kept] % ring_rows
+    num_tiles = -(-counts // TILE_TOKENS)
+    tile_entry = np.repeat(np.arange(num), num_tiles)
+    tile_first = (np.arange(int(num_tiles.sum())) - np.repeat(np.cumsum(num_tiles) - num_tiles, num_tiles)) * TILE_TOKENS
+    work = starts[tile_entry] + tile_first + TILE_TOKENS        # keys of a full layer: the cost of the tile
+    tiles = np.stack([tile_entry, tile_first], axis=1)[np.argsort(-work, kind="stable")]
+    parts = [np.stack([first_row, starts, counts, slots], axis=1), tiles, tables, positions, kv_rows, ring_src, ring_dst]
     if max(int(p.max(initial=0)) for p in parts) >= 2**31:
         raise ValueError("prompt step metadata exceeds int32")
-    return row, parts
+    return rows, parts
 
 
 # ---- launches ------------------------------------------------------------------------------------
