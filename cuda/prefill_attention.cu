@@ -325,6 +325,42 @@ __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+#ifndef PW_TMA
+#define PW_TMA 0
+#endif
+#if PW_TMA
+// A CUtensorMap (cuTensorMapEncodeTiled, kernels/prefill_attention.py `pool_tensor_map`): a paged
+// pool [rows, G, 128] bf16 in boxes of 16 rows x 1 head x 64 dims, 128-byte swizzled, so a box lands
+// exactly as sw128 lays out 16 rows of one sub-tile.
+struct alignas(64) TensorMap {
+  unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap& map, int c0, int c1, int c2, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// K or V rows k0 .. k0+127 of a full layer (whole 16-row pages, all before `hi`) by TMA: one thread
+// expects the bytes and issues 8 pages x 2 halves; the other producers just arrive.
+__device__ __forceinline__ void load_kv_tile_tma(u32 dst, const TensorMap& map, const int* table, int k0, int kvh,
+                                                 u32 bar, int p) {
+  if (p != 0) {
+    mbarrier_arrive(bar);
+    return;
+  }
+  mbarrier_arrive_expect_tx(bar, 2 * PW_KV_SUB);
+#pragma unroll
+  for (int page = 0; page < PW_KEYS / 16; ++page) {
+    const int row = table[k0 / 16 + page] * 16;
+    tma_load_3d(dst + page * 16 * 128, map, 0, kvh, row, bar);
+    tma_load_3d(dst + PW_KV_SUB + page * 16 * 128, map, 64, kvh, row, bar);
+  }
+}
+#endif
+
 // K or V rows of one key tile (all 128 dims) into two swizzled sub-tiles, from the tile's row
 // pointers (null: a row past the keys, zeroed). Producer thread p: chunk p & 15 of rows (p >> 4) + 8 i.
 __device__ __forceinline__ void load_kv_tile_sw(u32 dst, const u16* const* rows, const u16* dummy, int p) {
@@ -441,7 +477,11 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, 1)
 prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const u16* k_pool, const u16* v_pool,
                              const int* block_tables, int table_stride, int page_rows, int window,
                              const int* entries, const int* tiles, int num_q_heads, int num_kv_heads,
-                             const void* sinks, int sinks_bf16, float scale_log2) {
+                             const void* sinks, int sinks_bf16, float scale_log2
+#if PW_TMA
+                             , const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map
+#endif
+) {
   extern __shared__ __align__(128) unsigned char pw_smem[];
   // barriers: Q, then per stage full K, full V, empty K, empty V
   __shared__ __align__(8) unsigned long long pw_bars[1 + 4 * PW_STAGES];
@@ -500,6 +540,15 @@ prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const u16* k_pool, const 
     for (int i = 0; i < n_tiles; ++i) {
       const int st = i % PW_STAGES, phase = (i / PW_STAGES) & 1, k0 = lo + (n_tiles - 1 - i) * PW_KEYS;
       const u32 bars = bar_q + 8 * (1 + 4 * st), k_dst = kv_smem + 4 * st * PW_KV_SUB;
+#if PW_TMA
+      if (block_tables && k0 + PW_KEYS - 1 <= hi) {  // a whole tile of pages (full layers: k0 % 128 == 0)
+        if (i >= PW_STAGES) mbarrier_wait_parity(bars + 16, phase ^ 1);
+        load_kv_tile_tma(k_dst, k_map, src.table, k0, kvh, bars, tid);
+        if (i >= PW_STAGES) mbarrier_wait_parity(bars + 24, phase ^ 1);
+        load_kv_tile_tma(k_dst + 2 * PW_KV_SUB, v_map, src.table, k0, kvh, bars + 8, tid);
+        continue;
+      }
+#endif
       if (i > 0) named_bar_sync(3, 128);  // every producer thread is done with the last tile's rows
       const int kp = k0 + tid;
       kv_rows[0][tid] = kp <= hi ? src.row(kp, false) : nullptr;

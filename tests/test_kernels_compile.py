@@ -74,6 +74,22 @@ def test_arg_pack_points_at_its_slots():
     assert ctypes.c_uint64.from_address(pointers[0]).value == t.data_ptr()
 
 
+def test_arg_pack_passes_a_tensor_map_by_value():
+    """A TensorMap's 128 bytes are copied into its slot (the kernel's __grid_constant__ parameter)."""
+    import ctypes
+
+    tmap = _runtime.TensorMap()
+    tmap.opaque[:] = list(range(100, 116))
+    assert _runtime._kind(tmap) is _runtime.TensorMap and ctypes.sizeof(tmap) == 128
+    pack = _runtime._ArgPack((_runtime.I32, _runtime.TensorMap))
+    pointers = (ctypes.c_void_p * 2).from_address(pack.fill([_runtime.I32(3), tmap]))
+    assert list((ctypes.c_uint64 * 16).from_address(pointers[1])) == list(range(100, 116))
+    tmap.opaque[0] = 7                                   # the pack holds a copy, refreshed per fill
+    assert (ctypes.c_uint64 * 16).from_address(pointers[1])[0] == 100
+    pack.fill([_runtime.I32(3), tmap])
+    assert (ctypes.c_uint64 * 16).from_address(pointers[1])[0] == 7
+
+
 def test_importing_the_package_needs_no_gpu():
     import flint_sched.kernels as kernels
 

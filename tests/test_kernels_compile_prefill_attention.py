@@ -24,9 +24,16 @@ def test_compiles_for_sm90a(source, entry, private_cache):
     assert entry.encode() in cubin
 
 
+@needs_nvrtc
+def test_tma_variant_compiles_for_sm90a(private_cache):
+    cubin = _runtime.compile_only("prefill_attention.cu", {"PW_TMA": 1}, arch="sm_90a")
+    assert cubin[:4] == b"\x7fELF" and b"prefill_attention_wgmma_bf16" in cubin
+
+
 def test_launcher_constants_match_the_kernel_source():
     text = (_runtime.source_dir() / "prefill_attention.cu").read_text()
     assert f"#define PF_TOKENS {prefill_attention.TILE_TOKENS}" in text
+    assert "for (int page = 0; page < PW_KEYS / 16; ++page)" in text and prefill_attention.TMA_PAGE_ROWS == 16
     assert "#define PF_WARPS 4" in text and prefill_attention.ATTN_THREADS == 4 * 32
     assert f"Q_SMEM + 2 * KV_SMEM == {prefill_attention.SMEM_BYTES}" in text
     assert 2 * (prefill_attention.SMEM_BYTES + 1024) <= 228 * 1024          # two CTAs per SM

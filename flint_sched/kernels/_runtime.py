@@ -33,7 +33,16 @@ U32 = ctypes.c_uint32
 I64 = ctypes.c_int64
 U64 = ctypes.c_uint64
 F32 = ctypes.c_float
-_SCALAR_TYPES = (I32, U32, I64, U64, F32)
+
+
+class TensorMap(ctypes.Structure):
+    """A CUtensorMap (cuTensorMapEncodeTiled's 128 opaque bytes), passed by value to a kernel's
+    `const __grid_constant__` parameter of the same size (the kernel's TMA descriptor)."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+_SCALAR_TYPES = (I32, U32, I64, U64, F32, TensorMap)
 _PTR = "ptr"
 
 
@@ -311,6 +320,30 @@ def _current_stream_handle(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+def encode_tensor_map(tensor: torch.Tensor, box: Sequence[int], swizzle_128b: bool = True) -> TensorMap:
+    """The TMA descriptor of a CUDA bf16 tensor with a contiguous last dimension, in boxes of `box`
+    elements (innermost first: box[0] along the last dimension), 128-byte swizzled by default."""
+    driver = _driver()
+    if tensor.dtype != torch.bfloat16 or not tensor.is_cuda or tensor.stride(-1) != 1:
+        raise ValueError("encode_tensor_map takes a CUDA bf16 tensor with a contiguous last dimension")
+    rank = tensor.dim()
+    if len(box) != rank:
+        raise ValueError(f"a box of {len(box)} dims for a tensor of {rank}")
+    dims = [driver.cuuint64_t(n) for n in reversed(tensor.shape)]
+    strides = [driver.cuuint64_t(2 * s) for s in reversed(tensor.stride()[:-1])]
+    types = driver.CUtensorMapDataType, driver.CUtensorMapInterleave, driver.CUtensorMapSwizzle
+    err, encoded = driver.cuTensorMapEncodeTiled(
+        types[0].CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, tensor.data_ptr(), dims, strides,
+        [driver.cuuint32_t(b) for b in box], [driver.cuuint32_t(1)] * rank, types[1].CU_TENSOR_MAP_INTERLEAVE_NONE,
+        types[2].CU_TENSOR_MAP_SWIZZLE_128B if swizzle_128b else types[2].CU_TENSOR_MAP_SWIZZLE_NONE,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    _check((err,), f"cuTensorMapEncodeTiled (shape {tuple(tensor.shape)}, box {tuple(box)})", KernelLaunchError)
+    out = TensorMap()
+    ctypes.memmove(ctypes.addressof(out), encoded.getPtr(), ctypes.sizeof(TensorMap))
+    return out
+
+
 class _ArgPack:
     """Prebuilt kernelParams for one argument signature: a void*[] of pointers to ctypes slots."""
 
@@ -327,6 +360,8 @@ class _ArgPack:
                 slot.value = 0
             elif isinstance(arg, torch.Tensor):
                 slot.value = arg.data_ptr()
+            elif isinstance(arg, TensorMap):
+                ctypes.memmove(ctypes.addressof(slot), ctypes.addressof(arg), ctypes.sizeof(TensorMap))
             else:
                 slot.value = arg.value
         return self.address
@@ -338,7 +373,7 @@ def _kind(arg):
     if type(arg) in _SCALAR_TYPES:
         return type(arg)
     raise TypeError(f"kernel argument {arg!r}: pass tensors, None (null pointer) or a typed scalar "
-                    "(I32, U32, I64, U64, F32)")
+                    "(I32, U32, I64, U64, F32) or TensorMap")
 
 
 class Kernel:

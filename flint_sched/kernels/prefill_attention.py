@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
+from flint_sched.kernels._runtime import F32, I32, Kernel, TensorMap, compile_kernel, encode_tensor_map
 from flint_sched.kernels.attention import GROUP, HEAD_DIM, LOG2E, MAX_KV_HEADS, _check_pools, rope_inv_freq
 from flint_sched.kernels.linear import check_tensor
 
@@ -32,21 +32,42 @@ SMEM_BYTES = 128 * 272 + 2 * 64 * 272   # Q tile + one K and one V tile of 64 ke
 # stages of K and V tiles of 128 keys, in 128-byte-swizzled sub-tiles (+1 KB to align).
 WGMMA_THREADS = 384
 WGMMA_SMEM_BYTES = 163840 + 1024
-# name -> (entry point, threads, shared bytes). "mma": mma.sync, any GPU from sm_80; "wgmma":
-# FlashAttention-3's design, sm_90a only, the default there (measured in RESULTS.md: 443 against 177
-# TFLOP/s for a full layer at 8K tokens).
+# name -> (entry point, threads, shared bytes, defines). "mma": mma.sync, any GPU from sm_80;
+# "wgmma": FlashAttention-3's design, sm_90a only, the default there (measured in RESULTS.md: 443
+# against 177 TFLOP/s for a full layer at 8K tokens); "wgmma-tma": the same, the full layers' whole
+# tiles of 16-row pages copied by TMA instead of cp.async (sliding layers as "wgmma"), to measure.
 _VARIANTS = {
-    "mma": ("prefill_attention_bf16", ATTN_THREADS, SMEM_BYTES),
-    "wgmma": ("prefill_attention_wgmma_bf16", WGMMA_THREADS, WGMMA_SMEM_BYTES),
+    "mma": ("prefill_attention_bf16", ATTN_THREADS, SMEM_BYTES, ()),
+    "wgmma": ("prefill_attention_wgmma_bf16", WGMMA_THREADS, WGMMA_SMEM_BYTES, ()),
+    "wgmma-tma": ("prefill_attention_wgmma_bf16", WGMMA_THREADS, WGMMA_SMEM_BYTES, (("PW_TMA", 1),)),
 }
 KERNELS = tuple(_VARIANTS)
+TMA_PAGE_ROWS = 16          # cuda/prefill_attention.cu load_kv_tile_tma: pages of 16 rows
 NORM_THREADS = 256
 COPY_THREADS = 128
 
 
 @functools.cache
-def _kernel(source: str, name: str) -> Kernel:
-    return compile_kernel(source, name)
+def _kernel(source: str, name: str, defines: tuple = ()) -> Kernel:
+    return compile_kernel(source, name, dict(defines))
+
+
+_pool_maps: dict[tuple, TensorMap] = {}
+
+
+def pool_tensor_map(pool: torch.Tensor) -> TensorMap:
+    """The TMA descriptor of a paged pool [blocks, 16, G, 128] as rows x heads x dims, in boxes of one
+    page x one head x 64 dims. Cached by address and shape (a descriptor holds nothing else, so it
+    stays right for any pool of that shape at that address), not by the tensor: no pool is kept alive."""
+    if pool.shape[1] != TMA_PAGE_ROWS or not pool.is_contiguous():
+        raise ValueError(f"TMA reads contiguous pools of {TMA_PAGE_ROWS}-row pages, got {tuple(pool.shape)}")
+    key = (pool.device.index, pool.data_ptr(), tuple(pool.shape))
+    found = _pool_maps.get(key)
+    if found is None:
+        if len(_pool_maps) >= 256:
+            _pool_maps.clear()
+        found = _pool_maps[key] = encode_tensor_map(pool.view(-1, pool.shape[2], HEAD_DIM), (64, 1, TMA_PAGE_ROWS))
+    return found
 
 
 @functools.cache
@@ -286,13 +307,16 @@ def prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         out = torch.empty(meta.num_tokens, h, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     check_tensor(out, "out", torch.bfloat16, (meta.num_tokens, h, HEAD_DIM), dev)
     scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else softmax_scale
-    name, threads, smem = _VARIANTS[kernel]
-    _kernel("prefill_attention.cu", name).launch(
-        (meta.num_tiles * g,), (threads,),
-        [out, qkv, k_pool, v_pool, None if sliding else meta.block_tables, I32(meta.block_tables.shape[1]),
-         I32(k_pool.shape[1]), I32(meta.window if sliding else 0), meta.entries, meta.tiles, I32(h), I32(g),
-         sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E)],
-        shared_bytes=smem, pdl=pdl, device=dev.index)
+    name, threads, smem, defines = _VARIANTS[kernel]
+    tma = bool(defines) and not sliding and k_pool.shape[1] == TMA_PAGE_ROWS
+    args = [out, qkv, k_pool, v_pool, None if sliding else meta.block_tables, I32(meta.block_tables.shape[1]),
+            I32(k_pool.shape[1]), I32(meta.window if sliding else 0), meta.entries, meta.tiles, I32(h), I32(g),
+            sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E)]
+    compiled = _kernel("prefill_attention.cu", name, defines if tma else ())
+    if tma:
+        compiled.load(dev.index)                  # the driver's context, for the descriptors
+        args += [pool_tensor_map(k_pool), pool_tensor_map(v_pool)]
+    compiled.launch((meta.num_tiles * g,), (threads,), args, shared_bytes=smem, pdl=pdl, device=dev.index)
     return out
 
 

@@ -243,9 +243,11 @@ def test_padded_static_buffers_give_the_exact_step(sliding):
 @pytest.mark.parametrize("chunks", [[(0, 1)], [(0, 1000)], [(700, 300)], [(5000, 2000)],
                                     [(0, 1), (0, 513), (700, 300), (1000, 37), (5, 1), (0, 1000), (2000, 514)]],
                          ids=["1", "1000", "700+300", "5000+2000", "several"])
-def test_wgmma_kernel_against_the_reference(chunks, sliding):
+@pytest.mark.parametrize("kernel", ["wgmma", "wgmma-tma"])
+def test_wgmma_kernel_against_the_reference(chunks, sliding, kernel):
     """prefill_attention_wgmma_bf16 (a producer warpgroup, two consumers on warpgroup MMAs taking
-    turns, V transposed by the instruction) on the cases of the mma.sync kernel: outputs against the
-    reference, the cache as token-by-token decode leaves it."""
-    run_case(Case(chunks, sliding, seed=len(chunks) * 31 + chunks[0][1]), kernel="wgmma")
+    turns, V transposed by the instruction; full layers' whole tiles by TMA or cp.async) on the cases
+    of the mma.sync kernel: outputs against the reference, the cache as token-by-token decode leaves
+    it. The pools start as NaN, so a page read past the keys shows."""
+    run_case(Case(chunks, sliding, seed=len(chunks) * 31 + chunks[0][1]), kernel=kernel)
 
