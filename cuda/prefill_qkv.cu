@@ -1,4 +1,4 @@
-// Prompt steps, per attention layer, around cuda/prefill_attention.cu:
+// Prompt steps, per attention layer, around the prefill attention (cuda/prefill_attention*.cu):
 //   prefill_qk_norm_rope_bf16   before attention: Q/K RMSNorm (+ RoPE on sliding layers) of T rows,
 //                               in place in the q/k/v buffer; full layers also write each row's K
 //                               (normed) and V to its paged pool row kv_rows[t]

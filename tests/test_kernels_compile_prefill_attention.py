@@ -11,7 +11,7 @@ available, why = _runtime.nvrtc_available()
 needs_nvrtc = pytest.mark.skipif(not available, reason=f"NVRTC cannot be imported: {why}")
 
 ENTRY_POINTS = [("prefill_attention.cu", "prefill_attention_bf16"),
-                ("prefill_attention.cu", "prefill_attention_wgmma_bf16"), ("prefill_qkv.cu", "prefill_qk_norm_rope_bf16"),
+                ("prefill_attention_wgmma.cu", "prefill_attention_wgmma_bf16"), ("prefill_qkv.cu", "prefill_qk_norm_rope_bf16"),
                 ("prefill_qkv.cu", "prefill_kv_copy_bf16")]
 
 
@@ -26,12 +26,13 @@ def test_compiles_for_sm90a(source, entry, private_cache):
 
 @needs_nvrtc
 def test_tma_variant_compiles_for_sm90a(private_cache):
-    cubin = _runtime.compile_only("prefill_attention.cu", {"PW_TMA": 1}, arch="sm_90a")
+    cubin = _runtime.compile_only("prefill_attention_wgmma.cu", {"PW_TMA": 1}, arch="sm_90a")
     assert cubin[:4] == b"\x7fELF" and b"prefill_attention_wgmma_bf16" in cubin
 
 
 def test_launcher_constants_match_the_kernel_source():
-    text = (_runtime.source_dir() / "prefill_attention.cu").read_text()
+    text = "".join((_runtime.source_dir() / name).read_text()
+                   for name in ("prefill_attention.cuh", "prefill_attention.cu", "prefill_attention_wgmma.cu"))
     assert f"#define PF_TOKENS {prefill_attention.TILE_TOKENS}" in text
     assert "for (int page = 0; page < PW_KEYS / 16; ++page)" in text and prefill_attention.TMA_PAGE_ROWS == 16
     assert "#define PF_WARPS 4" in text and prefill_attention.ATTN_THREADS == 4 * 32

@@ -1,6 +1,6 @@
 """Prefill attention on the paged KV layout: the prompt chunks of one step, all requests in one launch.
 
-Per attention layer of a prompt step (cuda/prefill_qkv.cu, cuda/prefill_attention.cu):
+Per attention layer of a prompt step (cuda/prefill_qkv.cu, cuda/prefill_attention*.cu):
 
     full layer      prefill_qk_norm_rope (K/V rows to the paged pool)  ->  prefill_attention
     sliding layer   prefill_qk_norm_rope (RoPE)  ->  prefill_attention  ->  prefill_ring_write
@@ -25,24 +25,25 @@ from flint_sched.kernels._runtime import F32, I32, Kernel, TensorMap, compile_ke
 from flint_sched.kernels.attention import GROUP, HEAD_DIM, LOG2E, MAX_KV_HEADS, _check_pools, rope_inv_freq
 from flint_sched.kernels.linear import check_tensor
 
-TILE_TOKENS = 16               # cuda/prefill_attention.cu PF_TOKENS: 16 tokens x 8 heads = 128 rows
+TILE_TOKENS = 16               # cuda/prefill_attention.cuh PF_TOKENS: 16 tokens x 8 heads = 128 rows
 ATTN_THREADS = 128             # 4 warps of 32 rows
 SMEM_BYTES = 128 * 272 + 2 * 64 * 272   # Q tile + one K and one V tile of 64 keys, rows padded to 272 B
 # The warp-specialized warpgroup-MMA kernel (sm_90a): a producer and two consumer warpgroups; Q and two
 # stages of K and V tiles of 128 keys, in 128-byte-swizzled sub-tiles (+1 KB to align).
 WGMMA_THREADS = 384
 WGMMA_SMEM_BYTES = 163840 + 1024
-# name -> (entry point, threads, shared bytes, defines). "mma": mma.sync, any GPU from sm_80;
+# name -> (source, entry point, threads, shared bytes, defines). "mma": mma.sync, any GPU from sm_80;
 # "wgmma": FlashAttention-3's design, sm_90a only, the default there (measured in RESULTS.md: 443
 # against 177 TFLOP/s for a full layer at 8K tokens); "wgmma-tma": the same, the full layers' whole
 # tiles of 16-row pages copied by TMA instead of cp.async (sliding layers as "wgmma"), to measure.
 _VARIANTS = {
-    "mma": ("prefill_attention_bf16", ATTN_THREADS, SMEM_BYTES, ()),
-    "wgmma": ("prefill_attention_wgmma_bf16", WGMMA_THREADS, WGMMA_SMEM_BYTES, ()),
-    "wgmma-tma": ("prefill_attention_wgmma_bf16", WGMMA_THREADS, WGMMA_SMEM_BYTES, (("PW_TMA", 1),)),
+    "mma": ("prefill_attention.cu", "prefill_attention_bf16", ATTN_THREADS, SMEM_BYTES, ()),
+    "wgmma": ("prefill_attention_wgmma.cu", "prefill_attention_wgmma_bf16", WGMMA_THREADS, WGMMA_SMEM_BYTES, ()),
+    "wgmma-tma": ("prefill_attention_wgmma.cu", "prefill_attention_wgmma_bf16", WGMMA_THREADS, WGMMA_SMEM_BYTES,
+                  (("PW_TMA", 1),)),
 }
 KERNELS = tuple(_VARIANTS)
-TMA_PAGE_ROWS = 16          # cuda/prefill_attention.cu load_kv_tile_tma: pages of 16 rows
+TMA_PAGE_ROWS = 16          # cuda/prefill_attention_wgmma.cu load_kv_tile_tma: pages of 16 rows
 NORM_THREADS = 256
 COPY_THREADS = 128
 
@@ -307,12 +308,12 @@ def prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         out = torch.empty(meta.num_tokens, h, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     check_tensor(out, "out", torch.bfloat16, (meta.num_tokens, h, HEAD_DIM), dev)
     scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else softmax_scale
-    name, threads, smem, defines = _VARIANTS[kernel]
+    source, name, threads, smem, defines = _VARIANTS[kernel]
     tma = bool(defines) and not sliding and k_pool.shape[1] == TMA_PAGE_ROWS
     args = [out, qkv, k_pool, v_pool, None if sliding else meta.block_tables, I32(meta.block_tables.shape[1]),
             I32(k_pool.shape[1]), I32(meta.window if sliding else 0), meta.entries, meta.tiles, I32(h), I32(g),
             sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E)]
-    compiled = _kernel("prefill_attention.cu", name, defines if tma else ())
+    compiled = _kernel(source, name, defines if tma else ())
     if tma:
         compiled.load(dev.index)                  # the driver's context, for the descriptors
         args += [pool_tensor_map(k_pool), pool_tensor_map(v_pool)]
