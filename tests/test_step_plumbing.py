@@ -147,20 +147,24 @@ def test_prompt_steps_reuse_one_grown_routing_workspace():
     assert grown.max_tokens == 300 and ws.routing_for(100) is grown
 
 
+class WarmUpExecutor(SplitExecutor):
+    """The plans of warm_up recorded (none run), over a flint-tiny KV cache in blocks of 4 on the CPU."""
+
+    def __init__(self, max_model_len: int, num_blocks: int, prompt_graph_tokens: tuple[int, ...] = ()):
+        super().__init__()
+        self.device, self.max_model_len = torch.device("cpu"), max_model_len
+        self.prompt_graph_tokens = prompt_graph_tokens
+        self.weights = SimpleNamespace(kv=KVCache(preset("flint-tiny"), num_blocks=num_blocks, block_size=4, num_slots=20,
+                                                  dtype=torch.float32, device="cpu"))
+        self.plans = []
+
+    def execute(self, plan):
+        self.plans.append(plan)
+        return StepResult({})
+
+
 def test_warm_up_runs_a_prompt_step_then_a_fused_and_a_grouped_decode_on_free_kv_greedy_and_sampled():
-    class Warm(SplitExecutor):
-        def __init__(self):
-            super().__init__()
-            self.device, self.max_model_len = torch.device("cpu"), 64
-            self.weights = SimpleNamespace(kv=KVCache(preset("flint-tiny"), num_blocks=40, block_size=4, num_slots=20,
-                                                      dtype=torch.float32, device="cpu"))
-            self.plans = []
-
-        def execute(self, plan):
-            self.plans.append(plan)
-            return StepResult({})
-
-    ex = Warm()
+    ex = WarmUpExecutor(max_model_len=64, num_blocks=40)
     ex.warm_up(8192)
     assert len(ex.plans) == 6
     for plans, temperature in ((ex.plans[:3], 0.0), (ex.plans[3:], 1.0)):   # greedy, then the OpenAI default
@@ -174,20 +178,7 @@ def test_warm_up_runs_a_prompt_step_then_a_fused_and_a_grouped_decode_on_free_kv
 
 
 def test_warm_up_first_takes_a_prompt_step_of_each_graphed_size_the_prompts_reach():
-    class Warm(SplitExecutor):
-        def __init__(self):
-            super().__init__()
-            self.device, self.max_model_len = torch.device("cpu"), 200
-            self.prompt_graph_tokens = (16, 64, 128, 512)
-            self.weights = SimpleNamespace(kv=KVCache(preset("flint-tiny"), num_blocks=80, block_size=4, num_slots=20,
-                                                      dtype=torch.float32, device="cpu"))
-            self.plans = []
-
-        def execute(self, plan):
-            self.plans.append(plan)
-            return StepResult({})
-
-    ex = Warm()
+    ex = WarmUpExecutor(max_model_len=200, num_blocks=80, prompt_graph_tokens=(16, 64, 128, 512))
     ex.warm_up(100)
     graphed = [p.scheduled_requests[0] for p in ex.plans[:3]]
     assert [e.num_tokens for e in graphed] == [16, 64, 100]       # 128 holds the 100-token prompt; 512 none
