@@ -270,10 +270,10 @@ class CudaExecutor:
     def _prompt(self, entries: list) -> tuple:
         """Prompt chunks (or more decodes than any graph): one forward over all their rows, from a
         graph of the padded row count where one fits (`_prompt_graph`), else eager launches."""
+        chunks = [Chunk(e.start_position, e.num_tokens, e.ring_slot, e.block_table) for e in entries]
         if self.use_graphs and self.layer_outputs is None and not prompt_spans(entries):
             rows = padded_batch(sum(e.num_tokens for e in entries), self.prompt_graph_tokens)
             if rows is not None:
-                chunks = [Chunk(e.start_position, e.num_tokens, e.ring_slot, e.block_table) for e in entries]
                 static = self._prompt_buffers(rows)
                 if static[0].fits(chunks):
                     return self._prompt_graph(entries, chunks, rows, *static)
@@ -284,8 +284,7 @@ class CudaExecutor:
         token_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         sample_rows = torch.tensor(samples, dtype=torch.long).to(self.device, non_blocking=True)
         self._feed(entries, token_ids)
-        prefill = prefill_metadata([Chunk(e.start_position, e.num_tokens, e.ring_slot, e.block_table) for e in entries],
-                                   self.kv.block_size, self.kv.window, self.device, ring_rows=self.kv.ring_rows)
+        prefill = prefill_metadata(chunks, self.kv.block_size, self.kv.window, self.device, ring_rows=self.kv.ring_rows)
         sampling = [e for e in entries if e.samples]
         spans = prompt_spans(entries)        # rows of requests that ask for prompt logprobs
         if spans:
