@@ -275,11 +275,11 @@ def run(args: argparse.Namespace) -> int:
             if args.kernel_breakdown and device.type == "cuda":
                 plan = decode_plan(batch, context, blocks, fused_max_batch=executor.limits.fused_max_batch)
                 print(format_breakdown(_breakdown(executor, plan), r.step_ms), flush=True)
-            for chunk in _ints(args.mixed_chunks):
-                plan = mixed_plan(batch, context, min(chunk, context), blocks, sampling_params(args))
+            for chunk in (min(c, context) for c in _ints(args.mixed_chunks)):
+                plan = mixed_plan(batch, context, chunk, blocks, sampling_params(args))
                 step_ms = 1e3 * _step_seconds(executor, args, plan)
-                mixed.append({"batch": batch, "context": context, "chunk": min(chunk, context), "step_ms": step_ms})
-                print(f"mixed  B={batch:<4} C={context:<7} + {min(chunk, context)} prompt rows {step_ms:9.2f} ms/step "
+                mixed.append({"batch": batch, "context": context, "chunk": chunk, "step_ms": step_ms})
+                print(f"mixed  B={batch:<4} C={context:<7} + {chunk} prompt rows {step_ms:9.2f} ms/step "
                       f"({step_ms / r.step_ms:.1f}x the decode step)", flush=True)
                 if args.kernel_breakdown and device.type == "cuda":
                     print(format_breakdown(_breakdown(executor, plan), step_ms), flush=True)
