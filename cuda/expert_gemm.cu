@@ -49,8 +49,6 @@
 #define EG_A_BYTES (EG_BM * 128)
 #define EG_B_BYTES (EG_BN * 128)
 
-__device__ __forceinline__ u32 swz(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
-
 // 16 bytes global -> shared; src_bytes 0 writes zeros (rows past the tile's count).
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
@@ -106,12 +104,12 @@ __device__ __forceinline__ void load_frags(Frags& f, u32 a_base, u32 b_base, int
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
     u32 r[4];
-    ldmatrix_x4(r, b_base + swz(b_group_row<GATE_UP>(p, wn) + b_row_in, kk * 2 + ((lane >> 3) & 1)));
+    ldmatrix_x4(r, b_base + sw128(b_group_row<GATE_UP>(p, wn) + b_row_in, kk * 2 + ((lane >> 3) & 1)));
     f.b[2 * p][0] = r[0], f.b[2 * p][1] = r[1], f.b[2 * p + 1][0] = r[2], f.b[2 * p + 1][1] = r[3];
   }
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
-    if (mi < mi_valid) ldmatrix_x4(f.a[mi], a_base + swz(m_group_row(mi, wm) + (lane & 15), kk * 2 + (lane >> 4)));
+    if (mi < mi_valid) ldmatrix_x4(f.a[mi], a_base + sw128(m_group_row(mi, wm) + (lane & 15), kk * 2 + (lane >> 4)));
 }
 
 __device__ __forceinline__ void mma_frags(float (&acc)[4][8][4], const Frags& f, int mi_valid) {
@@ -136,7 +134,7 @@ __device__ __forceinline__ void decode_block(u32 dst, const u8* raw_codes, const
     e2m1x8_to_bf16(words[w], scale, p);
     const uint4 v = make_uint4(prmt(p[0], p[1], 0x5410u), prmt(p[2], p[3], 0x5410u), prmt(p[0], p[1], 0x7632u),
                                prmt(p[2], p[3], 0x7632u));
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst + swz(n, 2 * kk + w)), "r"(v.x), "r"(v.y),
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst + sw128(n, 2 * kk + w)), "r"(v.x), "r"(v.y),
                  "r"(v.z), "r"(v.w)
                  : "memory");
   }
@@ -349,14 +347,14 @@ __device__ __forceinline__ void expert_gemm(u16* out, const u16* act, const int*
 #pragma unroll
     for (int i = 0; i < A_ITERS; ++i) {
       const int r = (tid >> 3) + i * (EG_THREADS / 8);
-      cp_async_16(sa + swz(r, tid & 7), act_k + a_off[i] + k, (a_valid >> i) & 1u ? 16u : 0u);
+      cp_async_16(sa + sw128(r, tid & 7), act_k + a_off[i] + k, (a_valid >> i) & 1u ? 16u : 0u);
     }
     if (!FP4) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int r = (tid >> 3) + i * (EG_BN / 8);
         const u16* src = (i < 4 ? b_lo : b_hi) + (size_t)((i & 3) * (EG_BN / 8)) * K + k;
-        cp_async_16(sb + swz(r, tid & 7), src, 16u);
+        cp_async_16(sb + sw128(r, tid & 7), src, 16u);
       }
     } else {
       cp_async_16(sb + tid * 32, q_codes + k / 2, 16u);

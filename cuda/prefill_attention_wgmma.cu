@@ -27,8 +27,6 @@
 // Q (2 sub-tiles), then per stage K (2) and V (2), each 1024-byte aligned; the launcher adds 1 KB.
 static_assert(2 * PW_Q_SUB + PW_STAGES * 4 * PW_KV_SUB == 163840, "kernels/prefill_attention.py WGMMA_SMEM_BYTES");
 
-__device__ __forceinline__ u32 sw128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
-
 // The arrival counts once all of this thread's earlier cp.async have landed.
 __device__ __forceinline__ void cp_async_arrive_noinc(u32 bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");

@@ -21,6 +21,9 @@
 #pragma once
 #include "common.cuh"
 
+// Byte offset of chunk `chunk` (16 bytes) of row `row` in a 128-byte-swizzled tile (above).
+__device__ __forceinline__ u32 sw128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
 __device__ __forceinline__ u64 wgmma_desc(u32 smem_addr) {
   return (u64)((smem_addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
