@@ -105,13 +105,15 @@ def num_ring_snapshots(config: EngineConfig) -> int:
     return config.max_num_seqs if config.num_ring_snapshots is None else config.num_ring_snapshots
 
 
-def _num_blocks(config: EngineConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> int:
+def _num_blocks(config: EngineConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
+                reserved: int = 0) -> int:
+    """KV blocks that fit the memory left; `reserved`: bytes the executor will still allocate."""
     per_block = KVCache.bytes_per_block(ckpt.config, config.block_size, dtype)
     num_slots = config.max_num_seqs + num_ring_snapshots(config)
     rings = num_slots * KVCache.bytes_per_slot(ckpt.config, config.block_size, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - config.gpu_memory_utilization) * total - ACTIVATION_RESERVE_BYTES - rings
+        budget = free - (1 - config.gpu_memory_utilization) * total - ACTIVATION_RESERVE_BYTES - rings - reserved
     else:
         budget = config.cpu_kv_cache_bytes
     num_blocks = int(budget // per_block)
@@ -136,12 +138,17 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
         checkpoint = load_checkpoint(sources.model, config.load_format, device, sources.hf_config_path,
                                      sources.tokenizer, config.weight_format, config.seed, progress)
     ckpt = checkpoint
-    num_blocks = config.num_kv_blocks or _num_blocks(config, ckpt, device, dtype)
+    use_cuda = _use_cuda_executor(config, ckpt, device, dtype)
+    reserved = 0
+    if use_cuda:                       # the executor's bf16 copies of NVFP4 dense weights
+        from flint_sched.executor.dense_copies import copies_bytes
+        reserved = copies_bytes(ckpt.weights)
+    num_blocks = config.num_kv_blocks or _num_blocks(config, ckpt, device, dtype, reserved)
     max_model_len = min(config.max_model_len or ckpt.config.max_position_embeddings,
                         ckpt.config.max_position_embeddings, num_blocks * config.block_size)
     num_snapshots = num_ring_snapshots(config)
     kv = KVCache(ckpt.config, num_blocks, config.block_size, config.max_num_seqs + num_snapshots, dtype, device)
-    if _use_cuda_executor(config, ckpt, device, dtype):
+    if use_cuda:
         from flint_sched.executor.cuda_executor import CudaExecutor
         executor = CudaExecutor(ckpt.config, ckpt.weights, kv, ckpt.tokenizer.eos_token_ids, max_model_len,
                                 device, config.seed)

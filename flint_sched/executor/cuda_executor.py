@@ -30,6 +30,7 @@ import torch
 from flint_sched.checkpoint.common import Weights
 from flint_sched.config import FlintConfig
 from flint_sched.core.plan import ScheduledRequest, StepPlan, StepResult
+from flint_sched.executor.dense_copies import make_copies
 from flint_sched.executor.forward import forward
 from flint_sched.executor.grammar_masks import GrammarMasks
 from flint_sched.executor.graph_sampler import GraphSampler, plain
@@ -94,14 +95,16 @@ class CudaExecutor:
                  max_model_len: int, device: torch.device | str = "cuda", seed: int = 0, use_graphs: bool = True,
                  pdl: bool = True, first_graph_layers: int = FIRST_GRAPH_LAYERS,
                  grouped_batch_sizes: tuple[int, ...] = GROUPED_BATCH_SIZES,
-                 prompt_graph_tokens: tuple[int, ...] = PROMPT_GRAPH_TOKENS):
+                 prompt_graph_tokens: tuple[int, ...] = PROMPT_GRAPH_TOKENS, dense_copies: bool = True):
         """`pdl`: launch every kernel with programmatic dependent launch, so each one starts while its
         predecessor drains (every kernel waits with griddepcontrol.wait before reading inputs).
         `first_graph_layers`: the step is captured as three graphs (`graph_segments`), so that the
         GPU starts on the first while the host still launches the rest (0: one graph).
         `grouped_batch_sizes`: the padded batch sizes of the grouped path's graphs.
         `prompt_graph_tokens`: the padded row counts of prompt steps replayed from graphs (() or
-        use_graphs False: every prompt step eager)."""
+        use_graphs False: every prompt step eager).
+        `dense_copies`: keep bf16 copies of NVFP4 dense weights for the steps that run them on
+        cuBLAS (executor/dense_copies.py; the engine reserves their memory)."""
         if not supports(config):
             raise ValueError("the CUDA kernels need head_dim 128 and 8 query heads per KV head")
         self.config = config
@@ -118,7 +121,8 @@ class CudaExecutor:
                              prompt_graph_rows=max(self.prompt_graph_tokens, default=0))
         self._prompt_static: dict[int, tuple] = {}    # padded rows -> (PrefillBuffers, hidden, token ids, sample rows)
         self._prompt_shared: tuple | None = None       # what the sizes' views are of (_prompt_buffers)
-        self.weights = KernelWeights(config, self.w, qkv, kv_cache, self.ws, pdl)
+        self.weights = KernelWeights(config, self.w, qkv, kv_cache, self.ws, pdl,
+                                     make_copies(self.w, qkv, self.device) if dense_copies else None)
         # Every sampling row of a step holds a ring slot: room for one token per slot.
         self.sampled = SampledTokens(max(kv_cache.ring.shape[2], max_rows), self.device)
         self.inputs = DecodeInputs(max_rows, max_model_len, kv_cache.block_size, self.device, self.sampled.values)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from flint_sched.config import FlintConfig
+from flint_sched.executor.dense_copies import DenseCopies
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.kernels import attention as attn
@@ -50,6 +51,7 @@ class KernelWeights:
     kv: KVCache
     workspaces: object          # executor/workspace.py Workspaces
     pdl: bool = True
+    copies: DenseCopies | None = None   # bf16 copies of NVFP4 dense weights (executor/dense_copies.py)
 
 
 class KernelOps:
@@ -105,6 +107,8 @@ class KernelOps:
         if self.variant == "fused":
             qkv = linear(x, weight, out=out, pdl=self.pdl, row_splits=splits)
         else:
+            if self.k.copies is not None:
+                weight, splits = self.k.copies.qkv_weight(i, self.rows, weight, splits)
             qkv = grouped_linear(x, weight, out=out, pdl=self.pdl, row_splits=splits)
         if self.variant == "prompt":       # in place; full layers write the chunk's K/V to their blocks now
             kv, sliding = self.k.kv, c.is_sliding(i)
@@ -149,14 +153,19 @@ class KernelOps:
             prefill_ring_write(qkv, pools[0], pools[1], self.prefill, pdl=self.pdl)
         return out.view(self.rows, self.c.q_size)
 
+    def _weight(self, name: str, rows: int):
+        """The weight a GEMM of `rows` rows reads: its bf16 copy where cuBLAS serves it."""
+        w = self.w[name]
+        return w if self.variant == "fused" or self.k.copies is None else self.k.copies.weight(name, rows, w)
+
     def linear(self, x: torch.Tensor, weight: str, residual: torch.Tensor | None = None) -> torch.Tensor:
         gemm = linear if self.variant == "fused" else grouped_linear
-        return gemm(x, self.w[weight], residual=residual, out=self._other(residual), pdl=self.pdl)
+        return gemm(x, self._weight(weight, x.shape[0]), residual=residual, out=self._other(residual), pdl=self.pdl)
 
     def gate_up(self, x: torch.Tensor, gate: str, up: str) -> torch.Tensor:
         out = torch.empty(self.rows, self.w[gate].shape[0], dtype=torch.bfloat16, device=x.device)
         gemm = gate_up_silu if self.variant == "fused" else grouped_gate_up
-        return gemm(x, self.w[gate], self.w[up], out=out, pdl=self.pdl)
+        return gemm(x, self._weight(gate, x.shape[0]), self._weight(up, x.shape[0]), out=out, pdl=self.pdl)
 
     def moe(self, i: int, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         c, w, p = self.c, self.w, f"model.layers.{i}.mlp."
@@ -183,6 +192,6 @@ class KernelOps:
             return self.logits_out[:0]
         normed = self.rms_norm(h, "model.norm.weight")
         gemm = linear if self.variant == "fused" else grouped_linear
-        logits = gemm(normed, self.w["lm_head.weight"], out=self.logits_out[:rows], pdl=self.pdl)
+        logits = gemm(normed, self._weight("lm_head.weight", rows), out=self.logits_out[:rows], pdl=self.pdl)
         greedy(logits, out=self.next_tokens[:rows], workspace=self.ws.argmax, pdl=self.pdl)
         return logits

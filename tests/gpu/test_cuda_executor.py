@@ -12,6 +12,7 @@ from flint_sched.config import flint_layer_types, preset
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.core.scheduler_config import SchedulerConfig
 from flint_sched.executor.cuda_executor import CudaExecutor
+from flint_sched.executor.dense_copies import copies_bytes
 from flint_sched.executor.graphs import PROMPT_GRAPH_TOKENS
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.model.reference import FlintReference
@@ -32,14 +33,15 @@ def ckpt(request):
 
 
 def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True, seqs=4, num_blocks=512, first_graph_layers=3,
-        budget=256, prompt_graph_tokens=PROMPT_GRAPH_TOKENS):
+        budget=256, prompt_graph_tokens=PROMPT_GRAPH_TOKENS, dense_copies=True):
     """Greedy generation through the scheduler; max_tokens: one for all, or one per prompt. Returns
     (request, position, logits) of every sampled row, the outputs, the preemptions and the paths run."""
     config = ckpt.config
     block_size = 16
     kv = KVCache(config, num_blocks, block_size, seqs, torch.bfloat16, "cuda")
     ex = CudaExecutor(config, ckpt.weights, kv, (), MAX_MODEL_LEN, "cuda", use_graphs=use_graphs, pdl=pdl,
-                      first_graph_layers=first_graph_layers, prompt_graph_tokens=prompt_graph_tokens)
+                      first_graph_layers=first_graph_layers, prompt_graph_tokens=prompt_graph_tokens,
+                      dense_copies=dense_copies)
     run.executor = ex
     sched = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, num_blocks=num_blocks,
                                       max_model_len=MAX_MODEL_LEN, block_size=block_size,
@@ -216,6 +218,25 @@ def test_graphs_with_pdl_replay_the_eager_step_exactly(ckpt, first_graph_layers)
                                   prompt_graph_tokens=())
     assert out_eager == out_graphed
     for (r1, p1, a), (r2, p2, b) in zip(eager, graphed):
+        assert (r1, p1) == (r2, p2) and torch.equal(a, b)
+
+
+def test_dense_bf16_copies_change_no_logit(ckpt):
+    """NVFP4: the bf16 copies of the dense weights (executor/dense_copies.py) give the same logits, bit
+    for bit, as dequantizing them in every step (grouped decode batches and prompt steps); BF16: none."""
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 4096, (int(n),), generator=gen).tolist() for n in torch.randint(1, 300, (20,))]
+    with_copies, out_with, _ = run(ckpt, prompts, 5, seqs=20, num_blocks=1024, budget=1024)
+    copies = run.executor.weights.copies
+    assert {"grouped", "prompt"} <= run.paths
+    without, out_without, _ = run(ckpt, prompts, 5, seqs=20, num_blocks=1024, budget=1024, dense_copies=False)
+    if ckpt.weight_format == "bf16":
+        assert copies is None
+    else:
+        assert copies.nbytes == copies_bytes(ckpt.weights) > 0
+        assert len(copies.qkv) == ckpt.config.num_hidden_layers
+    assert out_with == out_without
+    for (r1, p1, a), (r2, p2, b) in zip(with_copies, without, strict=True):
         assert (r1, p1) == (r2, p2) and torch.equal(a, b)
 
 
