@@ -5,7 +5,8 @@ down, finalize: five launches) replayed in a CUDA graph over rotating weight set
 Bytes = weights of the distinct experts touched (+ shared + router) + activations in and out;
 FLOPs = 2 * (routed + shared rows) * 3 * I * H + router. Peers: torch._grouped_mm (BF16, same
 routing, sorted rows prepared outside the timing) and cuBLAS (torch.matmul) for the dense shapes.
---paths old tiled: the MoE layer on the swap-AB expert GEMMs and on the tiled ones (expert_gemm.cu).
+--paths swap-ab decode tiled: the MoE layer on the swap-AB expert GEMMs (grouped_gemm.cu), the decode
+ones (expert_decode.cu, NVFP4) and the tiled ones (expert_gemm.cu).
 Run on the GPU machine: python3 benchmarks/bench_grouped.py [--pdl] [--tokens ...] [--paths ...]
 """
 
@@ -24,7 +25,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from flint_sched.benchmarks.graph_timing import num_sets, reps_for, time_graph  # noqa: E402
-from flint_sched.kernels import (expert_gemm, grouped, grouped_linear, grouped_moe, moe_grouped,  # noqa: E402
+from flint_sched.kernels import (expert_decode, expert_gemm, grouped, grouped_linear, grouped_moe, moe_grouped,  # noqa: E402
                                  moe_routing_workspace)
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize  # noqa: E402
 
@@ -82,10 +83,10 @@ def forced_tiles(tiles: int):
         grouped_moe.moe_tiles_per_cta = real
 
 
-PATHS = {"auto": None, "old": False, "tiled": True}
+PATHS = {"auto": None, "swap-ab": "swap-ab", "decode": "decode", "tiled": "tiled"}
 
 
-def bench_moe(fmt: str, sets: list[dict], m: int, pdl: bool, impl: str = "moe_grouped", tiled: bool | None = None,
+def bench_moe(fmt: str, sets: list[dict], m: int, pdl: bool, impl: str = "moe_grouped", gemms: str | None = None,
               peers: bool = True) -> list[Row]:
     x = torch.randn(m, HIDDEN, device="cuda").bfloat16()
     residual = torch.randn_like(x)
@@ -95,7 +96,7 @@ def bench_moe(fmt: str, sets: list[dict], m: int, pdl: bool, impl: str = "moe_gr
     def run(s):
         return moe_grouped(x, s["router"], s["bias"], TOP_K, SCALING, s["gate"], s["up"], s["down"],
                            s["shared_gate"], s["shared_up"], s["shared_down"], residual, ws, out=out, pdl=pdl,
-                           tiled=tiled)
+                           gemms=gemms)
 
     run(sets[0])
     ids = ws.ids[:m].clone()
@@ -175,9 +176,11 @@ def main() -> None:
                         help="rows per item of the decode-sized MoE GEMMs to compare (8, 16; 0: grouped.MOE_SMALL_CHUNK)")
     parser.add_argument("--no-peers", action="store_true", help="skip torch._grouped_mm")
     parser.add_argument("--paths", nargs="+", default=["auto"], choices=sorted(PATHS),
-                        help="MoE expert GEMMs: the launcher's choice, the swap-AB ones, the tiled ones")
+                        help="MoE expert GEMMs: the launcher's choice, or one of grouped_moe.GEMMS")
     parser.add_argument("--tiled-configs", nargs="+", default=[], choices=sorted(expert_gemm.CONFIGS),
                         help="tiled configs to compare (default: expert_gemm.DEFAULT_CONFIG)")
+    parser.add_argument("--decode-configs", nargs="+", default=[], choices=sorted(expert_decode.CONFIGS),
+                        help="decode configs to compare (default: expert_decode.pick_config)")
     parser.add_argument("--define", action="append", default=[], metavar="SETS",
                         help="compare compile-time settings of the grouped GEMMs, e.g. "
                              "'NVFP4_UNROLL=8,GG_MIN_CTAS=2' (repeatable; the defaults are always run)")
@@ -204,13 +207,16 @@ def main() -> None:
         for m in args.tokens:
             first = True
             for path in args.paths:
-                configs = args.tiled_configs if path == "tiled" and args.tiled_configs else [""]
+                configs = (args.tiled_configs if path == "tiled" and args.tiled_configs else
+                           args.decode_configs if path == "decode" and args.decode_configs else [""])
                 for config in configs:
-                    if config and fmt not in expert_gemm.formats(config):
+                    if config and path == "tiled" and fmt not in expert_gemm.formats(config):
                         continue
                     default = dict(expert_gemm.DEFAULT_CONFIG)
-                    if config:
+                    if config and path == "tiled":
                         expert_gemm.DEFAULT_CONFIG[fmt] = config
+                    if config and path == "decode":
+                        expert_decode.CONFIG = config
                     for tiles, small, tuning in itertools.product(args.moe_tiles, args.moe_small_chunk,
                                                                   [""] + args.define):
                         grouped.TUNING.clear()
@@ -226,6 +232,7 @@ def main() -> None:
                         grouped.MOE_SMALL_CHUNK = default_small
                     grouped.TUNING.clear()
                     expert_gemm.DEFAULT_CONFIG.update(default)
+                    expert_decode.CONFIG = None
         del sets, probe
         torch.cuda.empty_cache()
     for name, n, k in DENSE:

@@ -4,7 +4,7 @@ launcher uses (no GPU needed); launcher constants and dispatch on the CPU."""
 import pytest
 
 from flint_sched.kernels import _runtime, expert_gemm
-from flint_sched.kernels.grouped_moe import EXPERT_GEMM_MIN_TOKENS, use_expert_gemm
+from flint_sched.kernels.grouped_moe import EXPERT_GEMM_MIN_TOKENS, expert_gemms
 
 available, why = _runtime.nvrtc_available()
 needs_nvrtc = pytest.mark.skipif(not available, reason=f"NVRTC cannot be imported: {why}")
@@ -42,12 +42,17 @@ def test_shared_memory_fits(config, fmt):
 
 
 def test_dispatch_by_token_count():
+    small = {"bf16": "swap-ab", "nvfp4": "decode"}
     for fmt in ("bf16", "nvfp4"):
-        assert not use_expert_gemm(128, fmt, 2048, 512)          # decode graphs stay on the swap-AB GEMMs
-        assert not use_expert_gemm(EXPERT_GEMM_MIN_TOKENS[fmt] - 1, fmt, 2048, 512)
-        assert use_expert_gemm(EXPERT_GEMM_MIN_TOKENS[fmt], fmt, 2048, 512)
-        assert use_expert_gemm(8192, fmt, 2048, 512)
-    assert not use_expert_gemm(256, "nvfp4", 2048, 512)          # ... NVFP4 ones up to 256 rows
-    assert not use_expert_gemm(8192, "bf16", 2048, 96)           # I not a multiple of the tile: old path
-    assert use_expert_gemm(1, "bf16", 2048, 512, tiled=True)
-    assert not use_expert_gemm(8192, "bf16", 2048, 512, tiled=False)
+        assert expert_gemms(128, fmt, 2048, 512) == small[fmt]   # decode graphs stay off the tiles
+        assert expert_gemms(EXPERT_GEMM_MIN_TOKENS[fmt] - 1, fmt, 2048, 512) == small[fmt]
+        assert expert_gemms(EXPERT_GEMM_MIN_TOKENS[fmt], fmt, 2048, 512) == "tiled"
+        assert expert_gemms(8192, fmt, 2048, 512) == "tiled"
+    assert expert_gemms(511, "nvfp4", 2048, 512) == "decode"     # ... NVFP4 ones up to 511 rows
+    assert expert_gemms(8192, "bf16", 2048, 96) == "swap-ab"     # I not a multiple of the tile
+    assert expert_gemms(64, "nvfp4", 2048, 96) == "swap-ab"      # nor K of a decode load round
+    assert expert_gemms(1, "bf16", 2048, 512, "tiled") == "tiled"
+    assert expert_gemms(8192, "bf16", 2048, 512, "swap-ab") == "swap-ab"
+    assert expert_gemms(8192, "bf16", 2048, 512, "decode") == "swap-ab"   # NVFP4 only
+    with pytest.raises(ValueError, match="gemms"):
+        expert_gemms(8, "bf16", 2048, 512, "fast")

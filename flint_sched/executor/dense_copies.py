@@ -1,8 +1,8 @@
 """bf16 copies of an NVFP4 checkpoint's dense weights, made once at start-up.
 
-Steps of CUBLAS_MIN_ROWS_NVFP4 rows or more (decode batches past 16, prompt steps) run the dense
-layers (fused q/k/v, o_proj, the dense MLP of the first layers; the LM head is bf16 in the
-checkpoint) on cuBLAS over bf16 weights. Without these copies every such step dequantized ~1.05 B
+Steps of COPY_MIN_ROWS rows or more (decode batches past 16, prompt steps) run the dense layers
+(fused q/k/v, o_proj, the dense MLP of the first layers; the LM head is bf16 in the checkpoint) on
+cuBLAS over bf16 weights. Without these copies every such step dequantized ~1.05 B
 weights again (2.1 GB written, then read back, at Flint's size); with them a step only reads the
 bf16 weights. The copies equal what that per-step dequantization produced bit for bit
 (kernels/dequant.py), so results do not change; they cost `copies_bytes` of device memory, which
@@ -18,6 +18,10 @@ import torch
 
 from flint_sched.kernels.grouped import CUBLAS_MIN_ROWS_NVFP4
 from flint_sched.quant.nvfp4 import NVFP4Tensor
+
+# GEMMs from this many rows read the copies (on cuBLAS), as NVFP4 weights went to dequantize +
+# cuBLAS before (kernels/grouped.py); below, our kernels decode the NVFP4 weights.
+COPY_MIN_ROWS = CUBLAS_MIN_ROWS_NVFP4
 
 
 QKV = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
@@ -46,11 +50,11 @@ class DenseCopies:
 
     def weight(self, name: str, rows: int, weight):
         """What a GEMM of `rows` rows should read for `name`: the copy where cuBLAS serves it."""
-        return self.by_name.get(name, weight) if rows >= CUBLAS_MIN_ROWS_NVFP4 else weight
+        return self.by_name.get(name, weight) if rows >= COPY_MIN_ROWS else weight
 
     def qkv_weight(self, layer: int, rows: int, weight, splits: tuple[int, ...]):
         """(weight, row splits) of layer's fused q/k/v for `rows` rows (a bf16 copy has no splits)."""
-        copy = self.qkv.get(layer) if rows >= CUBLAS_MIN_ROWS_NVFP4 else None
+        copy = self.qkv.get(layer) if rows >= COPY_MIN_ROWS else None
         return (weight, splits) if copy is None else (copy, ())
 
     @property

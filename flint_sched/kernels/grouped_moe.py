@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flint_sched.kernels import expert_gemm
+from flint_sched.kernels import expert_decode, expert_gemm
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.grouped import (CHUNKS, TILE_ROWS, TILES_PER_CTA, WARPS, check_rows, gemm_kernel, grid,
                                          grouped_linear, moe_chunk, out_buffer, work_bound)
@@ -232,31 +232,40 @@ def moe_finalize(y_sorted: torch.Tensor, routing: Routing, residual: torch.Tenso
 
 
 # Tokens from which moe_grouped runs the tiled expert GEMMs. Measured on the H200, Flint's MoE layer
-# (benchmarks/bench_grouped.py --pdl --paths old tiled --tiled-configs w256 w256s5), µs swap-AB /
+# (benchmarks/bench_grouped.py --pdl --paths swap-ab tiled --tiled-configs w256 w256s5), µs swap-AB /
 # tiled: BF16 256: 330 / 283, 512: 469 / 317, 1024: 703 / 380, 8192: 4418 / 1319; NVFP4 256: 245 /
 # 363, 512: 388 / 389, 1024: 728 / 484, 8192: 4323 / 1763. The weights of every touched expert are
-# read either way; the swap-AB GEMMs (no smem staging, no 128-row padding) win while rows per expert
-# are few and each weight costs an FP4 decode per 16 rows: NVFP4 decode graphs (<= 256 tokens) stay
-# on them, BF16 ones of 256 rows run tiled.
+# read either way; the GEMMs without smem staging of weights or 128-row padding win while rows per
+# expert are few and each weight costs an FP4 decode per item: NVFP4 steps below 512 tokens run the
+# decode GEMMs of expert_decode.cu, BF16 ones from 256 rows run tiled. (At 512 tokens the decode
+# GEMMs won this benchmark, 326 µs against 384 tiled, but in the full model a mixed step of 16
+# decodes + 512 prompt rows took 26.1 ms on them against 23.1 on the tiled ones: more experts
+# touched than this benchmark's router picks, so more 8-row items, each decoding its weights.)
 EXPERT_GEMM_MIN_TOKENS = {"bf16": 256, "nvfp4": 512}
+GEMMS = ("swap-ab", "decode", "tiled")
 
 
-def use_expert_gemm(num_tokens: int, fmt: str, hidden: int, inter: int, tiled: bool | None = None) -> bool:
-    """Whether moe_grouped runs the tiled expert GEMMs (cuda/expert_gemm.cu) rather than the
-    swap-AB ones (cuda/grouped_gemm.cu): from EXPERT_GEMM_MIN_TOKENS[fmt] tokens on (None), or as
-    `tiled` forces, where the shapes fit the tiles."""
-    if not expert_gemm.supported(fmt, hidden, inter):
-        return False
-    return num_tokens >= EXPERT_GEMM_MIN_TOKENS[fmt] if tiled is None else tiled
+def expert_gemms(num_tokens: int, fmt: str, hidden: int, inter: int, gemms: str | None = None) -> str:
+    """The expert GEMMs moe_grouped runs: "tiled" (cuda/expert_gemm.cu) from
+    EXPERT_GEMM_MIN_TOKENS[fmt] tokens on, below that "decode" (cuda/expert_decode.cu, NVFP4) or
+    "swap-ab" (cuda/grouped_gemm.cu, BF16); `gemms` forces one, where the shapes fit it (else
+    "swap-ab", which takes any)."""
+    if gemms is not None and gemms not in GEMMS:
+        raise ValueError(f"gemms must be one of {GEMMS}, got {gemms!r}")
+    tiled = expert_gemm.supported(fmt, hidden, inter)
+    decode = expert_decode.supported(fmt, hidden, inter)
+    if gemms is None:
+        return "tiled" if tiled and num_tokens >= EXPERT_GEMM_MIN_TOKENS[fmt] else "decode" if decode else "swap-ab"
+    return gemms if {"tiled": tiled, "decode": decode, "swap-ab": True}[gemms] else "swap-ab"
 
 
 def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
                 gate: Weight, up: Weight, down: Weight, shared_gate: Weight, shared_up: Weight,
                 shared_down: Weight, residual: torch.Tensor, workspace: MoeRoutingWorkspace,
                 out: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None,
-                pdl: bool = False, tiled: bool | None = None) -> torch.Tensor:
+                pdl: bool = False, gemms: str | None = None) -> torch.Tensor:
     """The MoE block plus residual for x bf16 [M, H]: five launches, no host sync. The workspace
-    needs hidden_size and intermediate_size (its h/y buffers). `tiled`: see use_expert_gemm."""
+    needs hidden_size and intermediate_size (its h/y buffers). `gemms`: see expert_gemms."""
     ws = workspace
     m, hidden = check_rows(x)
     inter = gate.shape[1]
@@ -266,12 +275,20 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
     check_tensor(router_gate, "router_gate", torch.bfloat16, (ws.num_experts, hidden), x.device)
     pairs = m * (top_k + 1)
     logits = grouped_linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl)
-    if use_expert_gemm(m, weight_format(gate), hidden, inter, tiled):
+    path = expert_gemms(m, weight_format(gate), hidden, inter, gemms)
+    if path == "tiled":
         routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl,
                                  chunk=expert_gemm.TILE_M)
         h = expert_gemm.expert_gate_up(x, routing, gate, up, shared_gate, shared_up, out=ws.h_sorted[:pairs],
                                        pdl=pdl)
         y = expert_gemm.expert_down(h, routing, down, shared_down, out=ws.y_sorted[:pairs], pdl=pdl)
+        return moe_finalize(y, routing, residual, num_tokens=num_tokens, out=out, pdl=pdl)
+    if path == "decode":
+        routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl,
+                                 chunk=expert_decode.rows_per_item(expert_decode.pick_config(m)))
+        h = expert_decode.expert_decode_gate_up(x, routing, gate, up, shared_gate, shared_up,
+                                                out=ws.h_sorted[:pairs], pdl=pdl)
+        y = expert_decode.expert_decode_down(h, routing, down, shared_down, out=ws.y_sorted[:pairs], pdl=pdl)
         return moe_finalize(y, routing, residual, num_tokens=num_tokens, out=out, pdl=pdl)
     routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl)
     h = moe_gate_up_sorted(x, routing, gate, up, shared_gate, shared_up, out=ws.h_sorted[:pairs], pdl=pdl)

@@ -1,5 +1,5 @@
 """The MoE pieces the grouped-path and tiled-expert-GEMM tests share: weights, an fp32 per-expert
-reference loop, and the checks of moe_grouped (`tiled`: force a path; None: its own choice)."""
+reference loop, and the checks of moe_grouped (`gemms`: force the expert GEMMs; None: its own choice)."""
 
 import torch
 import torch.nn.functional as F
@@ -69,15 +69,15 @@ def moe_reference(x, ids, weights, p, residual, ntok):
     return out
 
 
-def run_moe(p, x, residual, ws, top_k, num_tokens=None, pdl=False, tiled=None):
+def run_moe(p, x, residual, ws, top_k, num_tokens=None, pdl=False, gemms=None):
     out = poisoned(*x.shape)
     moe_grouped(x, p["router"], p["bias"], top_k, SCALING, p["gate"], p["up"], p["down"], p["shared_gate"],
                 p["shared_up"], p["shared_down"], residual, ws, out=out, num_tokens=num_tokens, pdl=pdl,
-                tiled=tiled)
+                gemms=gemms)
     return out
 
 
-def check_moe(fmt, p, shape, tokens, what, ntok=None, tiled=None, seed=1000):
+def check_moe(fmt, p, shape, tokens, what, ntok=None, gemms=None, seed=1000):
     """moe_grouped of `tokens` rows (the first `ntok` real) against moe_reference; padded rows keep
     the residual and a second run is bit-identical. Returns the workspace."""
     ntok = tokens if ntok is None else ntok
@@ -87,16 +87,16 @@ def check_moe(fmt, p, shape, tokens, what, ntok=None, tiled=None, seed=1000):
     ws = moe_routing_workspace(tokens, shape["experts"], shape["top_k"], "cuda", hidden_size=shape["hidden"],
                                intermediate_size=shape["inter"])
     num_tokens = torch.tensor([ntok], dtype=torch.int32, device="cuda")
-    out = run_moe(p, x, residual, ws, shape["top_k"], num_tokens, tiled=tiled)
+    out = run_moe(p, x, residual, ws, shape["top_k"], num_tokens, gemms=gemms)
     ref = moe_reference(x, ws.ids[:tokens], ws.weights[:tokens], p, residual, ntok)
     close_moe(out, ref, f"{fmt} {what} T={tokens} real={ntok}")
     assert torch.equal(out[ntok:], residual[ntok:]), "padded rows differ from the residual"
-    again = run_moe(p, x, residual, ws, shape["top_k"], num_tokens, tiled=tiled)
+    again = run_moe(p, x, residual, ws, shape["top_k"], num_tokens, gemms=gemms)
     assert torch.equal(out, again), "two runs differ"
     return ws
 
 
-def check_graph_replay(p, shape, tokens, partial, tiled=None):
+def check_graph_replay(p, shape, tokens, partial, gemms=None):
     """moe_grouped captured with PDL and a device token count; replayed on new inputs (all tokens,
     then `partial` real ones) it equals eager runs."""
     ws = moe_routing_workspace(tokens, shape["experts"], shape["top_k"], "cuda", hidden_size=shape["hidden"],
@@ -109,7 +109,7 @@ def check_graph_replay(p, shape, tokens, partial, tiled=None):
     def step():
         moe_grouped(x, p["router"], p["bias"], shape["top_k"], SCALING, p["gate"], p["up"], p["down"],
                     p["shared_gate"], p["shared_up"], p["shared_down"], residual, ws, out=out,
-                    num_tokens=num_tokens, pdl=True, tiled=tiled)
+                    num_tokens=num_tokens, pdl=True, gemms=gemms)
 
     step()
     torch.cuda.synchronize()
@@ -122,5 +122,5 @@ def check_graph_replay(p, shape, tokens, partial, tiled=None):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        eager = run_moe(p, x, residual, ws, shape["top_k"], num_tokens, tiled=tiled)
+        eager = run_moe(p, x, residual, ws, shape["top_k"], num_tokens, gemms=gemms)
         assert torch.equal(out, eager), f"graph replay (seed {seed}, {ntok} tokens) differs from eager"

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from flint_sched.config import preset
 from flint_sched.kernels import expert_gemm, moe_grouped, moe_routing_workspace, route_and_sort
-from flint_sched.kernels.grouped_moe import use_expert_gemm
+from flint_sched.kernels.grouped_moe import expert_gemms
 from flint_sched.model.reference import FlintReference
 from flint_sched.model.reference import route as reference_route
 from gpu_checks import assert_close_bf16, gen, poisoned
@@ -79,13 +79,13 @@ def test_expert_gemms_match_per_expert_loop(flint_moe, tokens, config):
 @pytest.mark.parametrize("tokens", [1, 257, 4099])
 def test_moe_grouped_tiled_flint_shapes(flint_moe, tokens):
     fmt, p = flint_moe
-    check_moe(fmt, p, FLINT, tokens, "tiled flint", tiled=True, seed=2000)
+    check_moe(fmt, p, FLINT, tokens, "tiled flint", gemms="tiled", seed=2000)
 
 
 @pytest.mark.parametrize("tokens,ntok", [(1000, 1000), (1000, 613), (64, 0)])
 def test_moe_grouped_tiled_small_shapes_and_padding(small_moe, tokens, ntok):
     fmt, p = small_moe
-    check_moe(fmt, p, SMALL, tokens, "tiled small", ntok=ntok, tiled=True, seed=2000)
+    check_moe(fmt, p, SMALL, tokens, "tiled small", ntok=ntok, gemms="tiled", seed=2000)
 
 
 @pytest.mark.parametrize("tokens", [7, 4099])
@@ -95,14 +95,14 @@ def test_moe_grouped_tiled_all_tokens_on_one_expert(small_moe, tokens):
     fmt, p = small_moe
     bias = torch.zeros(SMALL["experts"], device="cuda")
     bias[[3, 5, 8, 13, 21, 31]] = torch.tensor([100.0, 90, 80, 70, 60, 50], device="cuda")
-    ws = check_moe(fmt, dict(p, bias=bias), SMALL, tokens, "one expert", tiled=True, seed=2000)
+    ws = check_moe(fmt, dict(p, bias=bias), SMALL, tokens, "one expert", gemms="tiled", seed=2000)
     counts = ws.offsets.diff().cpu()
     assert counts[3] == tokens and int((counts[:SMALL["experts"]] == 0).sum()) == SMALL["experts"] - 6
 
 
 def test_moe_grouped_tiled_cuda_graph_with_pdl(small_moe):
     """Captured with PDL and a device token count; replayed on new inputs it equals eager runs."""
-    check_graph_replay(small_moe[1], SMALL, tokens=1500, partial=377, tiled=True)
+    check_graph_replay(small_moe[1], SMALL, tokens=1500, partial=377, gemms="tiled")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
@@ -112,7 +112,7 @@ def test_moe_grouped_matches_flint_reference(fmt):
     near-ties) are left out, and there must be few."""
     config = preset("flint")
     layer, tokens = config.first_k_dense_replace, 4099
-    assert use_expert_gemm(tokens, fmt, config.hidden_size, config.moe_intermediate_size)
+    assert expert_gemms(tokens, fmt, config.hidden_size, config.moe_intermediate_size) == "tiled"
     p = make_moe(fmt, FLINT, seed=21)
     pre = f"model.layers.{layer}.mlp."
     weights = {pre + "gate.weight": p["router"], pre + "gate.e_score_correction_bias": p["bias"],

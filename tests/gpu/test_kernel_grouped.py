@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flint_sched.kernels import grouped, grouped_gate_up, grouped_linear, moe_routing_workspace, route_and_sort
+from flint_sched.kernels import grouped, grouped_gate_up, grouped_moe, grouped_linear, moe_routing_workspace, route_and_sort
 from flint_sched.kernels.dequant import dequantize_bf16
 from flint_sched.kernels.linear import concat_rows
 from gpu_checks import assert_close_bf16, gen, poisoned
@@ -131,6 +131,31 @@ def test_moe_grouped_padded_tokens(flint_moe, tokens, ntok):
     fmt, p = flint_moe
     ws = check_moe(fmt, p, FLINT, tokens, "padded", ntok=ntok)
     assert int(ws.offsets[-1]) == ntok * (FLINT["top_k"] + 1), "padded tokens reached an expert"
+
+
+@pytest.fixture(scope="module")
+def flint_nvfp4_moe():
+    return make_moe("nvfp4", FLINT, seed=3)
+
+
+@pytest.mark.parametrize("gemms", ["decode", "swap-ab"])
+@pytest.mark.parametrize("tokens,ntok", [(1, 1), (16, 16), (64, 50), (256, 256), (600, 600)])
+def test_moe_grouped_nvfp4_decode_and_swap_ab_gemms(flint_nvfp4_moe, gemms, tokens, ntok):
+    """Both NVFP4 GEMMs for few rows per expert at Flint's shapes, forced (the decode ones are the
+    default below the tiled GEMMs' 512 tokens; 600 tokens: 14 rows per expert on average, so most
+    experts take two 8-row items, and the shared expert 75)."""
+    assert grouped_moe.expert_gemms(tokens, "nvfp4", FLINT["hidden"], FLINT["inter"], gemms) == gemms
+    check_moe("nvfp4", flint_nvfp4_moe, FLINT, tokens, gemms, ntok=ntok, gemms=gemms)
+
+
+def test_moe_grouped_decode_gemms_one_expert_and_graph(flint_nvfp4_moe):
+    """The decode GEMMs with every token on one expert (40 items of 8 rows of one expert's weights,
+    and of the shared expert's), then captured in a graph with PDL and replayed with fewer tokens."""
+    bias = torch.zeros(FLINT["experts"], device="cuda")
+    bias[[7, 9, 11, 100, 200, 255]] = torch.tensor([100.0, 90, 80, 70, 60, 50], device="cuda")
+    ws = check_moe("nvfp4", dict(flint_nvfp4_moe, bias=bias), FLINT, 317, "decode, one expert", gemms="decode")
+    assert ws.offsets.diff()[7] == 317
+    check_graph_replay(flint_nvfp4_moe, FLINT, tokens=200, partial=77, gemms="decode")
 
 
 def test_moe_grouped_cuda_graph_with_pdl(small_moe):

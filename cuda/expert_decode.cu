@@ -1,0 +1,240 @@
+// NVFP4 expert GEMMs for decode-sized steps: few rows per expert (the grouped MoE's gate/up and down
+// over rows sorted by expert, moe_routing.cu), each weight read from HBM and decoded once per item.
+//
+//   gate/up  h_sorted[r] = silu(x[sorted_token[r]] . Wg_e^T) * (x[..] . Wu_e^T)   [P, I]
+//   down     y_sorted[r] = h_sorted[r] . Wd_e^T                                   [P, N]
+//
+// The "swap AB" mma of grouped_gemm.cu (weights as the m16 A operand, decoded in registers; an
+// item's rows as n8 groups of B), with the per-weight work cut to the decode itself: the item's
+// ED_ROWS activation rows are staged once per CTA in shared memory, already in the decode's pair
+// order (x_j, x_{j+4}) and zero past the item's rows, so the k-loop reads B with one unpredicated
+// LDS.128 at a constant offset per 16 weights and group; each warp streams whole 16-row tiles over
+// all of K (no split-K reduction) and writes its outputs from the accumulators. grouped_gemm.cu's
+// k-loop takes 4.0-5.1 SASS instructions per weight (x loads, permutes and zeroing per group,
+// guards); this one ~2.6, of which the decode (mask, multiply, mask, scale per pair) is 2.1.
+//
+// Grid (items, tile groups): blockIdx.x = an item of the work list built with chunk ED_ROWS
+// (expert e, first sorted row; e = E: the shared expert's own weights; items past num_work exit at
+// once), blockIdx.y = ED_WARPS * ED_TILES tiles of 16 weight rows: gate/up 8 gate rows and the same
+// 8 up rows (8 output columns; lane g holds the gate and up sums of column g), down 16 rows.
+// A warp's work is a flat sequence of rounds (ED_KR = 512 weights of K for its tile's 16 rows; the
+// next round's loads in flight while this one is computed). In a round lane (g, t) takes the 128
+// consecutive weights kb + 128t .. of tile rows g and g + 8 (k-step u: 32 of them, code word i: 8),
+// so its codes are 4 contiguous 16-byte loads and its block scales one 8-byte load per row.
+//
+// PDL as grouped_gemm.cu: gate/up waits first (its work list comes from the launch before) and then
+// lets the down kernel start, which reads the work list and its first weights before its own wait.
+#include "gemv_tile.cuh"  // nvfp4.cuh, silu
+
+#ifndef ED_GROUPS
+#define ED_GROUPS 1  // 8-row groups per item (kernels/expert_decode.py)
+#endif
+#ifndef ED_TILES
+#define ED_TILES 4  // 16-row tiles per warp
+#endif
+#ifndef ED_PREFETCH
+#define ED_PREFETCH 1  // 1: a warp loads its next round while computing this one
+#endif
+#ifndef ED_MIN_CTAS
+#define ED_MIN_CTAS 4
+#endif
+#define ED_WARPS 4
+#define ED_KR 512            // weights of K per round: 4 lanes x 4 k-steps x 32
+#define ED_ROWS (ED_GROUPS * 8)
+#define ED_TABLE_BYTES 1024  // the scale table, then the x rows
+
+// x row r, 16-byte chunk c (elements 8c .. 8c + 7, pair order) at byte r * x_row_bytes(K) +
+// x_slot(c) * 16: one padding slot after every 16 chunks and rows of 4 (mod 8) slots, so that the
+// 8 lanes of an LDS.128 phase (g = 2p, 2p + 1; t = 0..3 reading chunks 16t apart) hit 8 different
+// 16-byte bank groups.
+__device__ __forceinline__ u32 x_slot(u32 c) { return c + (c >> 4); }
+__device__ __forceinline__ u32 x_row_bytes(int K) {
+  const u32 slots = (u32)K / 8 + (u32)K / 128;
+  return (slots + ((4u - slots) & 7u)) * 16u;  // the next count = 4 (mod 8)
+}
+
+__device__ __forceinline__ uint4 lds_v4(u32 addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void sts_v4(u32 addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ uint2 ld_stream_v2(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+struct EdWeights {  // NVFP4 [rows, K] of one expert (or the shared one)
+  const u8* codes;
+  const u8* scales;
+  const float* tensor_scale;
+};
+
+struct EdRound {  // one round of a lane: 128 weights of tile rows g and g + 8
+  uint4 c0[4], c1[4];  // code words, k-step u
+  uint2 s0, s1;        // block scale bytes, block j = byte j
+};
+
+template <bool GATE_UP>
+__device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int* gather, const EdWeights (&w)[4],
+                                              const int* offsets, const int* work_expert, const int* work_row,
+                                              const int* num_work, int N, int K, int E) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  u32* table = reinterpret_cast<u32*>(smem);  // ue4m3_scale_bf16x2 of every scale byte
+  const u32 x_base = (u32)__cvta_generic_to_shared(smem) + ED_TABLE_BYTES;
+  const u32 row_bytes = x_row_bytes(K);
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) table[i] = ue4m3_scale_bf16x2(i);
+
+  if (GATE_UP) pdl_wait();
+  pdl_launch_dependents();
+  const int item = blockIdx.x;
+  if (item >= __ldcg(num_work)) return;
+  const int expert = __ldcg(work_expert + item), row0 = __ldcg(work_row + item);
+  const int rows = min(ED_ROWS, __ldcg(offsets + expert + 1) - row0);
+  // a: gate (gate/up) or down rows, b: up rows; stacks are [E, N, K] (gate/up: N = I).
+  EdWeights a = w[0], b = w[1];
+  if (expert == E) {
+    a = w[2], b = w[3];
+  } else {
+    const size_t ce = (size_t)expert * N * (K / 2), se = (size_t)expert * N * (K / 16);
+    a = {a.codes + ce, a.scales + se, a.tensor_scale + expert};
+    b = {b.codes + ce, b.scales + se, b.tensor_scale + expert};
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  constexpr int R = GATE_UP ? 8 : 16;  // output columns per tile
+
+  // This warp's tiles: first + ED_WARPS * j, j < tiles; `per_tile` rounds each.
+  const int first = blockIdx.y * ED_WARPS * ED_TILES + warp;
+  const int tiles = max(0, min(ED_TILES, (N / R - first + ED_WARPS - 1) / ED_WARPS));  // warp-uniform
+  const int per_tile = K / ED_KR, rounds = tiles * per_tile;
+  auto load_round = [&](EdRound& f, int j, int kb) {
+    const int r0 = (first + ED_WARPS * j) * R + g, r1 = GATE_UP ? r0 : r0 + 8;  // gate/up: gate and up row r0
+    const EdWeights& w1 = GATE_UP ? b : a;
+    const u8* c0 = a.codes + (size_t)r0 * (K / 2) + (kb + 128 * t) / 2;
+    const u8* c1 = w1.codes + (size_t)r1 * (K / 2) + (kb + 128 * t) / 2;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) f.c0[u] = ld_stream_v4(c0 + 16 * u), f.c1[u] = ld_stream_v4(c1 + 16 * u);
+    f.s0 = ld_stream_v2(a.scales + (size_t)r0 * (K / 16) + (kb + 128 * t) / 16);
+    f.s1 = ld_stream_v2(w1.scales + (size_t)r1 * (K / 16) + (kb + 128 * t) / 16);
+  };
+
+  EdRound fa, fb;
+  int load_j = 0, load_kb = 0;  // the next round to load
+  auto next_load = [&](EdRound& f) {
+    load_round(f, load_j, load_kb);
+    load_kb += ED_KR;
+    if (load_kb == K) load_kb = 0, ++load_j;
+  };
+  if (rounds > 0) next_load(fa);  // in flight while x is staged
+  if (!GATE_UP) pdl_wait();       // h comes from the gate/up launch
+
+  // Stage x: ED_ROWS rows of K, pair order, zero past `rows`.
+  const int chunks = K / 8;
+  for (int idx = threadIdx.x; idx < ED_ROWS * chunks; idx += blockDim.x) {
+    const int r = idx / chunks, c = idx - r * chunks;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < rows) {
+      const int src = gather ? __ldcg(gather + row0 + r) : row0 + r;
+      v = ld_act_v4(x + (size_t)src * K + 8 * c);
+    }
+    u32 p[4];
+    x_pairs_for_e2m1(v, p);
+    sts_v4(x_base + r * row_bytes + x_slot(c) * 16u, make_uint4(p[0], p[1], p[2], p[3]));
+  }
+  __syncthreads();
+
+  // Lane (g, t)'s x in group 0 at round kb: x_lane + kb * 17 / 8 bytes (x_slot of chunk kb/8 + 16t),
+  // then 16 bytes per part: chunk kb/8 + 16t + 4u + i.
+  const u32 x_lane = x_base + g * row_bytes + 272u * t;
+  const float scale_a = __ldg(a.tensor_scale) * NVFP4_SUM_SCALE;
+  const float scale_b = GATE_UP ? __ldg(b.tensor_scale) * NVFP4_SUM_SCALE : scale_a;
+  float acc[ED_GROUPS][4];
+  int comp_j = 0, comp_kb = 0;  // the round to compute
+  auto compute = [&](const EdRound& f) {
+    if (comp_kb == 0) {
+#pragma unroll
+      for (int grp = 0; grp < ED_GROUPS; ++grp) acc[grp][0] = acc[grp][1] = acc[grp][2] = acc[grp][3] = 0.0f;
+    }
+    const u32 xr = x_lane + (u32)comp_kb * 17u / 8u;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const u32 words0[4] = {f.c0[u].x, f.c0[u].y, f.c0[u].z, f.c0[u].w};
+      const u32 words1[4] = {f.c1[u].x, f.c1[u].y, f.c1[u].z, f.c1[u].w};
+      // blocks 2u (words 0, 1) and 2u + 1 (words 2, 3) of the lane's 8
+      const u32 sw0 = u < 2 ? f.s0.x : f.s0.y, sw1 = u < 2 ? f.s1.x : f.s1.y;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int byte = (2 * u + (i >> 1)) & 3;
+        const u32 sc0 = table[(sw0 >> (8 * byte)) & 0xFFu], sc1 = table[(sw1 >> (8 * byte)) & 0xFFu];
+        u32 p0[4], p1[4];
+        e2m1x8_to_bf16(words0[i], sc0, p0);
+        e2m1x8_to_bf16(words1[i], sc1, p1);
+#pragma unroll
+        for (int grp = 0; grp < ED_GROUPS; ++grp) {
+          const uint4 xv = lds_v4(xr + grp * 8 * row_bytes + (4 * u + i) * 16);
+          mma_bf16_16x8x16(acc[grp], p0[0], p1[0], p0[1], p1[1], xv.x, xv.y);
+          mma_bf16_16x8x16(acc[grp], p0[2], p1[2], p0[3], p1[3], xv.z, xv.w);
+        }
+      }
+    }
+    comp_kb += ED_KR;
+    if (comp_kb < K) return;
+    // The tile's last round: acc[grp] = {row g, row g + 8} x {tokens 2t, 2t + 1} of group grp.
+    const int tile = first + ED_WARPS * comp_j;
+    comp_kb = 0, ++comp_j;
+#pragma unroll
+    for (int grp = 0; grp < ED_GROUPS; ++grp)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int r = grp * 8 + 2 * t + q;
+        if (r >= rows) continue;
+        u16* orow = out + (size_t)(row0 + r) * N + tile * R + g;
+        if (GATE_UP) {
+          orow[0] = f32_to_bf16(silu(acc[grp][q] * scale_a) * (acc[grp][2 + q] * scale_b));
+        } else {
+          orow[0] = f32_to_bf16(acc[grp][q] * scale_a);
+          orow[8] = f32_to_bf16(acc[grp][2 + q] * scale_a);
+        }
+      }
+  };
+
+#if ED_PREFETCH
+#pragma unroll 1
+  for (int q = 0; q < rounds; q += 2) {
+    if (q + 1 < rounds) next_load(fb);
+    compute(fa);
+    if (q + 1 >= rounds) break;
+    if (q + 2 < rounds) next_load(fa);
+    compute(fb);
+  }
+#else
+#pragma unroll 1
+  for (int q = 0; q < rounds; ++q) {
+    if (q > 0) next_load(fa);
+    compute(fa);
+  }
+  (void)fb;
+#endif
+}
+
+#define ED_KERNEL extern "C" __global__ void __launch_bounds__(ED_WARPS * 32, ED_MIN_CTAS)
+#define Q_ARGS(p) const u8 *p##_codes, const u8 *p##_scales, const float *p##_tensor_scale
+#define Q(p) EdWeights{p##_codes, p##_scales, p##_tensor_scale}
+#define WORK_ARGS const int *offsets, const int *work_expert, const int *work_row, const int *num_work
+#define WORK offsets, work_expert, work_row, num_work
+
+// Argument order as grouped_gemm.cu's grouped_moe_*_nvfp4 (kernels/expert_decode.py).
+ED_KERNEL expert_decode_gate_up_nvfp4(u16* h, const u16* x, const int* sorted_token, Q_ARGS(g), Q_ARGS(u),
+                                      Q_ARGS(sg), Q_ARGS(su), WORK_ARGS, int I, int K, int E) {
+  const EdWeights w[4] = {Q(g), Q(u), Q(sg), Q(su)};
+  expert_decode<true>(h, x, sorted_token, w, WORK, I, K, E);
+}
+
+ED_KERNEL expert_decode_down_nvfp4(u16* y, const u16* h, Q_ARGS(d), Q_ARGS(sd), WORK_ARGS, int N, int K, int E) {
+  const EdWeights w[4] = {Q(d), Q(d), Q(sd), Q(sd)};
+  expert_decode<false>(y, h, nullptr, w, WORK, N, K, E);
+}

@@ -1,0 +1,146 @@
+"""NVFP4 expert GEMMs for decode-sized steps (cuda/expert_decode.cu): the grouped MoE's gate/up and
+down over rows sorted by expert, in items of `rows_per_item(groups)` rows from a routing work list
+built with that chunk (`route_and_sort(..., chunk=...)`). Same inputs and outputs as
+moe_gate_up_sorted / moe_down_sorted (grouped_moe.py), fewer instructions per weight.
+
+CONFIGS: compile-time settings (8-row groups per item, 16-row tiles per warp, whether a warp loads
+its next round during this one); `pick_config` chooses by token count (CONFIG overrides it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
+from flint_sched.kernels.linear import Weight, cdiv, check_tensor, expert_args, moe_gate_up_args, weight_format
+
+WARPS = 4            # ED_WARPS
+TILE_ROWS = 16       # weight rows per tile (gate/up: 8 gate + 8 up)
+K_ROUND = 512        # ED_KR: K must be a multiple
+TABLE_BYTES = 1024   # the scale table before the staged x rows
+MAX_GRID_Y = 65535
+MAX_SHARED_BYTES = 227 * 1024
+
+CONFIGS = {
+    "g1t2": {"ED_GROUPS": 1, "ED_TILES": 2},
+    "g1t4": {"ED_GROUPS": 1, "ED_TILES": 4},
+    "g1t8": {"ED_GROUPS": 1, "ED_TILES": 8},
+    "g1t4np": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_PREFETCH": 0, "ED_MIN_CTAS": 6},
+    "g2t4": {"ED_GROUPS": 2, "ED_TILES": 4},
+}
+# Measured on the H200, Flint's MoE layer (benchmarks/bench_grouped.py --pdl --paths swap-ab decode
+# --decode-configs ...), µs at 16 / 64 / 256 / 512 / 1024 tokens: swap-AB GEMMs 76 / 133 / 242 / 389
+# / 726; g1t2 65 / 115 / 231 / 380 / 668; g1t4 81 / 106 / 212 / 326 / 574; g1t8 126 / 138 / 218 /
+# 324 / 542; g2t4 117 / 169 / 258 / 382 / 638; g1t4 without the next round in flight 162 / 191 /
+# 293 / 449 / 794 (RESULTS.md, session 9). Two tiles a warp while items are few (more CTAs), four
+# from there.
+CONFIG: str | None = None   # a CONFIGS key for every call (benchmarks), or None: pick_config
+
+
+def pick_config(num_tokens: int) -> str:
+    if CONFIG is not None:
+        return CONFIG
+    return "g1t2" if num_tokens <= 32 else "g1t4"
+
+
+def rows_per_item(config: str) -> int:
+    """The routing chunk the config's items take."""
+    return 8 * CONFIGS[config]["ED_GROUPS"]
+
+
+@functools.cache
+def _kernel(name: str, config: str) -> Kernel:
+    return compile_kernel("expert_decode.cu", name, CONFIGS[config])
+
+
+def x_row_bytes(k: int) -> int:
+    """An x row in shared memory (cuda/expert_decode.cu x_row_bytes): K/8 16-byte chunks, one padding
+    slot per 16, rounded up to 4 (mod 8) slots."""
+    slots = k // 8 + k // 128
+    return (slots + (4 - slots) % 8) * 16
+
+
+def shared_bytes(config: str, k: int) -> int:
+    """The scale table and the item's x rows."""
+    return TABLE_BYTES + rows_per_item(config) * x_row_bytes(k)
+
+
+def supported(fmt: str, hidden: int, inter: int, config: str = "g1t4") -> bool:
+    """NVFP4 weights, K (hidden for gate/up, inter for down) a multiple of a load round (then I and
+    hidden hold whole tiles too), the x rows within shared memory."""
+    c = config
+    return (fmt == "nvfp4" and hidden % K_ROUND == 0 and inter % K_ROUND == 0
+            and shared_bytes(c, max(hidden, inter)) <= MAX_SHARED_BYTES)
+
+
+def _grid(routing, num_tiles: int, config: str) -> tuple[int, int]:
+    per_cta = WARPS * CONFIGS[config]["ED_TILES"]
+    return routing.max_items, cdiv(num_tiles, per_cta)
+
+
+def _check_routing(routing, rows_needed: int, num_experts: int, config: str) -> None:
+    if routing.chunk != rows_per_item(config):
+        raise ValueError(f"expert_decode ({config}) needs a work list of {rows_per_item(config)}-row items "
+                         f"(route_and_sort(..., chunk={rows_per_item(config)})), got chunk {routing.chunk}")
+    if routing.num_experts != num_experts or routing.sorted_token.numel() != rows_needed:
+        raise ValueError(f"weights have {num_experts} experts / {rows_needed} rows; routing has "
+                         f"{routing.num_experts} / {routing.sorted_token.numel()}")
+
+
+def _out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=like.device)
+    check_tensor(out, "out", torch.bfloat16, shape, like.device, 2)
+    return out
+
+
+def _check(fmt: str, hidden: int, inter: int, config: str, *weights: Weight) -> None:
+    if any(w.block_scales.data_ptr() % 8 for w in weights):   # 8 scale bytes per lane and round
+        raise ValueError("NVFP4 block scales must be 8-byte aligned for expert_decode")
+    if not supported(fmt, hidden, inter, config):
+        raise ValueError(f"expert_decode ({config}) needs NVFP4 weights, hidden {hidden} and intermediate {inter} "
+                         f"multiples of {K_ROUND}")
+
+
+def expert_decode_gate_up(x: torch.Tensor, routing, gate: Weight, up: Weight, shared_gate: Weight,
+                          shared_up: Weight, out: torch.Tensor | None = None, pdl: bool = False,
+                          config: str | None = None) -> torch.Tensor:
+    """h_sorted [P, I]: row r = silu(x[t] @ Wg_e^T) * (x[t] @ Wu_e^T), t = sorted_token[r], e the
+    expert of row r (E: shared_gate / shared_up); rows past the routed count are not written.
+    config: a CONFIGS key (None: pick_config of x's rows)."""
+    m, k = x.shape
+    config = config or pick_config(m)
+    e, i = gate.shape[0], gate.shape[1]
+    check_tensor(x, "x", torch.bfloat16, (m, k), x.device)
+    _check_routing(routing, routing.sorted_token.numel(), e, config)
+    if routing.pair_row.shape[0] != m:
+        raise ValueError(f"x has {m} tokens, routing {routing.pair_row.shape[0]}")
+    _check(weight_format(gate, up, shared_gate, shared_up), k, i, config, gate, up, shared_gate, shared_up)
+    args = moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device)
+    h = _out(out, (routing.sorted_token.numel(), i), x)
+    _kernel("expert_decode_gate_up_nvfp4", config).launch(
+        _grid(routing, i // (TILE_ROWS // 2), config), (32 * WARPS,),
+        [h, x, routing.sorted_token, *args, *routing.work_args, I32(i), I32(k), I32(e)],
+        shared_bytes=shared_bytes(config, k), pdl=pdl, device=x.device.index)
+    return h
+
+
+def expert_decode_down(h: torch.Tensor, routing, down: Weight, shared_down: Weight, out: torch.Tensor | None = None,
+                       pdl: bool = False, config: str | None = None) -> torch.Tensor:
+    """y_sorted [P, N]: row r = h_sorted[r] @ Wd_e^T (e: the expert of row r, E the shared one).
+    config: a CONFIGS key (None: pick_config of the routing's tokens)."""
+    p, k = h.shape
+    config = config or pick_config(routing.pair_row.shape[0])
+    e, n = down.shape[0], down.shape[1]
+    check_tensor(h, "h", torch.bfloat16, (p, k), h.device)
+    _check_routing(routing, p, e, config)
+    _check(weight_format(down, shared_down), n, k, config, down, shared_down)
+    args = expert_args(down, shared_down, ("down", "shared_down"), n, k, e, h.device)
+    y = _out(out, (p, n), h)
+    _kernel("expert_decode_down_nvfp4", config).launch(
+        _grid(routing, n // TILE_ROWS, config), (32 * WARPS,),
+        [y, h, *args, *routing.work_args, I32(n), I32(k), I32(e)],
+        shared_bytes=shared_bytes(config, k), pdl=pdl, device=h.device.index)
+    return y

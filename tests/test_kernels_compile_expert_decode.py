@@ -1,0 +1,44 @@
+"""The decode expert GEMMs (cuda/expert_decode.cu) compile for sm_90a with NVRTC in every config
+(no GPU needed); the launcher's constants, shared memory and shape checks on the CPU."""
+
+import pytest
+
+from flint_sched.kernels import _runtime, expert_decode
+
+available, why = _runtime.nvrtc_available()
+needs_nvrtc = pytest.mark.skipif(not available, reason=f"NVRTC cannot be imported: {why}")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("config", sorted(expert_decode.CONFIGS))
+def test_compiles_for_sm90a(config, private_cache):
+    cubin = _runtime.compile_only("expert_decode.cu", expert_decode.CONFIGS[config], arch="sm_90a")
+    assert cubin[:4] == b"\x7fELF"
+    for entry in ("expert_decode_gate_up_nvfp4", "expert_decode_down_nvfp4"):
+        assert entry.encode() in cubin, f"{config} lacks {entry}"
+
+
+def test_launcher_constants_match_the_kernel_source():
+    text = (_runtime.source_dir() / "expert_decode.cu").read_text()
+    assert f"#define ED_WARPS {expert_decode.WARPS}" in text
+    assert f"#define ED_KR {expert_decode.K_ROUND}" in text
+    assert f"#define ED_TABLE_BYTES {expert_decode.TABLE_BYTES}" in text
+
+
+def test_shapes_and_shared_memory():
+    assert expert_decode.rows_per_item("g1t4") == 8 and expert_decode.rows_per_item("g2t4") == 16
+    assert expert_decode.x_row_bytes(2048) == 276 * 16 and expert_decode.x_row_bytes(512) == 68 * 16
+    assert expert_decode.shared_bytes("g1t4", 2048) == 1024 + 8 * 276 * 16
+    assert expert_decode.supported("nvfp4", 2048, 512)                 # Flint
+    assert not expert_decode.supported("bf16", 2048, 512)
+    assert not expert_decode.supported("nvfp4", 2048, 256)             # down's K below a load round
+    assert not expert_decode.supported("nvfp4", 16384, 512)            # x rows past shared memory (g1: 277 KB)
+    assert expert_decode.supported("nvfp4", 8192, 512, "g1t4")
+    assert not expert_decode.supported("nvfp4", 8192, 512, "g2t4")
+
+
+def test_config_by_token_count(monkeypatch):
+    assert expert_decode.pick_config(1) == expert_decode.pick_config(32) == "g1t2"
+    assert expert_decode.pick_config(33) == expert_decode.pick_config(1023) == "g1t4"
+    monkeypatch.setattr(expert_decode, "CONFIG", "g2t4")
+    assert expert_decode.pick_config(64) == "g2t4" and expert_decode.rows_per_item("g2t4") == 16
