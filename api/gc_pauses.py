@@ -42,7 +42,8 @@ class PauseWatch:
         if took >= self.threshold_s:
             self.num_long_pauses += 1
             logger.warning("Python's garbage collector paused the server for %.0f ms (generation %d, %d objects "
-                           "freed)", 1e3 * took, info["generation"], info["collected"])
+                           "freed, %d tracked in the oldest generation, %d frozen)", 1e3 * took, info["generation"],
+                           info["collected"], len(gc.get_objects(2)), gc.get_freeze_count())
 
     def install(self) -> None:
         gc.callbacks.append(self)

@@ -46,4 +46,5 @@ for bench_flags in "$@"; do
                  printf "%s mean (server): %.1f ms\n", k[1], 1000 * v[m] / v[k[1] ",count"] } }' <<<"$metrics"
     # garbage-collector pauses of 50 ms or more so far (api/gc_pauses.py logs each)
     echo "long GC pauses (server log): $(grep -c "garbage collector paused" "$log" || true)"
+    grep "garbage collector paused" "$log" | tail -5 || true
 done

@@ -29,5 +29,6 @@ def test_pause_watch_logs_collections_over_its_threshold_only(caplog):
         quiet.remove()
     assert slow.num_long_pauses >= 1 and quiet.num_long_pauses == 0
     assert "garbage collector paused the server" in caplog.text and "generation 2" in caplog.text
+    assert "tracked in the oldest generation" in caplog.text
     assert slow not in gc.callbacks and quiet not in gc.callbacks
     slow.remove()                                         # removing twice is harmless

@@ -150,12 +150,13 @@ def test_prompt_steps_reuse_one_grown_routing_workspace():
 class WarmUpExecutor(SplitExecutor):
     """The plans of warm_up recorded (none run), over a flint-tiny KV cache in blocks of 4 on the CPU."""
 
-    def __init__(self, max_model_len: int, num_blocks: int, prompt_graph_tokens: tuple[int, ...] = ()):
+    def __init__(self, max_model_len: int, num_blocks: int, prompt_graph_tokens: tuple[int, ...] = (),
+                 num_slots: int = 20):
         super().__init__()
         self.device, self.max_model_len = torch.device("cpu"), max_model_len
         self.prompt_graph_tokens = prompt_graph_tokens
-        self.weights = SimpleNamespace(kv=KVCache(preset("flint-tiny"), num_blocks=num_blocks, block_size=4, num_slots=20,
-                                                  dtype=torch.float32, device="cpu"))
+        self.weights = SimpleNamespace(kv=KVCache(preset("flint-tiny"), num_blocks=num_blocks, block_size=4,
+                                                  num_slots=num_slots, dtype=torch.float32, device="cpu"))
         self.plans = []
 
     def execute(self, plan):
@@ -175,6 +176,20 @@ def test_warm_up_runs_a_prompt_step_then_a_fused_and_a_grouped_decode_on_free_kv
         assert len(grouped.scheduled_requests) == 16 and {e.ring_slot for e in grouped.scheduled_requests} == set(range(16))
         assert {e.sampling_params.temperature for plan in plans for e in plan.scheduled_requests} == {temperature}
     assert all(len(e.block_table) * 4 > e.end_position - 1 for plan in ex.plans for e in plan.scheduled_requests)
+
+
+def test_warm_up_captures_every_grouped_decode_size_the_ring_slots_hold():
+    """With 60 slots the decode graphs of 24, 32 and 48 rows (not 64) come after the six steps above,
+    greedy then sampled each, one request per slot."""
+    ex = WarmUpExecutor(max_model_len=64, num_blocks=40, num_slots=60)
+    ex.warm_up(8192)
+    extra = ex.plans[6:]
+    assert [len(p.scheduled_requests) for p in extra] == [24, 24, 32, 32, 48, 48]
+    assert [p.path for p in extra] == ["grouped"] * 6 and all(p.num_tokens == len(p.scheduled_requests) for p in extra)
+    assert [p.scheduled_requests[0].sampling_params.temperature for p in extra] == [0.0, 1.0] * 3
+    for p in extra:
+        assert [e.ring_slot for e in p.scheduled_requests] == list(range(len(p.scheduled_requests)))
+        assert {e.start_position for e in p.scheduled_requests} == {62} and all(e.num_tokens == 1 for e in p.scheduled_requests)
 
 
 def test_warm_up_first_takes_a_prompt_step_of_each_graphed_size_the_prompts_reach():

@@ -164,11 +164,12 @@ class CudaExecutor:
         return self.launch(plan).collect()
 
     def warm_up(self, max_prompt_tokens: int) -> None:
-        """Compile the kernels and capture the smallest graphs before the first request: the prompt
-        graphs, a prompt step of up to max_prompt_tokens tokens, then a fused and a grouped decode
-        step, each greedy and sampled (temperature 1, the OpenAI default: the sampler's graphs and kernels), on free
-        KV blocks and ring slots (nothing reads them before a request writes them). On a machine
-        whose kernel cache is cold the first requests otherwise wait for ~20 s of NVRTC compiles."""
+        """Compile the kernels and capture the graphs before the first request: the prompt graphs, a
+        prompt step of up to max_prompt_tokens tokens, then a fused and a grouped decode step, each
+        greedy and sampled (temperature 1, the OpenAI default: the sampler's graphs and kernels),
+        then the other grouped decode sizes that fit the ring slots, on free KV blocks and ring
+        slots (nothing reads them before a request writes them). On a machine whose kernel cache is
+        cold the first requests otherwise wait for ~20 s of NVRTC compiles."""
         kv = self.kv
         slots, bs = kv.ring.shape[2], kv.block_size
         n = max(1, min(max_prompt_tokens, self.max_model_len - 2, (kv.full.shape[2] - 1) * bs))
@@ -195,6 +196,15 @@ class CudaExecutor:
             for plan in plans:
                 self.execute(plan)
             self.inputs.forget(StepPlan([], 0, "fused", [], ids))
+        # Every other grouped decode size the ring slots allow, greedy and sampled: captured during
+        # serving, each would stall the loop as the batch grows (and add its objects to the heap
+        # after the server froze it for the garbage collector, api/gc_pauses.py), as vLLM avoids.
+        for size in (b for b in self.grouped_batch_sizes[1:] if b <= slots):
+            batch = [f"warm-up-{i}" for i in range(size)]
+            for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
+                self.execute(StepPlan([entry(i, [0], n, slot, params) for slot, i in enumerate(batch)], size,
+                                      "grouped", [], []))
+            self.inputs.forget(StepPlan([], 0, "fused", [], batch))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
