@@ -181,7 +181,7 @@ def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | Non
         w = _dense_bf16(weight, row_splits, pdl)
         if residual is None:
             return torch.mm(x, w.t(), out=y)
-        return y.copy_(_mm_f32(x, w).add_(residual))
+        return torch.add(_mm_f32(x, w), residual, out=y)      # fp32 sum, one rounding, one kernel
     splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
     chunk = dense_chunk(m)
     items, tiles = cdiv(m, chunk), cdiv(n, TILE_ROWS)
@@ -202,7 +202,7 @@ def grouped_gate_up(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor
     h = out_buffer(out, "out", (m, i), torch.bfloat16, x)
     if use_cublas(fmt, m, cublas) and mm_out_fp32_supported(x.device):
         gate_f32, up_f32 = _mm_f32(x, _dense_bf16(gate, (), pdl)), _mm_f32(x, _dense_bf16(up, (), pdl))
-        return h.copy_(F.silu(gate_f32) * up_f32)
+        return torch.mul(F.silu(gate_f32), up_f32, out=h)
     chunk = dense_chunk(m)
     items, tiles = cdiv(m, chunk), cdiv(i, TILE_ROWS // 2)
     per_cta = tiles_per_cta(items, tiles, chunk, sm_count(x.device))
