@@ -190,6 +190,9 @@ def test_warm_up_captures_every_grouped_decode_size_the_ring_slots_hold():
     for p in extra:
         assert [e.ring_slot for e in p.scheduled_requests] == list(range(len(p.scheduled_requests)))
         assert {e.start_position for e in p.scheduled_requests} == {62} and all(e.num_tokens == 1 for e in p.scheduled_requests)
+    capped = WarmUpExecutor(max_model_len=64, num_blocks=40, num_slots=60)
+    capped.warm_up(8192, max_num_seqs=20)               # a batch of 20 replays the 24-row graph: none above it
+    assert [len(p.scheduled_requests) for p in capped.plans[6:]] == [24, 24]
 
 
 def test_warm_up_first_takes_a_prompt_step_of_each_graphed_size_the_prompts_reach():

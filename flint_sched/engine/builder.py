@@ -154,7 +154,7 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
                                 device, config.seed)
         if config.enforce_eager:
             executor.use_graphs = False
-        _warm_up(executor, config.max_num_batched_tokens, progress)
+        _warm_up(executor, config.max_num_batched_tokens, config.max_num_seqs, progress)
     else:
         executor = TorchExecutor(ckpt.config, ckpt.weights, kv, ckpt.tokenizer.eos_token_ids, dtype, device,
                                  config.seed)
@@ -179,12 +179,12 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
     return EngineParts(ckpt, scheduler_config, executor, device, origins, compiler, use_async)
 
 
-def _warm_up(executor, max_prompt_tokens: int, progress: bool) -> None:
+def _warm_up(executor, max_prompt_tokens: int, max_num_seqs: int, progress: bool) -> None:
     """Compile the kernels and capture the first graphs now, not during the first requests. A
     failure here is only logged: the steps that need those kernels report it themselves."""
     start = time.perf_counter()
     try:
-        executor.warm_up(max_prompt_tokens)
+        executor.warm_up(max_prompt_tokens, max_num_seqs)
     except Exception:
         logger.warning("the CUDA executor's warm-up failed; kernels compile on first use", exc_info=True)
         return

@@ -163,12 +163,12 @@ class CudaExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         return self.launch(plan).collect()
 
-    def warm_up(self, max_prompt_tokens: int) -> None:
+    def warm_up(self, max_prompt_tokens: int, max_num_seqs: int | None = None) -> None:
         """Compile the kernels and capture the graphs before the first request: the prompt graphs, a
         prompt step of up to max_prompt_tokens tokens, then a fused and a grouped decode step, each
         greedy and sampled (temperature 1, the OpenAI default: the sampler's graphs and kernels),
-        then the other grouped decode sizes that fit the ring slots, on free KV blocks and ring
-        slots (nothing reads them before a request writes them). On a machine whose kernel cache is
+        then the other grouped decode sizes that fit the ring slots and a batch of max_num_seqs
+        needs, on free KV blocks and ring slots (nothing reads them before a request writes them). On a machine whose kernel cache is
         cold the first requests otherwise wait for ~20 s of NVRTC compiles."""
         kv = self.kv
         slots, bs = kv.ring.shape[2], kv.block_size
@@ -199,7 +199,8 @@ class CudaExecutor:
         # Every other grouped decode size the ring slots allow, greedy and sampled: captured during
         # serving, each would stall the loop as the batch grows (and add its objects to the heap
         # after the server froze it for the garbage collector, api/gc_pauses.py), as vLLM avoids.
-        for size in (b for b in self.grouped_batch_sizes[1:] if b <= slots):
+        largest = padded_batch(max_num_seqs, self.grouped_batch_sizes) if max_num_seqs else None
+        for size in (b for b in self.grouped_batch_sizes[1:] if b <= slots and b <= (largest or slots)):
             batch = [f"warm-up-{i}" for i in range(size)]
             for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
                 self.execute(StepPlan([entry(i, [0], n, slot, params) for slot, i in enumerate(batch)], size,
