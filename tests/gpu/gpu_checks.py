@@ -37,8 +37,10 @@ def poisoned(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 
 
 def small_real_config():
-    """Real per-head shapes (head_dim 128, 8 query heads per KV head), few layers, small vocab."""
+    """Real per-head shapes (head_dim 128, 8 query heads per KV head), few layers, small vocab; the
+    hidden and expert sizes multiples of 512, so NVFP4 decode batches run the decode expert GEMMs
+    (cuda/expert_decode.cu) as Flint's do."""
     return dataclasses.replace(
         preset("flint"), hidden_size=512, num_hidden_layers=7, layer_types=tuple(flint_layer_types(7)),
         num_attention_heads=16, num_key_value_heads=2, intermediate_size=1024, n_routed_experts=32,
-        moe_intermediate_size=256, vocab_size=4096, max_position_embeddings=MAX_MODEL_LEN)
+        moe_intermediate_size=512, vocab_size=4096, max_position_embeddings=MAX_MODEL_LEN)
