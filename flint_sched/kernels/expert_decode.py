@@ -1,5 +1,5 @@
 """NVFP4 expert GEMMs for decode-sized steps (cuda/expert_decode.cu): the grouped MoE's gate/up and
-down over rows sorted by expert, in items of `rows_per_item(groups)` rows from a routing work list
+down over rows sorted by expert, in items of `rows_per_item(config)` rows from a routing work list
 built with that chunk (`route_and_sort(..., chunk=...)`). Same inputs and outputs as
 moe_gate_up_sorted / moe_down_sorted (grouped_moe.py), fewer instructions per weight.
 
@@ -20,7 +20,6 @@ WARPS = 4            # ED_WARPS
 TILE_ROWS = 16       # weight rows per tile (gate/up: 8 gate + 8 up)
 K_ROUND = 512        # ED_KR: K must be a multiple
 TABLE_BYTES = 1024   # the scale table before the staged x rows
-MAX_GRID_Y = 65535
 MAX_SHARED_BYTES = 227 * 1024
 
 CONFIGS = {
@@ -42,6 +41,7 @@ CONFIG: str | None = None   # a CONFIGS key for every call (benchmarks), or None
 
 
 def pick_config(num_tokens: int) -> str:
+    """The config for a call of num_tokens tokens (routed rows: num_tokens * top_k)."""
     if CONFIG is not None:
         return CONFIG
     return "g1t2" if num_tokens <= 32 else "g1t4"
@@ -72,9 +72,8 @@ def shared_bytes(config: str, k: int) -> int:
 def supported(fmt: str, hidden: int, inter: int, config: str = "g1t4") -> bool:
     """NVFP4 weights, K (hidden for gate/up, inter for down) a multiple of a load round (then I and
     hidden hold whole tiles too), the x rows within shared memory."""
-    c = config
     return (fmt == "nvfp4" and hidden % K_ROUND == 0 and inter % K_ROUND == 0
-            and shared_bytes(c, max(hidden, inter)) <= MAX_SHARED_BYTES)
+            and shared_bytes(config, max(hidden, inter)) <= MAX_SHARED_BYTES)
 
 
 def _grid(routing, num_tiles: int, config: str) -> tuple[int, int]:
