@@ -11,7 +11,7 @@
 // LDS.128 at a constant offset per 16 weights and group; each warp streams whole 16-row tiles over
 // all of K (no split-K reduction) and writes its outputs from the accumulators. grouped_gemm.cu's
 // k-loop takes 4.0-5.1 SASS instructions per weight (x loads, permutes and zeroing per group,
-// guards); this one ~2.6, of which the decode (mask, multiply, mask, scale per pair) is 2.1.
+// guards); this one ~2.8, of which the decode (mask, multiply, mask, scale per pair) is 2.1.
 //
 // Grid (items, tile groups): blockIdx.x = an item of the work list built with chunk ED_ROWS
 // (expert e, first sorted row; e = E: the shared expert's own weights; items past num_work exit at
