@@ -99,3 +99,18 @@ def test_agent_sim_eager_prompt_steps_take_the_host_floor():
     assert cost(executor, 32) == pytest.approx(1.32e-3)         # a prompt step from a graph
     assert cost(executor, 33) == pytest.approx(40e-3)           # eager: the host's launches bound it
     assert cost(executor, 5000) == pytest.approx(51e-3)         # ... until the GPU needs longer
+
+
+def test_decode_configs_refuses_unknown_configs_and_a_machine_without_a_gpu(monkeypatch, capsys):
+    """benchmarks/decode_configs.py (GPU only) says what is wrong instead of a traceback."""
+    import torch
+
+    from flint_sched.benchmarks import decode_configs
+
+    monkeypatch.setattr("sys.argv", ["decode_configs", "--configs", "g1t2,fastest"])
+    with pytest.raises(SystemExit, match="unknown configs"):
+        decode_configs.main()
+    if not torch.cuda.is_available():
+        monkeypatch.setattr("sys.argv", ["decode_configs", "--configs", "g1t2", "--batch-sizes", "16"])
+        with pytest.raises(SystemExit, match="decode_configs: --device cuda"):
+            decode_configs.main()
