@@ -35,6 +35,9 @@
 #ifndef ED_PREFETCH
 #define ED_PREFETCH 1  // 1: a warp loads its next round while computing this one
 #endif
+#ifndef ED_ACCS
+#define ED_ACCS 1  // accumulators per group: 2 halves the chain of dependent mmas (parts alternate)
+#endif
 #ifndef ED_MIN_CTAS
 #define ED_MIN_CTAS 4
 #endif
@@ -152,12 +155,15 @@ __device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int*
   const u32 x_lane = x_base + g * row_bytes + 272u * t;
   const float scale_a = __ldg(a.tensor_scale) * NVFP4_SUM_SCALE;
   const float scale_b = GATE_UP ? __ldg(b.tensor_scale) * NVFP4_SUM_SCALE : scale_a;
-  float acc[ED_GROUPS][4];
+  float acc[ED_ACCS][ED_GROUPS][4];
   int comp_j = 0, comp_kb = 0;  // the round to compute
   auto compute = [&](const EdRound& f) {
     if (comp_kb == 0) {
 #pragma unroll
-      for (int grp = 0; grp < ED_GROUPS; ++grp) acc[grp][0] = acc[grp][1] = acc[grp][2] = acc[grp][3] = 0.0f;
+      for (int a2 = 0; a2 < ED_ACCS; ++a2)
+#pragma unroll
+        for (int grp = 0; grp < ED_GROUPS; ++grp)
+          acc[a2][grp][0] = acc[a2][grp][1] = acc[a2][grp][2] = acc[a2][grp][3] = 0.0f;
     }
     const u32 xr = x_lane + (u32)comp_kb * 17u / 8u;
 #pragma unroll
@@ -176,16 +182,23 @@ __device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int*
 #pragma unroll
         for (int grp = 0; grp < ED_GROUPS; ++grp) {
           const uint4 xv = lds_v4(xr + grp * 8 * row_bytes + (4 * u + i) * 16);
-          mma_bf16_16x8x16(acc[grp], p0[0], p1[0], p0[1], p1[1], xv.x, xv.y);
-          mma_bf16_16x8x16(acc[grp], p0[2], p1[2], p0[3], p1[3], xv.z, xv.w);
+          float (&d)[4] = acc[i % ED_ACCS][grp];
+          mma_bf16_16x8x16(d, p0[0], p1[0], p0[1], p1[1], xv.x, xv.y);
+          mma_bf16_16x8x16(d, p0[2], p1[2], p0[3], p1[3], xv.z, xv.w);
         }
       }
     }
     comp_kb += ED_KR;
     if (comp_kb < K) return;
-    // The tile's last round: acc[grp] = {row g, row g + 8} x {tokens 2t, 2t + 1} of group grp.
+    // The tile's last round: acc[0][grp] = {row g, row g + 8} x {tokens 2t, 2t + 1} of group grp.
     const int tile = first + ED_WARPS * comp_j;
     comp_kb = 0, ++comp_j;
+#pragma unroll
+    for (int a2 = 1; a2 < ED_ACCS; ++a2)
+#pragma unroll
+      for (int grp = 0; grp < ED_GROUPS; ++grp)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[0][grp][j] += acc[a2][grp][j];
 #pragma unroll
     for (int grp = 0; grp < ED_GROUPS; ++grp)
 #pragma unroll
@@ -194,10 +207,10 @@ __device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int*
         if (r >= rows) continue;
         u16* orow = out + (size_t)(row0 + r) * N + tile * R + g;
         if (GATE_UP) {
-          orow[0] = f32_to_bf16(silu(acc[grp][q] * scale_a) * (acc[grp][2 + q] * scale_b));
+          orow[0] = f32_to_bf16(silu(acc[0][grp][q] * scale_a) * (acc[0][grp][2 + q] * scale_b));
         } else {
-          orow[0] = f32_to_bf16(acc[grp][q] * scale_a);
-          orow[8] = f32_to_bf16(acc[grp][2 + q] * scale_a);
+          orow[0] = f32_to_bf16(acc[0][grp][q] * scale_a);
+          orow[8] = f32_to_bf16(acc[0][grp][2 + q] * scale_a);
         }
       }
   };

@@ -29,6 +29,8 @@ CONFIGS = {
     "g1t8": {"ED_GROUPS": 1, "ED_TILES": 8},
     "g1t4np": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_PREFETCH": 0, "ED_MIN_CTAS": 6},
     "g2t4": {"ED_GROUPS": 2, "ED_TILES": 4},
+    "g1t4a2": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_ACCS": 2},   # not measured yet
+    "g1t2a2": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_ACCS": 2},   # not measured yet
 }
 # Measured on the H200, Flint's MoE layer (benchmarks/bench_grouped.py --pdl --paths swap-ab decode
 # --decode-configs ...), µs at 16 / 64 / 256 / 512 / 1024 tokens: swap-AB GEMMs 76 / 133 / 242 / 389
