@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flint_sched.kernels import grouped, grouped_gate_up, grouped_moe, grouped_linear, moe_routing_workspace, route_and_sort
+from flint_sched.kernels import expert_decode, grouped, grouped_gate_up, grouped_moe, grouped_linear, moe_routing_workspace, route_and_sort
 from flint_sched.kernels.dequant import dequantize_bf16
 from flint_sched.kernels.linear import concat_rows
 from gpu_checks import assert_close_bf16, gen, poisoned
@@ -146,6 +146,14 @@ def test_moe_grouped_nvfp4_decode_and_swap_ab_gemms(flint_nvfp4_moe, gemms, toke
     experts take two 8-row items, and the shared expert 75)."""
     assert grouped_moe.expert_gemms(tokens, "nvfp4", FLINT["hidden"], FLINT["inter"], gemms) == gemms
     check_moe("nvfp4", flint_nvfp4_moe, FLINT, tokens, gemms, ntok=ntok, gemms=gemms)
+
+
+@pytest.mark.parametrize("config", sorted(expert_decode.CONFIGS))
+def test_every_decode_gemm_config(flint_nvfp4_moe, config, monkeypatch):
+    """Each compile-time config of the decode GEMMs (the ones benchmarks compare) at 100 tokens,
+    against the per-expert loop."""
+    monkeypatch.setattr(expert_decode, "CONFIG", config)
+    check_moe("nvfp4", flint_nvfp4_moe, FLINT, 100, f"decode {config}", gemms="decode")
 
 
 def test_moe_grouped_decode_gemms_one_expert_and_graph(flint_nvfp4_moe):
