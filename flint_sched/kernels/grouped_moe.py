@@ -277,20 +277,13 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
     logits = grouped_linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl)
     path = expert_gemms(m, weight_format(gate), hidden, inter, gemms)
     if path == "tiled":
-        routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl,
-                                 chunk=expert_gemm.TILE_M)
-        h = expert_gemm.expert_gate_up(x, routing, gate, up, shared_gate, shared_up, out=ws.h_sorted[:pairs],
-                                       pdl=pdl)
-        y = expert_gemm.expert_down(h, routing, down, shared_down, out=ws.y_sorted[:pairs], pdl=pdl)
-        return moe_finalize(y, routing, residual, num_tokens=num_tokens, out=out, pdl=pdl)
-    if path == "decode":
-        routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl,
-                                 chunk=expert_decode.rows_per_item(expert_decode.pick_config(m)))
-        h = expert_decode.expert_decode_gate_up(x, routing, gate, up, shared_gate, shared_up,
-                                                out=ws.h_sorted[:pairs], pdl=pdl)
-        y = expert_decode.expert_decode_down(h, routing, down, shared_down, out=ws.y_sorted[:pairs], pdl=pdl)
-        return moe_finalize(y, routing, residual, num_tokens=num_tokens, out=out, pdl=pdl)
-    routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl)
-    h = moe_gate_up_sorted(x, routing, gate, up, shared_gate, shared_up, out=ws.h_sorted[:pairs], pdl=pdl)
-    y = moe_down_sorted(h, routing, down, shared_down, out=ws.y_sorted[:pairs], pdl=pdl)
+        chunk, gate_up_gemm, down_gemm = expert_gemm.TILE_M, expert_gemm.expert_gate_up, expert_gemm.expert_down
+    elif path == "decode":
+        chunk = expert_decode.rows_per_item(expert_decode.pick_config(m))
+        gate_up_gemm, down_gemm = expert_decode.expert_decode_gate_up, expert_decode.expert_decode_down
+    else:
+        chunk, gate_up_gemm, down_gemm = None, moe_gate_up_sorted, moe_down_sorted
+    routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl, chunk=chunk)
+    h = gate_up_gemm(x, routing, gate, up, shared_gate, shared_up, out=ws.h_sorted[:pairs], pdl=pdl)
+    y = down_gemm(h, routing, down, shared_down, out=ws.y_sorted[:pairs], pdl=pdl)
     return moe_finalize(y, routing, residual, num_tokens=num_tokens, out=out, pdl=pdl)
