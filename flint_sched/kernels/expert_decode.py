@@ -14,7 +14,8 @@ import functools
 import torch
 
 from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
-from flint_sched.kernels.linear import Weight, cdiv, check_tensor, expert_args, moe_gate_up_args, weight_format
+from flint_sched.kernels.linear import (Weight, cdiv, check_tensor, expert_args, moe_gate_up_args, output,
+                                        weight_format)
 
 WARPS = 4            # ED_WARPS
 TILE_ROWS = 16       # weight rows per tile (gate/up: 8 gate + 8 up)
@@ -92,13 +93,6 @@ def _check_routing(routing, rows_needed: int, num_experts: int, config: str) -> 
                          f"{routing.num_experts} / {routing.sorted_token.numel()}")
 
 
-def _out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=torch.bfloat16, device=like.device)
-    check_tensor(out, "out", torch.bfloat16, shape, like.device, 2)
-    return out
-
-
 def _check(fmt: str, hidden: int, inter: int, config: str, *weights: Weight) -> None:
     if any(w.block_scales.data_ptr() % 8 for w in weights):   # 8 scale bytes per lane and round
         raise ValueError("NVFP4 block scales must be 8-byte aligned for expert_decode")
@@ -122,7 +116,7 @@ def expert_decode_gate_up(x: torch.Tensor, routing, gate: Weight, up: Weight, sh
         raise ValueError(f"x has {m} tokens, routing {routing.pair_row.shape[0]}")
     _check(weight_format(gate, up, shared_gate, shared_up), k, i, config, gate, up, shared_gate, shared_up)
     args = moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device)
-    h = _out(out, (routing.sorted_token.numel(), i), x)
+    h = output(out, "out", (routing.sorted_token.numel(), i), x)
     _kernel("expert_decode_gate_up_nvfp4", config).launch(
         _grid(routing, i // (TILE_ROWS // 2), config), (32 * WARPS,),
         [h, x, routing.sorted_token, *args, *routing.work_args, I32(i), I32(k), I32(e)],
@@ -141,7 +135,7 @@ def expert_decode_down(h: torch.Tensor, routing, down: Weight, shared_down: Weig
     _check_routing(routing, p, e, config)
     _check(weight_format(down, shared_down), n, k, config, down, shared_down)
     args = expert_args(down, shared_down, ("down", "shared_down"), n, k, e, h.device)
-    y = _out(out, (p, n), h)
+    y = output(out, "out", (p, n), h)
     _kernel("expert_decode_down_nvfp4", config).launch(
         _grid(routing, n // TILE_ROWS, config), (32 * WARPS,),
         [y, h, *args, *routing.work_args, I32(n), I32(k), I32(e)],
