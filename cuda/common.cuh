@@ -56,6 +56,12 @@ __device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
   return v;
 }
 
+__device__ __forceinline__ uint2 ld_stream_v2(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
 // Weight side data reused by neighbouring lanes and warps (block scales): cached in L1.
 __device__ __forceinline__ u32 ld_weight_u16(const void* p) {
   u16 v;
@@ -71,6 +77,18 @@ __device__ __forceinline__ uint4 ld_act_v4(const void* p) {
   asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
+}
+
+// 16 bytes of shared memory by its 32-bit address (volatile: kept in source order; the store also
+// orders as memory for the compiler).
+__device__ __forceinline__ uint4 lds_v4(u32 addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void sts_v4(u32 addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 }
 
 // Data written by other CTAs of this kernel (after a fence): read from L2, bypassing L1. The

@@ -56,20 +56,6 @@ __device__ __forceinline__ u32 x_row_bytes(int K) {
   return (slots + ((4u - slots) & 7u)) * 16u;  // the next count = 4 (mod 8)
 }
 
-__device__ __forceinline__ uint4 lds_v4(u32 addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ void sts_v4(u32 addr, uint4 v) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
-__device__ __forceinline__ uint2 ld_stream_v2(const void* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
 
 struct EdWeights {  // NVFP4 [rows, K] of one expert (or the shared one)
   const u8* codes;

@@ -134,9 +134,7 @@ __device__ __forceinline__ void decode_block(u32 dst, const u8* raw_codes, const
     e2m1x8_to_bf16(words[w], scale, p);
     const uint4 v = make_uint4(prmt(p[0], p[1], 0x5410u), prmt(p[2], p[3], 0x5410u), prmt(p[0], p[1], 0x7632u),
                                prmt(p[2], p[3], 0x7632u));
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst + sw128(n, 2 * kk + w)), "r"(v.x), "r"(v.y),
-                 "r"(v.z), "r"(v.w)
-                 : "memory");
+    sts_v4(dst + sw128(n, 2 * kk + w), v);
   }
 }
 
