@@ -168,43 +168,46 @@ class CudaExecutor:
         prompt step of up to max_prompt_tokens tokens, then a fused and a grouped decode step, each
         greedy and sampled (temperature 1, the OpenAI default: the sampler's graphs and kernels),
         then the other grouped decode sizes that fit the ring slots and a batch of max_num_seqs
-        needs, on free KV blocks and ring slots (nothing reads them before a request writes them). On a machine whose kernel cache is
-        cold the first requests otherwise wait for ~20 s of NVRTC compiles."""
+        needs, on free KV blocks and ring slots (nothing reads them before a request writes them).
+        On a machine whose kernel cache is cold the first requests otherwise wait for ~20 s of NVRTC
+        compiles."""
         kv = self.kv
         slots, bs = kv.ring.shape[2], kv.block_size
         n = max(1, min(max_prompt_tokens, self.max_model_len - 2, (kv.full.shape[2] - 1) * bs))
         table = list(range(n // bs + 1))
         ids = [f"warm-up-{i}" for i in range(min(slots, self.grouped_batch_sizes[0]))]
+        greedy_and_sampled = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0))
 
         def entry(rid: str, tokens: list[int], start: int, slot: int, params: SamplingParams) -> ScheduledRequest:
             return ScheduledRequest(rid, tokens, start, table, slot, True, params, [], [], False)
+
+        def decodes(names: list[str], params: SamplingParams) -> StepPlan:
+            """One token at position n for each name, ring slot = its index (position n fits the table)."""
+            return StepPlan([entry(i, [0], n, slot, params) for slot, i in enumerate(names)], len(names),
+                            "grouped" if len(names) > FUSED_MAX_BATCH else "fused", [], [])
 
         # The prompt graphs of every padded size a step of this budget can take (captured while their
         # first step runs): serving then never stops for a capture (gc, empty_cache, a sync).
         sizes = self.prompt_graph_tokens
         top = (padded_batch(n, sizes) or sizes[-1]) if sizes else 0
         for rows in (r for r in sizes if r <= top):
-            self.execute(StepPlan([entry(ids[0], [0] * min(rows, n), 0, 0, SamplingParams(temperature=0.0))],
+            self.execute(StepPlan([entry(ids[0], [0] * min(rows, n), 0, 0, greedy_and_sampled[0])],
                                   min(rows, n), "grouped", [], []))
-        for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
-            # position n fits the table
-            plans = [StepPlan([entry(ids[0], [0] * n, 0, 0, params)], n, "grouped", [], []),
-                     StepPlan([entry(ids[0], [0], n, 0, params)], 1, "fused", [], [])]
+        for params in greedy_and_sampled:
+            plans = [StepPlan([entry(ids[0], [0] * n, 0, 0, params)], n, "grouped", [], []), decodes(ids[:1], params)]
             if len(ids) > FUSED_MAX_BATCH:
-                plans.append(StepPlan([entry(i, [0], n, slot, params) for slot, i in enumerate(ids)], len(ids),
-                                      "grouped", [], []))
+                plans.append(decodes(ids, params))
             for plan in plans:
                 self.execute(plan)
             self.inputs.forget(StepPlan([], 0, "fused", [], ids))
         # Every other grouped decode size the ring slots allow, greedy and sampled: captured during
         # serving, each would stall the loop as the batch grows (and add its objects to the heap
         # after the server froze it for the garbage collector, api/gc_pauses.py), as vLLM avoids.
-        largest = padded_batch(max_num_seqs, self.grouped_batch_sizes) if max_num_seqs else None
-        for size in (b for b in self.grouped_batch_sizes[1:] if b <= slots and b <= (largest or slots)):
+        limit = min(slots, (padded_batch(max_num_seqs, self.grouped_batch_sizes) if max_num_seqs else None) or slots)
+        for size in (b for b in self.grouped_batch_sizes[1:] if b <= limit):
             batch = [f"warm-up-{i}" for i in range(size)]
-            for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
-                self.execute(StepPlan([entry(i, [0], n, slot, params) for slot, i in enumerate(batch)], size,
-                                      "grouped", [], []))
+            for params in greedy_and_sampled:
+                self.execute(decodes(batch, params))
             self.inputs.forget(StepPlan([], 0, "fused", [], batch))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
