@@ -84,13 +84,13 @@ def without(executor, removed: set[str]):
         "attn": attn}
     for name, fn in patched.items():
         setattr(ko, name, fn)
-    executor.graphs.graphs.clear()
+    executor.clear_graphs()
     try:
         yield
     finally:
         for name, fn in real.items():
             setattr(ko, name, fn)
-        executor.graphs.graphs.clear()
+        executor.clear_graphs()
 
 
 def segments_text(executor) -> str:
@@ -155,18 +155,18 @@ def main() -> int:
             for layers in latency._ints(args.first_graph_layers):
                 default = executor.graphs.segments
                 executor.graphs.segments = step_graphs.graph_segments(executor.config.num_hidden_layers, layers)
-                executor.graphs.graphs.clear()
+                executor.clear_graphs()
                 step = latency.run_decode(executor, args, batch, context, bandwidth).step_ms
                 print(f"  graphs {segments_text(executor)}: {step:7.3f} ms; host: {host_times(executor, plan)}",
                       flush=True)
                 executor.graphs.segments = default
-                executor.graphs.graphs.clear()
+                executor.clear_graphs()
             for keys in latency._ints(args.min_split_keys):
                 default, attention.MIN_SPLIT_KEYS = attention.MIN_SPLIT_KEYS, keys
-                executor.graphs.graphs.clear()
+                executor.clear_graphs()
                 step = latency.run_decode(executor, args, batch, context, bandwidth).step_ms
                 attention.MIN_SPLIT_KEYS = default
-                executor.graphs.graphs.clear()
+                executor.clear_graphs()
                 print(f"  attention MIN_SPLIT_KEYS {keys:4d}: {step:7.3f} ms", flush=True)
             if args.no_ablation:
                 continue

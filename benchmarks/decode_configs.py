@@ -40,7 +40,7 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for config in configs:
         expert_decode.CONFIG = config
-        executor.graphs.graphs.clear()      # captured again, on this config's kernels
+        executor.clear_graphs()      # captured again, on this config's kernels
         for context in latency._ints(args.contexts):
             for batch in latency._ints(args.batch_sizes):
                 if batch * -(-(context + 1) // args.block_size) > num_blocks:

@@ -15,6 +15,9 @@
 //              ticket sorts and resets the ticket (so a CUDA graph replays it).
 //   moe_finalize: out[t] = bf16(residual[t] + sum_{a<A} w[t,a] y[pair_row[t,a]] + y[pair_row[t,A]])
 //              in fp32, slots in order then the shared expert; padded tokens copy residual.
+//   moe_finalize_norm: the same, one CTA per token, and norm_out[t] = rms_norm(out[t]) * norm_weight
+//              (norm.cuh): the next layer's input norm in the same pass.
+#include "norm.cuh"
 #include "topk.cuh"
 
 #define ROUTING_WARPS 16  // kernels/grouped.py ROUTING_THREADS / 32
@@ -186,6 +189,29 @@ moe_route(int* ids, float* weights, int* offsets, int* sorted_token, int* pair_r
   if (threadIdx.x == 0) *ticket = 0u;
 }
 
+// out[t, c..c+7] as bf16 words: residual + the weighted expert rows + the shared expert's row.
+__device__ __forceinline__ void finalize_vec(u32 (&o)[4], const uint4& r, const u16* y_sorted,
+                                             const int* pair_row, const float* weights, int t, int c,
+                                             int N, int A) {
+  float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 7
+  for (int a = 0; a <= A; ++a) {
+    const int row = pair_row[t * (A + 1) + a];
+    const float w = a < A ? weights[t * A + a] : 1.0f;
+    const uint4 y = ld_act_v4(y_sorted + (size_t)row * N + c);
+    const u32 v[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      sum[2 * j] = fmaf(w, bf16x2_lo(v[j]), sum[2 * j]);
+      sum[2 * j + 1] = fmaf(w, bf16x2_hi(v[j]), sum[2 * j + 1]);
+    }
+  }
+  const u32 rv[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    o[j] = pack_bf16x2(bf16x2_lo(rv[j]) + sum[2 * j], bf16x2_hi(rv[j]) + sum[2 * j + 1]);
+}
+
 // One thread per 8 outputs (16 bytes) of one token; N % 8 == 0. out may alias residual.
 extern "C" __global__ void __launch_bounds__(256)
 moe_finalize(u16* out, const u16* residual, const u16* y_sorted, const int* pair_row,
@@ -201,24 +227,34 @@ moe_finalize(u16* out, const u16* residual, const u16* y_sorted, const int* pair
     *reinterpret_cast<uint4*>(out + (size_t)t * N + c) = r;
     return;
   }
-  float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 7
-  for (int a = 0; a <= A; ++a) {
-    const int row = pair_row[t * (A + 1) + a];
-    const float w = a < A ? weights[t * A + a] : 1.0f;
-    const uint4 y = ld_act_v4(y_sorted + (size_t)row * N + c);
-    const u32 v[4] = {y.x, y.y, y.z, y.w};
+  u32 o[4];
+  finalize_vec(o, r, y_sorted, pair_row, weights, t, c, N, A);
+  *reinterpret_cast<uint4*>(out + (size_t)t * N + c) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// One CTA per token (N / 8 vectors over its threads, N <= 8 * NORM_MAX_VEC * blockDim.x). out may
+// alias residual; padded tokens copy residual and normalize it.
+extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
+moe_finalize_norm(u16* out, u16* norm_out, const u16* residual, const u16* y_sorted,
+                  const int* pair_row, const float* weights, const u16* norm_weight,
+                  const int* num_tokens, int M, int N, int A, float eps) {
+  pdl_launch_dependents();
+  const int t = blockIdx.x, num_vec = N / 8;
+  uint4 wv[NORM_MAX_VEC];
+  norm_weight_load(wv, norm_weight, num_vec);
+  pdl_wait();
+  const bool real = t < num_real(num_tokens, M);
+  float s[NORM_MAX_VEC][8];
+  float sum_sq = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      sum[2 * j] = fmaf(w, bf16x2_lo(v[j]), sum[2 * j]);
-      sum[2 * j + 1] = fmaf(w, bf16x2_hi(v[j]), sum[2 * j + 1]);
-    }
+  for (int i = 0; i < NORM_MAX_VEC; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    if (v >= num_vec) break;
+    const uint4 r = ld_act_v4(residual + (size_t)t * N + 8 * v);
+    u32 o[4] = {r.x, r.y, r.z, r.w};
+    if (real) finalize_vec(o, r, y_sorted, pair_row, weights, t, 8 * v, N, A);
+    *reinterpret_cast<uint4*>(out + (size_t)t * N + 8 * v) = make_uint4(o[0], o[1], o[2], o[3]);
+    sum_sq = norm_unpack(s[i], o, sum_sq);
   }
-  const u32 rv[4] = {r.x, r.y, r.z, r.w};
-  uint4 o;
-  o.x = pack_bf16x2(bf16x2_lo(rv[0]) + sum[0], bf16x2_hi(rv[0]) + sum[1]);
-  o.y = pack_bf16x2(bf16x2_lo(rv[1]) + sum[2], bf16x2_hi(rv[1]) + sum[3]);
-  o.z = pack_bf16x2(bf16x2_lo(rv[2]) + sum[4], bf16x2_hi(rv[2]) + sum[5]);
-  o.w = pack_bf16x2(bf16x2_lo(rv[3]) + sum[6], bf16x2_hi(rv[3]) + sum[7]);
-  *reinterpret_cast<uint4*>(out + (size_t)t * N + c) = o;
+  norm_store(norm_out + (size_t)t * N, s, wv, sum_sq, N, eps);
 }

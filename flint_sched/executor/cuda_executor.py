@@ -137,6 +137,13 @@ class CudaExecutor:
         self.layer_outputs: list[torch.Tensor] | None = None
         self.last_logits: torch.Tensor | None = None
 
+    def clear_graphs(self) -> None:
+        """Drop the captured steps and sampling graphs (a benchmark changing kernels between
+        captures); the next steps capture them again, in a new pool."""
+        self.graphs.clear()
+        self.sampler.graphs.clear()
+        self.sampler.pool = self.graphs.pool if self.device.type == "cuda" else None
+
     @property
     def kv(self) -> KVCache:
         return self.weights.kv

@@ -12,6 +12,10 @@ the model; the ops decide how each piece runs. model/reference.py stays the orac
         x = rms_norm(h)
         h = moe(i, x, residual=h)                         or linear(gate_up(x), down, residual=h)
     logits = lm_head(rms_norm(h))                         rows that sample only
+
+A residual op also takes the RMSNorm that follows it (`norm`: the next input or post-attention
+norm's weight) and returns (h, rms_norm(h)), so the kernels can normalize the row they just wrote
+in the same pass; the first layer of a call and the LM head's rows normalize on their own.
 """
 
 from __future__ import annotations
@@ -44,11 +48,17 @@ class LayerOps(Protocol):
     def linear(self, x: torch.Tensor, weight: str, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T (+ residual)."""
 
+    def linear_norm(self, x: torch.Tensor, weight: str, residual: torch.Tensor,
+                    norm: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(h, rms_norm(h, norm)) with h = x @ W^T + residual; (h, None) without a norm."""
+
     def gate_up(self, x: torch.Tensor, gate: str, up: str) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T): the dense SwiGLU's front half."""
 
-    def moe(self, i: int, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + the layer's routed experts (router, top-k, weighted sum) + shared expert."""
+    def moe(self, i: int, x: torch.Tensor, residual: torch.Tensor,
+            norm: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(h, rms_norm(h, norm) or None), h = residual + the layer's routed experts (router,
+        top-k, weighted sum) + shared expert."""
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm and LM head of the rows that sample: [rows, vocab]."""
@@ -63,16 +73,18 @@ def forward(ops: LayerOps, config: FlintConfig, first: int = 0, last: int | None
     """
     last = config.num_hidden_layers if last is None else last
     h = ops.embed() if first == 0 else ops.resume()
+    x = ops.rms_norm(h, f"model.layers.{first}.input_layernorm.weight") if first < last else None
     for i in range(first, last):
         p = f"model.layers.{i}."
-        q = ops.qkv(i, ops.rms_norm(h, p + "input_layernorm.weight"))
-        h = ops.linear(ops.attention(i, q), p + "self_attn.o_proj.weight", residual=h)
-        x = ops.rms_norm(h, p + "post_attention_layernorm.weight")
+        q = ops.qkv(i, x)
+        h, x = ops.linear_norm(ops.attention(i, q), p + "self_attn.o_proj.weight", h,
+                               p + "post_attention_layernorm.weight")
+        after = f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < last else None
         if config.is_moe(i):
-            h = ops.moe(i, x, residual=h)
+            h, x = ops.moe(i, x, h, after)
         else:
             up = ops.gate_up(x, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            h = ops.linear(up, p + "mlp.down_proj.weight", residual=h)
+            h, x = ops.linear_norm(up, p + "mlp.down_proj.weight", h, after)
         if layer_outputs is not None:
             layer_outputs.append(h.clone())
     if last < config.num_hidden_layers:

@@ -62,6 +62,12 @@ class StepGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
+    def clear(self) -> None:
+        """Drop every captured graph and their pool: a pool whose graphs are all gone takes no new
+        capture (torch asserts), so the next capture starts a fresh one."""
+        self.graphs.clear()
+        self.last_key = self._pool = None
+
     def run(self, key: tuple, segment: Callable[[int, int], object], replay_first: bool = True) -> None:
         """Replay the key's graphs, capturing them first if new. A capture runs the step once
         eagerly (loading kernels and workspaces); `replay_first` False lets that run stand for the

@@ -39,6 +39,10 @@ from flint_sched.kernels.prefill_attention import (
 )
 from flint_sched.kernels.sampling import greedy
 
+# Grouped and prompt steps normalize the row a residual op writes in the same launch where the
+# kernels allow (moe_finalize_norm; the residual epilogue after cuBLAS); False: a launch of its own.
+FUSE_NORMS = True
+
 
 @dataclass
 class KernelWeights:
@@ -162,27 +166,42 @@ class KernelOps:
         gemm = linear if self.variant == "fused" else grouped_linear
         return gemm(x, self._weight(weight, x.shape[0]), residual=residual, out=self._other(residual), pdl=self.pdl)
 
+    def linear_norm(self, x: torch.Tensor, weight: str, residual: torch.Tensor, norm: str | None):
+        if norm is None or self.variant == "fused" or not FUSE_NORMS:
+            h = self.linear(x, weight, residual)
+            return h, None if norm is None else self.rms_norm(h, norm)
+        normed = torch.empty_like(residual)
+        h = grouped_linear(x, self._weight(weight, x.shape[0]), residual=residual, out=self._other(residual),
+                           pdl=self.pdl, norm_weight=self.w[norm], norm_out=normed, norm_eps=self.eps)
+        return h, normed
+
     def gate_up(self, x: torch.Tensor, gate: str, up: str) -> torch.Tensor:
         out = torch.empty(self.rows, self.w[gate].shape[0], dtype=torch.bfloat16, device=x.device)
         gemm = gate_up_silu if self.variant == "fused" else grouped_gate_up
         return gemm(x, self._weight(gate, x.shape[0]), self._weight(up, x.shape[0]), out=out, pdl=self.pdl)
 
-    def moe(self, i: int, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def moe(self, i: int, x: torch.Tensor, residual: torch.Tensor, norm: str | None = None):
         c, w, p = self.c, self.w, f"model.layers.{i}.mlp."
         shared = [w[p + f"shared_experts.{n}_proj.weight"] if c.n_shared_experts else None for n in ("gate", "up", "down")]
         experts = [w[p + f"experts.{n}_proj.weight"] for n in ("gate", "up", "down")]
         router, bias = w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"]
         out = self._other(residual)
         if self.variant != "fused":
-            return moe_grouped(x, router, bias, c.num_experts_per_tok, c.routed_scaling_factor, *experts, *shared,
-                               residual=residual, workspace=self.routing, out=out,
-                               num_tokens=self.num_rows, pdl=self.pdl)
+            fuse = norm is not None and FUSE_NORMS
+            normed = torch.empty_like(residual) if fuse else None
+            h = moe_grouped(x, router, bias, c.num_experts_per_tok, c.routed_scaling_factor, *experts, *shared,
+                            residual=residual, workspace=self.routing, out=out, num_tokens=self.num_rows,
+                            pdl=self.pdl, norm_weight=w[norm] if fuse else None, norm_out=normed, norm_eps=self.eps)
+            if norm is not None and not fuse:
+                normed = self.rms_norm(h, norm)
+            return h, normed
         ids, weights = route(x, router, bias, c.num_experts_per_tok, c.routed_scaling_factor, pdl=self.pdl,
                              workspace=self.ws.router)
         hidden = torch.empty(self.rows, c.num_experts_per_tok + 1, c.moe_intermediate_size, dtype=torch.bfloat16,
                              device=x.device)
         hidden = moe_gate_up(x, ids, experts[0], experts[1], shared[0], shared[1], out=hidden, pdl=self.pdl)
-        return moe_down(hidden, ids, weights, experts[2], shared[2], residual=residual, out=out, pdl=self.pdl)
+        h = moe_down(hidden, ids, weights, experts[2], shared[2], residual=residual, out=out, pdl=self.pdl)
+        return h, None if norm is None else self.rms_norm(h, norm)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.sample_rows is not None:

@@ -138,8 +138,13 @@ class TorchOps(AttentionOps):
     def gate_up(self, x: torch.Tensor, gate: str, up: str) -> torch.Tensor:
         return F.silu(self.linear(x, gate)) * self.linear(x, up)
 
-    def moe(self, i: int, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return residual + self.model.moe(i, x)
+    def linear_norm(self, x: torch.Tensor, weight: str, residual: torch.Tensor, norm: str | None):
+        h = self.linear(x, weight, residual)
+        return h, None if norm is None else self.rms_norm(h, norm)
+
+    def moe(self, i: int, x: torch.Tensor, residual: torch.Tensor, norm: str | None = None):
+        h = residual + self.model.moe(i, x)
+        return h, None if norm is None else self.rms_norm(h, norm)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         last = self.rms_norm(h[self.rows.logit_rows], "model.norm.weight")

@@ -25,7 +25,7 @@ VARIANTS = {
     "moe_routing.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),
 }
 ENTRY_POINTS = (
-    ("rmsnorm.cu", "rmsnorm_bf16"),
+    ("rmsnorm.cu", "rmsnorm_bf16"), ("rmsnorm.cu", "add_rmsnorm_f32"),
     ("gemv.cu", "gemv_bf16"), ("gemv.cu", "gemv_nvfp4"),
     ("gemv.cu", "gate_up_bf16"), ("gemv.cu", "gate_up_nvfp4"),
     ("router.cu", "router_topk"), ("router.cu", "router_topk_cluster"),
@@ -36,7 +36,7 @@ ENTRY_POINTS = (
     *(("grouped_gemm.cu", f"grouped_{op}_{fmt}") for op in ("linear", "gate_up", "moe_gate_up", "moe_down")
       for fmt in ("bf16", "nvfp4")),
     ("moe_routing.cu", "moe_topk"), ("moe_routing.cu", "moe_sort"), ("moe_routing.cu", "moe_route"),
-    ("moe_routing.cu", "moe_finalize"), ("nvfp4_dequant.cu", "nvfp4_to_bf16"),
+    ("moe_routing.cu", "moe_finalize"), ("moe_routing.cu", "moe_finalize_norm"), ("nvfp4_dequant.cu", "nvfp4_to_bf16"),
 )
 
 __all__ = [

@@ -18,6 +18,7 @@ from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
 from flint_sched.kernels.hardware import sm_count
 from flint_sched.kernels.linear import (Weight, cdiv, check_row_splits, check_tensor, gate_up_args, weight_args,
                                         weight_format)
+from flint_sched.kernels.norm import add_rms_norm_f32, rms_norm
 
 CHUNKS = (8, 16, 64)       # rows per item (cuda/grouped_gemm.cu GROUPED_CHUNK)
 # Rows per item of the MoE GEMMs for decode-sized steps (<= 16 rows per touched expert on
@@ -158,12 +159,16 @@ def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                   pdl: bool = False, row_splits: tuple[int, ...] = (), cublas: bool | None = None) -> torch.Tensor:
+                   pdl: bool = False, row_splits: tuple[int, ...] = (), cublas: bool | None = None,
+                   norm_weight: torch.Tensor | None = None, norm_out: torch.Tensor | None = None,
+                   norm_eps: float = 0.0) -> torch.Tensor:
     """y[M, N] = x @ W^T (+ residual) for any M >= 1: fp32 sums, one rounding to out_dtype
     (bf16, or fp32 for router logits). W: bf16 [N, K] (K % 8 == 0) or NVFP4Tensor (K % 64 == 0).
     `row_splits`: from `concat_rows` (NVFP4 parts keep their tensor scales). `cublas`: see
     `use_cublas` (with a residual or an fp32 output, cuBLAS returns fp32 and the sum is rounded
-    once here: its own bf16 epilogue would round the product first)."""
+    once here: its own bf16 epilogue would round the product first). With `norm_weight` (bf16 y,
+    a residual), norm_out also receives rms_norm(y) * norm_weight: after cuBLAS in the residual's
+    epilogue kernel, after our kernel in a launch of its own."""
     m, k = check_rows(x)
     n = weight.shape[0]
     if tuple(weight.shape) != (n, k):
@@ -174,6 +179,8 @@ def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | Non
     if residual is not None:
         check_tensor(residual, "residual", torch.bfloat16, (m, n), x.device, 2)
     y = out_buffer(out, "out", (m, n), out_dtype, x)
+    if norm_weight is not None and (residual is None or norm_out is None or out_dtype != torch.bfloat16):
+        raise ValueError("norm_weight needs a residual, norm_out and a bf16 output")
     # An fp32 output (router logits) stays on our kernel: its sums decide the experts, and the
     # engine's tests bound the logits with the kernel's summation order.
     if out_dtype == torch.bfloat16 and use_cublas(fmt, m, cublas) and (
@@ -181,6 +188,9 @@ def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | Non
         w = _dense_bf16(weight, row_splits, pdl)
         if residual is None:
             return torch.mm(x, w.t(), out=y)
+        if norm_weight is not None:
+            add_rms_norm_f32(_mm_f32(x, w), residual, norm_weight, norm_eps, out=norm_out, residual_out=y, pdl=pdl)
+            return y
         return torch.add(_mm_f32(x, w), residual, out=y)      # fp32 sum, one rounding, one kernel
     splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
     chunk = dense_chunk(m)
@@ -190,6 +200,8 @@ def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | Non
         grid(items, tiles, per_cta), (32 * WARPS,),
         [y, I32(int(out_dtype == torch.float32)), x, *w_args, residual, I32(m), I32(n), I32(k), *splits],
         pdl=pdl, device=x.device.index)
+    if norm_weight is not None:
+        rms_norm(y, norm_weight, norm_eps, out=norm_out, pdl=pdl)
     return y
 
 

@@ -5,7 +5,7 @@ EXPERT_GEMM_MIN_TOKENS on, the tiled expert GEMMs of cuda/expert_gemm.cu), five 
     ids, weights, sorted rows, work list                           route_and_sort (one launch)
     h_sorted [P, I]  = silu(x[tok] @ Wg_e^T) * (x[tok] @ Wu_e^T)   moe_gate_up_sorted
     y_sorted [P, H]  = h_sorted @ Wd_e^T                           moe_down_sorted
-    out [M, H] = residual + sum_a w * y_sorted[pair_row] + shared  moe_finalize
+    out [M, H] = residual + sum_a w * y_sorted[pair_row] + shared  moe_finalize (+ the next RMSNorm)
 
 P = M * (A + 1) rows at most (slot A: the shared expert, expert id E, weight 1). Nothing leaves the
 GPU: item counts stay in the workspace and grids are sized by `work_bound`. All buffers live in
@@ -27,6 +27,7 @@ from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.grouped import (CHUNKS, TILE_ROWS, TILES_PER_CTA, WARPS, check_rows, gemm_kernel, grid,
                                          grouped_linear, moe_chunk, out_buffer, work_bound)
 from flint_sched.kernels.linear import Weight, cdiv, check_tensor, expert_args, moe_gate_up_args, weight_format
+from flint_sched.kernels.norm import MAX_HIDDEN, norm_threads
 
 ROUTING_THREADS = 512       # cuda/moe_routing.cu ROUTING_WARPS * 32
 ROUTING_WARPS = ROUTING_THREADS // 32
@@ -213,9 +214,11 @@ def moe_down_sorted(h: torch.Tensor, routing: Routing, down: Weight, shared_down
 
 def moe_finalize(y_sorted: torch.Tensor, routing: Routing, residual: torch.Tensor,
                  num_tokens: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 pdl: bool = False) -> torch.Tensor:
+                 pdl: bool = False, norm_weight: torch.Tensor | None = None,
+                 norm_out: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
     """out [M, H] = bf16(residual + sum_a w[:, a] * y_sorted[pair_row[:, a]] + y_sorted[pair_row[:, A]]);
-    tokens t >= num_tokens: residual. out may be residual (in place)."""
+    tokens t >= num_tokens: residual. out may be residual (in place). With `norm_weight` (bf16 [H]),
+    also norm_out = rms_norm(out) * norm_weight (eps `norm_eps`) in the same launch, one CTA a row."""
     m, n = check_rows(residual, "residual")
     if n % 8 or m != routing.pair_row.shape[0]:
         raise ValueError(f"residual must be [{routing.pair_row.shape[0]}, H] with H % 8 == 0, got [{m}, {n}]")
@@ -224,10 +227,20 @@ def moe_finalize(y_sorted: torch.Tensor, routing: Routing, residual: torch.Tenso
     y = out_buffer(out, "out", (m, n), torch.bfloat16, residual)
     if y.data_ptr() % 16:
         raise ValueError("out must be 16-byte aligned")
-    routing_kernel("moe_finalize", routing.num_experts).launch(
-        (cdiv(m * n // 8, FINALIZE_THREADS),), (FINALIZE_THREADS,),
-        [y, residual, y_sorted, routing.pair_row, routing.weights, num_tokens, I32(m), I32(n), I32(a)], pdl=pdl,
-        device=residual.device.index)
+    args = [y_sorted, routing.pair_row, routing.weights]
+    if norm_weight is None:
+        routing_kernel("moe_finalize", routing.num_experts).launch(
+            (cdiv(m * n // 8, FINALIZE_THREADS),), (FINALIZE_THREADS,),
+            [y, residual, *args, num_tokens, I32(m), I32(n), I32(a)], pdl=pdl, device=residual.device.index)
+        return y
+    if n > MAX_HIDDEN or norm_out is None:
+        raise ValueError(f"the fused norm needs norm_out and rows of at most {MAX_HIDDEN} values, got {n}")
+    check_tensor(norm_weight, "norm_weight", torch.bfloat16, (n,), residual.device)
+    check_tensor(norm_out, "norm_out", torch.bfloat16, (m, n), residual.device, 16)
+    routing_kernel("moe_finalize_norm", routing.num_experts).launch(
+        (m,), (norm_threads(n),),
+        [y, norm_out, residual, *args, norm_weight, num_tokens, I32(m), I32(n), I32(a), F32(norm_eps)],
+        pdl=pdl, device=residual.device.index)
     return y
 
 
@@ -263,9 +276,11 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
                 gate: Weight, up: Weight, down: Weight, shared_gate: Weight, shared_up: Weight,
                 shared_down: Weight, residual: torch.Tensor, workspace: MoeRoutingWorkspace,
                 out: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None,
-                pdl: bool = False, gemms: str | None = None) -> torch.Tensor:
+                pdl: bool = False, gemms: str | None = None, norm_weight: torch.Tensor | None = None,
+                norm_out: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
     """The MoE block plus residual for x bf16 [M, H]: five launches, no host sync. The workspace
-    needs hidden_size and intermediate_size (its h/y buffers). `gemms`: see expert_gemms."""
+    needs hidden_size and intermediate_size (its h/y buffers). `gemms`: see expert_gemms. With
+    `norm_weight`, norm_out also receives the result's RMSNorm (moe_finalize)."""
     ws = workspace
     m, hidden = check_rows(x)
     inter = gate.shape[1]
@@ -286,4 +301,5 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
     routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl, chunk=chunk)
     h = gate_up_gemm(x, routing, gate, up, shared_gate, shared_up, out=ws.h_sorted[:pairs], pdl=pdl)
     y = down_gemm(h, routing, down, shared_down, out=ws.y_sorted[:pairs], pdl=pdl)
-    return moe_finalize(y, routing, residual, num_tokens=num_tokens, out=out, pdl=pdl)
+    return moe_finalize(y, routing, residual, num_tokens=num_tokens, out=out, pdl=pdl, norm_weight=norm_weight,
+                        norm_out=norm_out, norm_eps=norm_eps)

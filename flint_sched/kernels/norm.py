@@ -1,4 +1,4 @@
-"""RMSNorm launchers (cuda/rmsnorm.cu): plain, and fused with the residual add.
+"""RMSNorm launchers (cuda/rmsnorm.cu): plain, and fused with the residual add (bf16 or fp32 x).
 
 x [..., H] bf16 contiguous, H % 8 == 0 and H <= 8192; fp32 math as `rms_norm` in
 model/reference.py; one CTA per row. In place is allowed: out may be x, residual_out may be residual.
@@ -19,8 +19,8 @@ MAX_HIDDEN = 8 * MAX_VEC_PER_THREAD * MAX_THREADS
 
 
 @functools.cache
-def _kernel() -> Kernel:
-    return compile_kernel("rmsnorm.cu", "rmsnorm_bf16")
+def _kernel(name: str = "rmsnorm_bf16") -> Kernel:
+    return compile_kernel("rmsnorm.cu", name)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
@@ -42,6 +42,18 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return out, residual_out
 
 
+def add_rms_norm_f32(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                     pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s) * weight, s) with s = bf16(x + residual) for x fp32 (a GEMM's fp32 product:
+    the sum rounded once, as torch.add(x, residual, out=bf16)); residual_out may be residual."""
+    check_tensor(residual, "residual", torch.bfloat16, tuple(x.shape), x.device)
+    out = _like(residual, out, "out")
+    residual_out = _like(residual, residual_out, "residual_out")
+    _launch(out, residual_out, x, residual, weight, eps, pdl, "add_rmsnorm_f32")
+    return out, residual_out
+
+
 def _like(x: torch.Tensor, t: torch.Tensor | None, name: str) -> torch.Tensor:
     if t is None:
         return torch.empty_like(x)
@@ -49,18 +61,21 @@ def _like(x: torch.Tensor, t: torch.Tensor | None, name: str) -> torch.Tensor:
     return t
 
 
-def _launch(out, residual_out, x, residual, weight, eps: float, pdl: bool) -> None:
+def _launch(out, residual_out, x, residual, weight, eps: float, pdl: bool, name: str = "rmsnorm_bf16") -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.is_cuda:
         raise ValueError("x must be a CUDA tensor [..., H]")
     h = x.shape[-1]
     if h % 8 or not 8 <= h <= MAX_HIDDEN:
         raise ValueError(f"hidden size must be a multiple of 8 in 8..{MAX_HIDDEN}, got {h}")
-    check_tensor(x, "x", torch.bfloat16, tuple(x.shape), x.device)
+    check_tensor(x, "x", torch.float32 if name == "add_rmsnorm_f32" else torch.bfloat16, tuple(x.shape), x.device)
     check_tensor(weight, "weight", torch.bfloat16, (h,), x.device)
     rows = x.numel() // h
     if rows == 0:
         return
-    num_vec = h // 8
-    threads = min(MAX_THREADS, -(-num_vec // 32) * 32)  # <= MAX_VEC_PER_THREAD vectors each
-    _kernel().launch((rows,), (threads,), [out, residual_out, x, residual, weight, I32(h), F32(eps)],
-                     pdl=pdl, device=x.device.index)
+    _kernel(name).launch((rows,), (norm_threads(h),), [out, residual_out, x, residual, weight, I32(h), F32(eps)],
+                         pdl=pdl, device=x.device.index)
+
+
+def norm_threads(h: int) -> int:
+    """Threads of a CTA normalizing one row of h values (<= MAX_VEC_PER_THREAD vectors of 8 each)."""
+    return min(MAX_THREADS, -(-(h // 8) // 32) * 32)

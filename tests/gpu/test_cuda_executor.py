@@ -12,6 +12,7 @@ from flint_sched.config import flint_layer_types, preset
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.core.scheduler_config import SchedulerConfig
 from flint_sched.executor.cuda_executor import CudaExecutor
+from flint_sched.executor import kernel_ops
 from flint_sched.executor.dense_copies import copies_bytes
 from flint_sched.executor.graphs import PROMPT_GRAPH_TOKENS
 from flint_sched.executor.kv_cache import KVCache
@@ -237,6 +238,21 @@ def test_dense_bf16_copies_change_no_logit(ckpt):
         assert len(copies.qkv) == ckpt.config.num_hidden_layers
     assert out_with == out_without
     for (r1, p1, a), (r2, p2, b) in zip(with_copies, without, strict=True):
+        assert (r1, p1) == (r2, p2) and torch.equal(a, b)
+
+
+def test_fused_norms_change_no_logit(ckpt, monkeypatch):
+    """The RMSNorms done in the launch that writes their row (moe_finalize_norm, the residual
+    epilogue after cuBLAS) give the same logits, bit for bit, as a launch of their own (grouped
+    decode batches and prompt steps, graphs with several segments)."""
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 4096, (int(n),), generator=gen).tolist() for n in torch.randint(1, 300, (20,))]
+    fused, out_fused, _ = run(ckpt, prompts, 5, seqs=20, num_blocks=1024, budget=1024)
+    assert {"grouped", "prompt"} <= run.paths
+    monkeypatch.setattr(kernel_ops, "FUSE_NORMS", False)
+    apart, out_apart, _ = run(ckpt, prompts, 5, seqs=20, num_blocks=1024, budget=1024)
+    assert out_fused == out_apart
+    for (r1, p1, a), (r2, p2, b) in zip(fused, apart, strict=True):
         assert (r1, p1) == (r2, p2) and torch.equal(a, b)
 
 

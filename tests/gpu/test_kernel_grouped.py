@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flint_sched.kernels import expert_decode, grouped, grouped_gate_up, grouped_moe, grouped_linear, moe_routing_workspace, route_and_sort
+from flint_sched.kernels import expert_decode, grouped, grouped_gate_up, grouped_moe, grouped_linear, moe_grouped, moe_routing_workspace, route_and_sort
 from flint_sched.kernels.dequant import dequantize_bf16
 from flint_sched.kernels.linear import concat_rows
+from flint_sched.kernels.norm import rms_norm
 from gpu_checks import assert_close_bf16, gen, poisoned
-from moe_checks import FLINT, SCALING, SMALL, check_graph_replay, check_moe, dense, make_moe, make_weight
+from moe_checks import FLINT, SCALING, SMALL, check_graph_replay, check_moe, dense, make_moe, make_weight, run_moe
 
 pytestmark = pytest.mark.gpu
 
@@ -164,6 +165,46 @@ def test_moe_grouped_decode_gemms_one_expert_and_graph(flint_nvfp4_moe):
     ws = check_moe("nvfp4", dict(flint_nvfp4_moe, bias=bias), FLINT, 317, "decode, one expert", gemms="decode")
     assert ws.offsets.diff()[7] == 317
     check_graph_replay(flint_nvfp4_moe, FLINT, tokens=200, partial=77, gemms="decode")
+
+
+@pytest.mark.parametrize("gemms", ["decode", "tiled"])
+@pytest.mark.parametrize("tokens,ntok", [(16, 9), (64, 64), (600, 517)])
+def test_moe_grouped_with_the_next_norm(flint_nvfp4_moe, gemms, tokens, ntok):
+    """moe_finalize_norm: the MoE output bit for bit the plain finalize's, and its RMSNorm bit for
+    bit the rmsnorm kernel's over that output (padded rows: the residual and its norm)."""
+    p, g = flint_nvfp4_moe, gen(tokens)
+    x = torch.randn(tokens, FLINT["hidden"], device="cuda", generator=g).bfloat16()
+    residual = torch.randn(tokens, FLINT["hidden"], device="cuda", generator=g).bfloat16()
+    weight = (1 + 0.1 * torch.randn(FLINT["hidden"], device="cuda", generator=g)).bfloat16()
+    ws = moe_routing_workspace(tokens, FLINT["experts"], FLINT["top_k"], "cuda", hidden_size=FLINT["hidden"],
+                               intermediate_size=FLINT["inter"])
+    num_tokens = torch.tensor([ntok], dtype=torch.int32, device="cuda")
+    plain = run_moe(p, x, residual, ws, FLINT["top_k"], num_tokens, gemms=gemms)
+    out, normed = poisoned(tokens, FLINT["hidden"]), poisoned(tokens, FLINT["hidden"])
+    moe_grouped(x, p["router"], p["bias"], FLINT["top_k"], SCALING, p["gate"], p["up"], p["down"], p["shared_gate"],
+                p["shared_up"], p["shared_down"], residual, ws, out=out, num_tokens=num_tokens, pdl=True,
+                gemms=gemms, norm_weight=weight, norm_out=normed, norm_eps=1e-5)
+    assert torch.equal(out, plain)
+    assert torch.equal(normed, rms_norm(plain, weight, 1e-5))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m", [9, 16, 17, 300])
+def test_grouped_linear_with_the_next_norm(fmt, m):
+    """grouped_linear with a residual and the RMSNorm after it (cuBLAS's epilogue kernel, or our
+    kernel then the norm): y as without the norm, norm_out the rmsnorm kernel's over y."""
+    g = gen(m + 5)
+    w = make_weight(fmt, 2048, 4096, g=g)
+    x = torch.randn(m, 4096, device="cuda", generator=g).bfloat16()
+    residual = torch.randn(m, 2048, device="cuda", generator=g).bfloat16()
+    weight = (1 + 0.1 * torch.randn(2048, device="cuda", generator=g)).bfloat16()
+    plain = grouped_linear(x, w, residual=residual)
+    normed = poisoned(m, 2048)
+    y = grouped_linear(x, w, residual=residual, out=poisoned(m, 2048), norm_weight=weight, norm_out=normed,
+                       norm_eps=1e-5, pdl=True)
+    assert torch.equal(y, plain) and torch.equal(normed, rms_norm(plain, weight, 1e-5))
+    with pytest.raises(ValueError, match="norm_out"):
+        grouped_linear(x, w, residual=residual, norm_weight=weight)
 
 
 def test_moe_grouped_cuda_graph_with_pdl(small_moe):

@@ -4,14 +4,13 @@ import pytest
 import torch
 
 from flint_sched.kernels import fused_add_rms_norm, rms_norm
+from flint_sched.kernels.norm import add_rms_norm_f32
 from flint_sched.model.reference import rms_norm as reference_rms_norm
 from gpu_checks import assert_close_bf16
 
 pytestmark = pytest.mark.gpu
 
 EPS = 1e-5
-
-
 
 def inputs(tokens: int, hidden: int, seed: int = 0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -68,3 +67,22 @@ def test_rejects_bad_shapes():
         rms_norm(x.float(), weight, EPS)
     with pytest.raises(ValueError):
         fused_add_rms_norm(x, residual[:1], weight, EPS)
+
+
+@pytest.mark.parametrize("hidden", [8, 520, 2048, 8192])
+@pytest.mark.parametrize("tokens", [1, 17, 300])
+def test_add_rms_norm_f32_is_torch_add_then_rms_norm(tokens, hidden):
+    """The residual epilogue after cuBLAS with the norm that follows it: the sum bit for bit
+    torch.add(fp32, bf16, out=bf16), the norm bit for bit the rmsnorm kernel's on that sum;
+    in place on the residual too."""
+    _, residual, weight = inputs(tokens, hidden, seed=4)
+    x = torch.randn(tokens, hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    s = torch.add(x, residual, out=torch.empty_like(residual))
+    expected = rms_norm(s, weight, EPS)
+    out, residual_out = torch.full_like(residual, float("nan")), torch.full_like(residual, float("nan"))
+    add_rms_norm_f32(x, residual, weight, EPS, out=out, residual_out=residual_out)
+    assert torch.equal(residual_out, s) and torch.equal(out, expected)
+    add_rms_norm_f32(x, residual, weight, EPS, out=out, residual_out=residual)
+    assert torch.equal(residual, s) and torch.equal(out, expected)
+    with pytest.raises(ValueError, match="float32"):
+        add_rms_norm_f32(x.bfloat16(), residual, weight, EPS, out=out, residual_out=residual_out)

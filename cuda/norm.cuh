@@ -1,0 +1,61 @@
+// RMSNorm of one row per CTA, as `rms_norm` in model/reference.py (fp32 math over the bf16 row):
+//   out = bf16(s * rsqrt(mean(s^2) + eps) * weight)
+// Each thread holds up to NORM_MAX_VEC 8-wide vectors of the row (vector v = threadIdx.x + i *
+// blockDim.x), so H % 8 == 0 and H <= 8 * NORM_MAX_VEC * blockDim.x. Shared by rmsnorm.cu and the
+// kernels that produce a row and normalize it in the same pass (moe_routing.cu's finalize).
+#pragma once
+#include "common.cuh"
+
+#define NORM_MAX_THREADS 256
+#define NORM_MAX_VEC 4
+
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_part[NORM_MAX_THREADS / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) warp_part[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < warps; ++w) total += warp_part[w];  // same order in every thread
+  return total;
+}
+
+// The weight is never the previous kernel's output: load it before pdl_wait.
+__device__ __forceinline__ void norm_weight_load(uint4 (&wv)[NORM_MAX_VEC], const u16* weight, int num_vec) {
+#pragma unroll
+  for (int i = 0; i < NORM_MAX_VEC; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    if (v < num_vec) wv[i] = *reinterpret_cast<const uint4*>(weight + 8 * v);
+  }
+}
+
+// s[i][0..7] <- the 8 values of bf16 words w; returns sum_sq + their squares (in order).
+__device__ __forceinline__ float norm_unpack(float (&s)[8], const u32 (&w)[4], float sum_sq) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    s[2 * j] = bf16x2_lo(w[j]);
+    s[2 * j + 1] = bf16x2_hi(w[j]);
+    sum_sq = fmaf(s[2 * j], s[2 * j], sum_sq);
+    sum_sq = fmaf(s[2 * j + 1], s[2 * j + 1], sum_sq);
+  }
+  return sum_sq;
+}
+
+// Every thread of the CTA: out_row[v] = bf16(s * inv_rms * weight) for its vectors.
+__device__ __forceinline__ void norm_store(u16* out_row, const float (&s)[NORM_MAX_VEC][8],
+                                           const uint4 (&wv)[NORM_MAX_VEC], float sum_sq, int H,
+                                           float eps) {
+  const float inv = rsqrtf(block_sum(sum_sq) / H + eps);
+  const int num_vec = H / 8;
+#pragma unroll
+  for (int i = 0; i < NORM_MAX_VEC; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    if (v >= num_vec) break;
+    const u32 w[4] = {wv[i].x, wv[i].y, wv[i].z, wv[i].w};
+    u32 o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      o[j] = pack_bf16x2(s[i][2 * j] * inv * bf16x2_lo(w[j]), s[i][2 * j + 1] * inv * bf16x2_hi(w[j]));
+    *reinterpret_cast<uint4*>(out_row + 8 * v) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
