@@ -1,6 +1,6 @@
 """bf16 copies of an NVFP4 checkpoint's dense weights, made once at start-up.
 
-Steps of COPY_MIN_ROWS rows or more (decode batches past 16, prompt steps) run the dense layers
+Steps of COPY_MIN_ROWS rows or more (grouped decode batches, prompt steps) run the dense layers
 (fused q/k/v, o_proj, the dense MLP of the first layers; the LM head is bf16 in the checkpoint) on
 cuBLAS over bf16 weights. Without these copies every such step dequantized ~1.05 B
 weights again (2.1 GB written, then read back, at Flint's size); with them a step only reads the
@@ -16,12 +16,15 @@ from collections.abc import Mapping
 
 import torch
 
-from flint_sched.kernels.grouped import CUBLAS_MIN_ROWS_NVFP4
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
-# GEMMs from this many rows read the copies (on cuBLAS), as NVFP4 weights went to dequantize +
-# cuBLAS before (kernels/grouped.py); below, our kernels decode the NVFP4 weights.
-COPY_MIN_ROWS = CUBLAS_MIN_ROWS_NVFP4
+# GEMMs from this many rows read the copies (on cuBLAS); below, our kernels decode the NVFP4
+# weights. 9: every grouped decode batch. Measured on the H200 (benchmarks/RESULTS.md, session 10),
+# full model at 1K, from 17 rows (our grouped NVFP4 GEMMs at 9-16 rows) against from 9: batch 9
+# 5.75 -> 4.90 ms, batch 16 6.38 -> 5.28 (cuBLAS reads 4x the bytes of q/k/v and o_proj, ~2 GB a
+# step, but our 16-row GEMMs took ~9 µs a launch for ~1.4 µs of bytes, and the residual epilogue
+# now carries the RMSNorm after it).
+COPY_MIN_ROWS = 9
 
 
 QKV = ("q_proj.weight", "k_proj.weight", "v_proj.weight")

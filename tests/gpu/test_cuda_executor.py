@@ -11,11 +11,12 @@ from flint_sched.checkpoint.make import dummy_checkpoint
 from flint_sched.config import flint_layer_types, preset
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.core.scheduler_config import SchedulerConfig
+from flint_sched.executor import dense_copies, kernel_ops
 from flint_sched.executor.cuda_executor import CudaExecutor
-from flint_sched.executor import kernel_ops
 from flint_sched.executor.dense_copies import copies_bytes
 from flint_sched.executor.graphs import PROMPT_GRAPH_TOKENS
 from flint_sched.executor.kv_cache import KVCache
+from flint_sched.kernels.grouped import CUBLAS_MIN_ROWS_NVFP4
 from flint_sched.model.reference import FlintReference
 from flint_sched.sampling_params import SamplingParams
 from gpu_checks import MAX_MODEL_LEN, small_real_config
@@ -222,9 +223,11 @@ def test_graphs_with_pdl_replay_the_eager_step_exactly(ckpt, first_graph_layers)
         assert (r1, p1) == (r2, p2) and torch.equal(a, b)
 
 
-def test_dense_bf16_copies_change_no_logit(ckpt):
+def test_dense_bf16_copies_change_no_logit(ckpt, monkeypatch):
     """NVFP4: the bf16 copies of the dense weights (executor/dense_copies.py) give the same logits, bit
-    for bit, as dequantizing them in every step (grouped decode batches and prompt steps); BF16: none."""
+    for bit, as dequantizing them in every step (grouped decode batches and prompt steps); BF16: none.
+    (Both from the rows where the launcher dequantizes for cuBLAS: the copies serve fewer rows too.)"""
+    monkeypatch.setattr(dense_copies, "COPY_MIN_ROWS", CUBLAS_MIN_ROWS_NVFP4)
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 4096, (int(n),), generator=gen).tolist() for n in torch.randint(1, 300, (20,))]
     with_copies, out_with, _ = run(ckpt, prompts, 5, seqs=20, num_blocks=1024, budget=1024)
