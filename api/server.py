@@ -358,6 +358,8 @@ def serve(engine_state: EngineState, server_config: ServerConfig) -> int:
 
     lifecycle = Lifecycle(server_config.shutdown_timeout_s)
     app = build_app(engine_state, server_config, lifecycle)
+    # http="auto": httptools (a dependency) parses HTTP/1.1, not h11: at 256 streams ~20 µs less
+    # server CPU per streamed token (benchmarks/RESULTS.md, session 10)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                             log_level=server_config.log_level, timeout_graceful_shutdown=5)
     FlintServer(config, lifecycle, lambda: engine_state.engine).run()

@@ -63,20 +63,30 @@ class DisconnectWatcher:
 async def until_disconnect(stream: AsyncIterator[T], watcher: DisconnectWatcher) -> AsyncIterator[T]:
     """Items of `stream` until it ends or the client goes; the pending read is then cancelled,
     which runs the engine stream's cleanup (abort) inside it. So is a read pending when this
-    generator is itself cancelled (a server shutting down): `stream` is closed only once idle."""
+    generator is itself cancelled (a server shutting down): `stream` is closed only once idle.
+    The read is awaited directly and the watcher cancels it (a done-callback), not an
+    asyncio.wait on both per item: this runs once per streamed token."""
     step: asyncio.Future | None = None
+
+    def on_disconnect(_) -> None:
+        if step is not None:
+            step.cancel()
+
+    watcher.task.add_done_callback(on_disconnect)
     try:
-        while True:
+        while not watcher.disconnected:
             step = asyncio.ensure_future(anext(stream))
-            await asyncio.wait((step, watcher.task), return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                return
             try:
-                item = step.result()
+                item = await step
             except StopAsyncIteration:
                 return
+            except asyncio.CancelledError:
+                if watcher.disconnected and not asyncio.current_task().cancelling():
+                    return                 # the watcher cancelled the read, not someone us
+                raise
             yield item
     finally:
+        watcher.task.remove_done_callback(on_disconnect)
         if step is not None and not step.done():
             step.cancel()
             with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
@@ -85,7 +95,15 @@ async def until_disconnect(stream: AsyncIterator[T], watcher: DisconnectWatcher)
 
 
 async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """(stream index, item) from several streams as items arrive; the first error is re-raised."""
+    """(stream index, item) from several streams as items arrive; the first error is re-raised.
+    One stream (the usual request) is read directly: no task and queue hop per item."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 

@@ -136,6 +136,50 @@ async def test_until_disconnect_cancels_the_pending_read():
     assert count >= 5 and closed.is_set() and watcher.disconnected
 
 
+async def test_until_disconnect_ends_a_read_blocked_when_the_client_goes():
+    """The read pending on a request that makes no progress is cancelled by the disconnect (the
+    engine stream's cleanup runs), and the events end without an error."""
+    closed, first_read, disconnect = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def stalled():
+        try:
+            yield "first"
+            first_read.set()
+            await asyncio.Event().wait()
+            yield "never"
+        finally:
+            closed.set()
+
+    async def receive():
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def consume():
+        return [item async for item in until_disconnect(stalled(), DisconnectWatcher(receive))]
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.wait_for(first_read.wait(), 5)
+    disconnect.set()
+    assert await asyncio.wait_for(task, 5) == ["first"]
+    assert closed.is_set()
+
+
+async def test_merge_streams_of_one_stream_closes_it_when_left_early():
+    closed = asyncio.Event()
+
+    async def endless():
+        try:
+            while True:
+                yield "x"
+        finally:
+            closed.set()
+
+    merged = merge_streams([endless()])
+    assert [await anext(merged), await anext(merged)] == [(0, "x"), (0, "x")]
+    await merged.aclose()
+    assert closed.is_set()
+
+
 class _Tokenizer:
     eos_token_ids = (99,)
 

@@ -34,8 +34,9 @@ def test_random_chat_run_writes_table_json_and_plots(fake, tmp_path, capsys):
     assert main.run(args) == 0
     table, log = capsys.readouterr()
     assert "Serving Benchmark Result" in table and "Mean TTFT (ms)" in table and "P99 ITL (ms)" in table
-    assert "Request goodput (req/s)" in table
+    assert "Request goodput (req/s)" in table and "Client CPU (% of one core)" in table
     result = json.loads((tmp_path / "run.json").read_text())
+    assert 0 < result["client_cpu_percent"] < 400
     assert result["completed"] == 8 and result["failed"] == 0 and result["model"] == "flint-fake"
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     bodies = [r["body"] for r in fake.requests if r["path"] == "/v1/chat/completions"]
@@ -114,3 +115,9 @@ def test_loopback_detection():
     assert main.is_loopback_url("http://127.0.0.1:8000") and main.is_loopback_url("http://[::1]:8000/v1")
     assert main.is_loopback_url("http://localhost:8000") and main.is_loopback_url("http://127.3.2.1")
     assert not main.is_loopback_url("https://api.openai.com") and not main.is_loopback_url("http://192.168.1.2")
+
+
+def test_the_client_streams_over_aiohttp():
+    """httpx-aiohttp is a dependency: `bench serve` reads its streams through aiohttp's parser."""
+    from httpx_aiohttp import AiohttpTransport
+    assert isinstance(main.aiohttp_transport(), AiohttpTransport)

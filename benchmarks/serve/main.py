@@ -186,9 +186,23 @@ def make_plan(args: argparse.Namespace) -> Plan:
         metrics_shown=shown, warmups=all_requests[: args.num_warmups], requests=all_requests[args.num_warmups:])
 
 
+def aiohttp_transport() -> httpx.AsyncBaseTransport | None:
+    """httpx over aiohttp (httpx-aiohttp: its C HTTP parser), connections unlimited; None without
+    it. At 256 streams httpx's own transport (h11 and anyio in Python, ~60 µs of client CPU per
+    streamed event) held this client at a whole core, so it, not the server, set the pace
+    (benchmarks/RESULTS.md, session 10)."""
+    try:
+        import aiohttp
+        from httpx_aiohttp import AiohttpTransport
+    except ImportError:
+        return None
+    return AiohttpTransport(client=lambda: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+
+
 async def _benchmark(args: argparse.Namespace, plan: Plan) -> list[tuple[str, dict]]:
     async with AsyncFlintClient(plan.api_root, args.api_key, max_retries=0, max_connections=None,
-                                timeout=httpx.Timeout(args.max_duration + 30, connect=10.0)) as client:
+                                timeout=httpx.Timeout(args.max_duration + 30, connect=10.0),
+                                transport=aiohttp_transport()) as client:
         model = args.model
         if model is None:
             listed = await client.models()
@@ -228,6 +242,7 @@ async def _benchmark(args: argparse.Namespace, plan: Plan) -> list[tuple[str, di
             label = f"rate {rate:g}/s" + (f", concurrency {concurrency}" if concurrency else "")
             expect_turns(plan.requests)
             cache_before = await scrape_prefix_cache(args.base_url)
+            cpu_before = time.process_time()
             with tqdm(total=len(plan.requests), desc=label, unit="req", disable=args.disable_tqdm) as bar:
                 outcomes, duration_s = await run_requests(
                     plan.requests, send, request_rate=rate, burstiness=args.burstiness, max_concurrency=concurrency,
@@ -242,6 +257,8 @@ async def _benchmark(args: argparse.Namespace, plan: Plan) -> list[tuple[str, di
             cache = hit_rate(cache_before, await scrape_prefix_cache(args.base_url))
             metrics = compute_metrics(outcomes, duration_s, plan.percentiles, plan.slos_ms)
             result = report.build_result(config, metrics)
+            # this process's CPU over the run: near 100 % the client, not the server, sets the pace
+            result["client_cpu_percent"] = 100 * (time.process_time() - cpu_before) / max(duration_s, 1e-9)
             if cache is not None:
                 result |= {f"prefix_cache_{key}": value for key, value in cache.items()}
             runs.append((label, result))

@@ -65,6 +65,8 @@ def format_table(result: dict[str, Any], metrics_shown: tuple[str, ...] = LATENC
         lines += [_line(f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} {name.upper()} (ms)",
                         result[f"{stat}_{name}_ms"]) for stat in stats]
     lines += _cache_lines(result)
+    if result.get("client_cpu_percent") is not None:
+        lines.append(_line("Client CPU (% of one core)", result["client_cpu_percent"]))
     if result["errors"]:
         lines.append(" Failures ".center(WIDTH, "-"))
         lines += [f"{count:>6} x {reason}" for reason, count in sorted(result["errors"].items(), key=lambda x: -x[1])]
