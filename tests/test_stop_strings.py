@@ -44,3 +44,24 @@ def first_completed_cut(text, stops):
         if starts:
             return text[: min(starts)]
     return text
+
+
+def test_per_token_work_does_not_grow_with_the_text():
+    """Only the held-back text is kept between pieces (searched again), whatever was emitted."""
+    c = StopStringChecker(["</answer>"])
+    for _ in range(10_000):
+        assert c.feed("word </ans") == "word "
+        assert len(c.pending) == len("</ans")
+        assert c.feed("wer? ") == "</answer? "
+    assert c.feed("</answer>") == "" and c.matched == "</answer>"
+
+
+def test_completion_output_snapshots_keep_their_text():
+    from flint_sched.engine.outputs import CompletionOutput
+    out = CompletionOutput(0)
+    out.append_text("Hello")
+    before = out.snapshot()
+    out.append_text(", world")
+    out.append_text("")
+    assert (before.text, out.text, out.snapshot().text) == ("Hello", "Hello, world", "Hello, world")
+    assert len(out.pieces) == 2

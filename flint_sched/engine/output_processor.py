@@ -35,7 +35,7 @@ class ChoiceState:
         if step.finish_reason is not None or self.stopped_by_string:
             delta += self.stops.flush()
         out.delta_text = delta
-        out.text += delta
+        out.append_text(delta)
         out.delta_token_ids = list(new_ids)
         out.token_ids.extend(new_ids)
         if out.logprobs is not None:

@@ -14,38 +14,36 @@ class StopStringChecker:
 
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(s for s in stops if s)
-        self.text = ""
-        self.num_emitted = 0
+        self.pending = ""           # fed, not yet emitted: at most a possible start of a stop string
         self.matched: str | None = None
 
     def feed(self, new_text: str) -> str:
         if self.matched is not None:
             return ""
-        self.text += new_text
         if not self.stops:
-            return self._emit_to(len(self.text))
-        # the stop string completed first wins (ties: the longer one), whatever the chunking
-        hit = min(((i + len(s), i, s) for s in self.stops if (i := self.text.find(s, self.num_emitted)) >= 0),
-                  default=None)
+            return new_text
+        # Only the held-back text and the new piece are searched (emitted text holds no start of a
+        # stop string): O(piece) a token, not O(text). The stop string completed first wins (ties:
+        # the longer one), whatever the chunking.
+        text = self.pending + new_text
+        hit = min(((i + len(s), i, s) for s in self.stops if (i := text.find(s)) >= 0), default=None)
         if hit is not None:
-            self.matched = hit[2]
-            return self._emit_to(hit[1])
-        return self._emit_to(len(self.text) - self._held_back())
+            self.matched, self.pending = hit[2], ""
+            return text[:hit[1]]
+        keep = self._held_back(text)
+        self.pending = text[len(text) - keep:]
+        return text[:len(text) - keep]
 
     def flush(self) -> str:
         """At the end of generation (no stop string matched), the held-back text is emitted."""
-        return "" if self.matched is not None else self._emit_to(len(self.text))
+        out, self.pending = ("" if self.matched is not None else self.pending), ""
+        return out
 
-    def _held_back(self) -> int:
+    def _held_back(self, text: str) -> int:
         longest = 0
         for stop in self.stops:
-            for size in range(min(len(stop) - 1, len(self.text) - self.num_emitted), longest, -1):
-                if self.text.endswith(stop[:size]):
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:size]):
                     longest = size
                     break
         return longest
-
-    def _emit_to(self, end: int) -> str:
-        out = self.text[self.num_emitted:end]
-        self.num_emitted = max(self.num_emitted, end)
-        return out
