@@ -1,7 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flint_sched.engine.stop_strings import StopStringChecker
+from flint_sched.engine.stop_strings import StopStringChecker, held_suffix_len
 
 
 def test_holds_back_a_possible_start_and_releases_it():
@@ -65,3 +65,12 @@ def test_completion_output_snapshots_keep_their_text():
     out.append_text("")
     assert (before.text, out.text, out.snapshot().text) == ("Hello", "Hello, world", "Hello, world")
     assert len(out.pieces) == 2
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=st.text(alphabet="<a/b>", max_size=14),
+       tags=st.lists(st.text(alphabet="<a/b>", min_size=1, max_size=6), min_size=1, max_size=4))
+def test_held_suffix_len_is_the_longest_suffix_that_starts_a_tag(text, tags):
+    expected = max((n for n in range(len(text) + 1) for t in tags if n < len(t) and t.startswith(text[len(text) - n:])),
+                   default=0)
+    assert held_suffix_len(text, tuple(tags)) == expected

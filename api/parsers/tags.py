@@ -5,6 +5,8 @@ the longest suffix that is a proper prefix of one of them (it may still grow int
 streaming parser never acts on text that the next chunk could turn into a tag.
 """
 
+from flint_sched.engine.stop_strings import held_suffix_len
+
 
 def find_first(text: str, tags: tuple[str, ...], start: int = 0) -> tuple[int, str] | None:
     """The position and tag of the earliest occurrence of any of `tags` at or after `start`."""
@@ -14,17 +16,6 @@ def find_first(text: str, tags: tuple[str, ...], start: int = 0) -> tuple[int, s
         if index != -1 and (best is None or index < best[0]):
             best = (index, tag)
     return best
-
-
-def held_suffix_len(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
-    longest = 0
-    for tag in tags:
-        for length in range(min(len(tag) - 1, len(text)), longest, -1):
-            if text.endswith(tag[:length]):
-                longest = length
-                break
-    return longest
 
 
 def without_held_suffix(text: str, tags: tuple[str, ...]) -> str:

@@ -30,7 +30,7 @@ class StopStringChecker:
         if hit is not None:
             self.matched, self.pending = hit[2], ""
             return text[:hit[1]]
-        keep = self._held_back(text)
+        keep = held_suffix_len(text, self.stops)
         self.pending = text[len(text) - keep:]
         return text[:len(text) - keep]
 
@@ -39,11 +39,19 @@ class StopStringChecker:
         out, self.pending = ("" if self.matched is not None else self.pending), ""
         return out
 
-    def _held_back(self, text: str) -> int:
-        longest = 0
-        for stop in self.stops:
-            for size in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest
+
+def held_suffix_len(text: str, prefixes_of: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `prefixes_of`
+    (text a stream must hold back: the next piece may complete it). Such a suffix starts with
+    the string's first character, so only those positions in the text's tail are tried: one
+    `find` per string for text that cannot start one (most tokens)."""
+    longest, end = 0, len(text)
+    for s in prefixes_of:
+        limit = min(len(s) - 1, end)
+        start = text.find(s[0], end - limit) if limit > longest else -1
+        while start != -1 and end - start > longest:
+            if s.startswith(text[start:]):
+                longest = end - start
+                break
+            start = text.find(s[0], start + 1)
+    return longest
