@@ -83,6 +83,17 @@ def test_agent_run_counts_failures_with_reasons(fake, capsys):
     assert max(len(b["messages"]) for b in bodies) > 2
 
 
+def test_a_refused_connection_is_a_connection_error(capsys):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]             # closed again: nothing listens there
+    args = parse("--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--num-prompts", "2")
+    assert main.run(args) == 1
+    out = capsys.readouterr().out
+    assert "2 x FlintConnectionError" in out and "Client CPU" not in out
+
+
 def test_max_duration_cancels_streams(fake, capsys):
     fake.endless_stream = True
     args = parse("--base-url", fake.url, "--model", "m", "--num-prompts", "3", "--max-duration", "0.3")

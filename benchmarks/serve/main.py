@@ -196,7 +196,18 @@ def aiohttp_transport() -> httpx.AsyncBaseTransport | None:
         from httpx_aiohttp import AiohttpTransport
     except ImportError:
         return None
-    return AiohttpTransport(client=lambda: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+
+    class Transport(AiohttpTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            try:
+                return await super().handle_async_request(request)
+            except httpx.ConnectTimeout as e:
+                # httpx-aiohttp 0.2 maps a refused connection (ClientConnectorError) to a timeout
+                if isinstance(e.__cause__, aiohttp.ClientConnectorError):
+                    raise httpx.ConnectError(str(e), request=request) from e.__cause__
+                raise
+
+    return Transport(client=lambda: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
 
 
 async def _benchmark(args: argparse.Namespace, plan: Plan) -> list[tuple[str, dict]]:
@@ -242,12 +253,13 @@ async def _benchmark(args: argparse.Namespace, plan: Plan) -> list[tuple[str, di
             label = f"rate {rate:g}/s" + (f", concurrency {concurrency}" if concurrency else "")
             expect_turns(plan.requests)
             cache_before = await scrape_prefix_cache(args.base_url)
-            cpu_before = time.process_time()
             with tqdm(total=len(plan.requests), desc=label, unit="req", disable=args.disable_tqdm) as bar:
+                cpu_start, wall_start = time.process_time(), time.perf_counter()
                 outcomes, duration_s = await run_requests(
                     plan.requests, send, request_rate=rate, burstiness=args.burstiness, max_concurrency=concurrency,
                     max_duration_s=args.max_duration, rng=np.random.default_rng(args.seed),
                     on_done=lambda _: bar.update())
+                cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
             config = {"date": time.strftime("%Y%m%d-%H%M%S"), "base_url": args.base_url, "endpoint": args.endpoint,
                       "endpoint_type": plan.api, "model": model, "dataset_name": args.dataset_name,
                       "num_prompts": len(plan.requests), "num_sent": len(outcomes), "request_rate": rate,
@@ -258,7 +270,7 @@ async def _benchmark(args: argparse.Namespace, plan: Plan) -> list[tuple[str, di
             metrics = compute_metrics(outcomes, duration_s, plan.percentiles, plan.slos_ms)
             result = report.build_result(config, metrics)
             # this process's CPU over the run: near 100 % the client, not the server, sets the pace
-            result["client_cpu_percent"] = 100 * (time.process_time() - cpu_before) / max(duration_s, 1e-9)
+            result["client_cpu_percent"] = 100 * cpu_s / wall_s if wall_s > 0.1 else None
             if cache is not None:
                 result |= {f"prefix_cache_{key}": value for key, value in cache.items()}
             runs.append((label, result))

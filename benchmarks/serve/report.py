@@ -65,7 +65,7 @@ def format_table(result: dict[str, Any], metrics_shown: tuple[str, ...] = LATENC
         lines += [_line(f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} {name.upper()} (ms)",
                         result[f"{stat}_{name}_ms"]) for stat in stats]
     lines += _cache_lines(result)
-    if result.get("client_cpu_percent") is not None:
+    if result.get("client_cpu_percent") is not None:     # not for runs under 0.1 s
         lines.append(_line("Client CPU (% of one core)", result["client_cpu_percent"]))
     if result["errors"]:
         lines.append(" Failures ".center(WIDTH, "-"))
