@@ -27,6 +27,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_random_chat_run_writes_table_json_and_plots(fake, tmp_path, capsys):
+    fake.token_delay_s = 0.03              # a run of > 0.1 s: the client's CPU share is reported
     args = parse("--base-url", fake.url, "--num-prompts", "8", "--num-warmups", "2", "--random-input-len", "30",
                  "--random-output-len", "6", "--random-range-ratio", "0.5", "--request-rate", "200",
                  "--burstiness", "0.5", "--ignore-eos", "--goodput", "ttft:2000", "e2el:5000", "--save-result",
