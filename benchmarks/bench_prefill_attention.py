@@ -7,6 +7,12 @@ ring write. FLOPs: 4 * D * H per visible (query, key) pair (Q.K and P.V, 32 head
 chunk: the usual causal count, ~550 GFLOP for a full layer's 8K chunk. Medians of CUDA-event
 timings after warm-up.
 Run on the GPU machine: python benchmarks/bench_prefill_attention.py [--lens 1024,8192,32768]
+
+`--mixed CHUNK,DECODES,CONTEXT` (e.g. 512,16,8192): what decode rows cost inside a prompt step. A
+chunk of CHUNK tokens ending at CONTEXT beside DECODES one-token rows at CONTEXT (each its own
+request), full layer: the prefill kernel over the chunk alone, over the chunk and the decode rows
+in one launch (as prompt steps run them now), and the decode rows alone through the prefill kernel
+and through the decode kernel (attention.py), which a mixed step could use for them instead.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
+from flint_sched.kernels.attention import attention_workspace, decode_attention_full  # noqa: E402
 from flint_sched.kernels.prefill_attention import (  # noqa: E402
     KERNELS,
     Chunk,
@@ -91,12 +98,46 @@ def bench(n: int) -> list[tuple[str, int, float, float]]:
     return rows
 
 
+def bench_mixed(chunk: int, decodes: int, context: int) -> list[tuple[str, int, float, float]]:
+    """Full-layer attention of a mixed step's rows (see the module docstring), µs."""
+    if not 1 <= chunk <= context or decodes < 1:
+        raise SystemExit(f"--mixed needs 1 <= CHUNK <= CONTEXT and DECODES >= 1, got {chunk},{decodes},{context}")
+    blocks = -(-(context + 1) // BLOCK)
+    tables = [list(range(r * blocks, (r + 1) * blocks)) for r in range(decodes + 1)]
+    prompt = Chunk(context - chunk, chunk, 0, tables[0])
+    singles = [Chunk(context, 1, r + 1, tables[r + 1]) for r in range(decodes)]
+    k_pool = torch.randn((decodes + 1) * blocks, BLOCK, G, D, device="cuda").bfloat16()
+    v_pool = torch.randn_like(k_pool)
+    sinks = torch.randn(H, device="cuda").bfloat16()
+    qkv = torch.randn(chunk + decodes, (H + 2 * G) * D, device="cuda").bfloat16()
+    out = torch.empty(chunk + decodes, H, D, dtype=torch.bfloat16, device="cuda")
+    cases = {"chunk alone": ([prompt], qkv[:chunk]), "chunk + decode rows, one launch": ([prompt, *singles], qkv),
+             "decode rows alone": (singles, qkv[chunk:].contiguous())}
+    rows = []
+    for name, (chunks, x) in cases.items():
+        meta = prefill_metadata(chunks, BLOCK, WINDOW, "cuda")
+        us = time_us(lambda: prefill_attention(x, k_pool, v_pool, meta, sinks, False, out=out[:x.shape[0]]))
+        rows.append((f"prefill kernel, {name}", x.shape[0], us, 0.0))
+    q = torch.randn(decodes, H, D, device="cuda").bfloat16()
+    table = torch.tensor(tables[1:], dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((decodes,), context + 1, dtype=torch.int32, device="cuda")
+    ws = attention_workspace("cuda", max(decodes, 1))
+    us = time_us(lambda: decode_attention_full(q, k_pool, v_pool, table, seq_lens, sinks, ws, context + 1))
+    rows.append(("decode kernel, decode rows alone", decodes, us, 0.0))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lens", default="1024,8192,32768")
+    parser.add_argument("--mixed", default="", metavar="CHUNK,DECODES,CONTEXT",
+                        help="also time a mixed step's full-layer attention (module docstring)")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}; chunk from position 0, block size {BLOCK}, window {WINDOW}")
     print(f"{'kernel':<36} {'tokens':>7} {'us':>10} {'TFLOP/s':>8}")
+    if args.mixed:
+        for name, rows, us, _ in bench_mixed(*map(int, args.mixed.split(","))):
+            print(f"{name:<36} {rows:>7} {us:>10.1f}", flush=True)
     for n in map(int, args.lens.split(",")):
         for name, tokens, us, tflops in bench(n):
             print(f"{name:<36} {tokens:>7} {us:>10.1f} {tflops:>8.1f}" if tflops else
