@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from flint_sched.core.plan import TokenLogprobs
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One choice (of `n`) of a request: everything so far, and what this update added."""
 
@@ -45,7 +45,7 @@ class CompletionOutput:
                                 self.text_pieces)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
