@@ -8,11 +8,12 @@ and sends the next turn: the last prompt plus --grow new tokens (the answer and 
 on a timeline the engine's async scheduling launches ahead into (as bench_host's). What this
 measures is the scheduling: how many steps, and which, a turn waits for its first token.
 
-    python3 -m flint_sched.benchmarks.bench_agent_sim [--sessions 16 --turns 8 --step-ms 6.5 --us-per-prompt-token 22]
-        [--prompt-host-ms 45 --prompt-graph-rows 0] [--max-num-batched-tokens 8192]
+    python3 -m flint_sched.benchmarks.bench_agent_sim [--sessions 16 --turns 8 --step-ms 5.4 --us-per-prompt-token 16]
+        [--prompt-host-ms 45 --prompt-graph-rows 2048] [--max-num-batched-tokens 8192]
 
-The defaults follow the H200 at 16 streams (NVFP4 decode step ~6.5 ms; prefill ~45,000 tokens/s;
-an eager prompt step needs ~45 ms of host time for its ~800 launches, benchmarks/RESULTS.md session 7).
+The defaults follow the H200 at 16 streams (NVFP4 decode step 5.4 ms, prefill ~62,000 tokens/s:
+benchmarks/RESULTS.md session 10; prompt steps of up to 2,048 rows replay graphs, and an eager one
+needs ~45 ms of host time for its ~800 launches, session 7).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flint_sched.benchmarks.bench_host import FakeExecutor  # noqa: E402
+from flint_sched.executor.graphs import PROMPT_GRAPH_TOKENS  # noqa: E402
 from flint_sched.checkpoint.make import dummy_checkpoint  # noqa: E402
 from flint_sched.config import preset  # noqa: E402
 from flint_sched.core.plan import StepPlan  # noqa: E402
@@ -109,11 +111,11 @@ def main() -> int:
     p.add_argument("--grow", type=int, default=450, help="new prompt tokens per turn")
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--stagger-ms", type=float, default=0.0, help="session s starts s times this late (0: together)")
-    p.add_argument("--step-ms", type=float, default=6.5)
-    p.add_argument("--us-per-prompt-token", type=float, default=22.0)
+    p.add_argument("--step-ms", type=float, default=5.4)
+    p.add_argument("--us-per-prompt-token", type=float, default=16.0)
     p.add_argument("--prompt-host-ms", type=float, default=45.0,
                    help="host time of an eager prompt step, the least it takes (H200 machine, ~800 launches)")
-    p.add_argument("--prompt-graph-rows", type=int, default=0,
+    p.add_argument("--prompt-graph-rows", type=int, default=max(PROMPT_GRAPH_TOKENS),
                    help="prompt steps of up to this many rows replay a graph: no host floor (0: none do)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
