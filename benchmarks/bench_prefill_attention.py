@@ -121,7 +121,7 @@ def bench_mixed(chunk: int, decodes: int, context: int) -> list[tuple[str, int, 
     q = torch.randn(decodes, H, D, device="cuda").bfloat16()
     table = torch.tensor(tables[1:], dtype=torch.int32, device="cuda")
     seq_lens = torch.full((decodes,), context + 1, dtype=torch.int32, device="cuda")
-    ws = attention_workspace("cuda", max(decodes, 1))
+    ws = attention_workspace("cuda", decodes)
     us = time_us(lambda: decode_attention_full(q, k_pool, v_pool, table, seq_lens, sinks, ws, context + 1))
     rows.append(("decode kernel, decode rows alone", decodes, us, 0.0))
     return rows

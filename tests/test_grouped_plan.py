@@ -79,3 +79,16 @@ def test_routing_shared_memory_and_workspace_checks():
     assert ws.work_expert.numel() == grouped.work_bound(63, 33, min(grouped.CHUNKS))
     assert ws.h_sorted.shape == (63, 32) and ws.y_sorted.shape == (63, 64)
     assert int(ws.ticket) == 0
+
+
+def test_check_work_list_names_the_mismatch():
+    """The routing check both expert GEMM launchers share (expert_gemm.py, expert_decode.py)."""
+    from types import SimpleNamespace
+
+    import torch
+    routing = SimpleNamespace(chunk=8, num_experts=256, sorted_token=torch.zeros(70, dtype=torch.int32))
+    grouped.check_work_list(routing, 8, 70, 256, "expert_decode (g1t1)")
+    with pytest.raises(ValueError, match=r"expert_decode \(g1t2\) needs a work list of 16-row items"):
+        grouped.check_work_list(routing, 16, 70, 256, "expert_decode (g1t2)")
+    with pytest.raises(ValueError, match="weights have 256 experts / 71 rows; routing has 256 / 70"):
+        grouped.check_work_list(routing, 8, 71, 256, "expert_gemm")

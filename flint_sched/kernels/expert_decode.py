@@ -14,6 +14,7 @@ import functools
 import torch
 
 from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
+from flint_sched.kernels.grouped import check_work_list
 from flint_sched.kernels.linear import (Weight, cdiv, check_tensor, expert_args, moe_gate_up_args, output,
                                         weight_format)
 
@@ -85,12 +86,7 @@ def _grid(routing, num_tiles: int, config: str) -> tuple[int, int]:
 
 
 def _check_routing(routing, rows_needed: int, num_experts: int, config: str) -> None:
-    if routing.chunk != rows_per_item(config):
-        raise ValueError(f"expert_decode ({config}) needs a work list of {rows_per_item(config)}-row items "
-                         f"(route_and_sort(..., chunk={rows_per_item(config)})), got chunk {routing.chunk}")
-    if routing.num_experts != num_experts or routing.sorted_token.numel() != rows_needed:
-        raise ValueError(f"weights have {num_experts} experts / {rows_needed} rows; routing has "
-                         f"{routing.num_experts} / {routing.sorted_token.numel()}")
+    check_work_list(routing, rows_per_item(config), rows_needed, num_experts, f"expert_decode ({config})")
 
 
 def _check(fmt: str, hidden: int, inter: int, config: str, *weights: Weight) -> None:

@@ -14,12 +14,12 @@ import torch
 
 from flint_sched.kernels import _runtime
 from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
+from flint_sched.kernels.grouped import MAX_GRID_Y, check_work_list
 from flint_sched.kernels.linear import Weight, cdiv, check_tensor, expert_args, moe_gate_up_args, weight_format
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 TILE_M = 128        # rows per M-tile (cuda/expert_gemm.cu EG_BM) = the routing chunk
 TILE_K = 64         # EG_BK: K must be a multiple
-MAX_GRID_Y = 65535
 
 # name -> compile-time defines. "n256": 8 warps, 128 x 256 CTA tile, 1 CTA per SM; "n128": 4 warps,
 # 128 x 128, 2 CTAs per SM (3 stages: 96 KB BF16, 95 KB NVFP4), both on mma.sync; "w256", "w256s5":
@@ -81,12 +81,7 @@ def _config(fmt: str, config: str | None) -> str:
 
 
 def _check_routing(routing, rows_needed: int, num_experts: int) -> None:
-    if routing.chunk != TILE_M:
-        raise ValueError(f"the expert GEMMs need a work list of {TILE_M}-row items "
-                         f"(route_and_sort(..., chunk={TILE_M})), got chunk {routing.chunk}")
-    if routing.num_experts != num_experts or routing.sorted_token.numel() != rows_needed:
-        raise ValueError(f"weights have {num_experts} experts / {rows_needed} rows; routing has "
-                         f"{routing.num_experts} / {routing.sorted_token.numel()}")
+    check_work_list(routing, TILE_M, rows_needed, num_experts, "expert_gemm (the tiled expert GEMMs)")
     if routing.max_items > MAX_GRID_Y:
         raise ValueError(f"{routing.max_items} work items exceed grid y ({MAX_GRID_Y})")
 

@@ -109,6 +109,17 @@ def check_rows(x: torch.Tensor, name: str = "x") -> tuple[int, int]:
     return x.shape[0], x.shape[1]
 
 
+def check_work_list(routing, chunk: int, rows_needed: int, num_experts: int, what: str) -> None:
+    """A routing (grouped_moe.Routing) whose work list is of `chunk`-row items, sorted for weights of
+    `num_experts` experts and `rows_needed` sorted rows; `what` names the GEMMs in the message."""
+    if routing.chunk != chunk:
+        raise ValueError(f"{what} needs a work list of {chunk}-row items "
+                         f"(route_and_sort(..., chunk={chunk})), got chunk {routing.chunk}")
+    if routing.num_experts != num_experts or routing.sorted_token.numel() != rows_needed:
+        raise ValueError(f"weights have {num_experts} experts / {rows_needed} rows; routing has "
+                         f"{routing.num_experts} / {routing.sorted_token.numel()}")
+
+
 def out_buffer(out: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                like: torch.Tensor) -> torch.Tensor:
     if dtype not in (torch.bfloat16, torch.float32):
