@@ -42,6 +42,9 @@
 #ifndef EG_WGMMA
 #define EG_WGMMA 0  // 1: warpgroup MMAs (wgmma) from the shared tiles, EG_BN 256 only (see expert_gemm_wgmma)
 #endif
+#ifndef EG_SWAP
+#define EG_SWAP 0  // 1 (EG_WGMMA only): items of <= 64 rows on swap-AB tiles (expert_gemm_wgmma)
+#endif
 #define EG_BM 128  // rows per M-tile = the routing chunk (kernels/expert_gemm.py TILE_M)
 #define EG_BK 64
 #define EG_WARPS_N (EG_BN / 64)
@@ -166,31 +169,52 @@ __device__ __forceinline__ void compute_tile(float (&acc)[4][8][4], u32 a_base, 
 //   NVFP4 the raw stages likewise; tile kt + 1 is decoded (one row per thread) into decoded buffer
 //         (kt + 1) % 3 while wgmma(kt) reads buffer kt % 3; buffer (kt + 1) % 3 was last read by
 //         wgmma(kt - 2).
-template <bool GATE_UP, bool FP4, class LoadTile, class RawStage>
+//
+// Swap-AB (TN > 0, EG_SWAP, items of <= TN rows): the weight tile is wgmma's A and the item's token
+// rows its B, D^T[weight rows x TN tokens], so a tile of a few rows costs m64nTN instead of a whole
+// m64n256 (at ~12 rows an expert -- a mixed step's 528 tokens -- the m64 tiles were 5x padding, and
+// the step compute-bound). Warpgroup wg takes two m64 slices of the weight tile: gate/up its gate
+// rows 64 wg .. + 63 and the same up rows (128 + 64 wg), so SiLU.up stays in registers; down rows
+// 128 wg .. + 127. Same pipeline as above; both warpgroups always work.
+template <bool GATE_UP, bool FP4, int TN, class LoadTile, class RawStage>
 __device__ __forceinline__ void expert_gemm_wgmma(u16* out, unsigned char* smem, u32 base, u32 dec_base,
                                                   const u32* table, LoadTile&& load_tile, RawStage&& raw_stage,
                                                   int row0, int rows, int n0, float sum_scale_a, float sum_scale_b,
                                                   int N, int K) {
   static_assert(EG_BN == 256 && EG_THREADS == 256, "wgmma tiles: 2 warpgroups x m64n256");
   static_assert(EG_STAGES >= (FP4 ? 4 : 3), "stages: two in use by wgmma plus the prefetch distance");
+  static_assert(TN == 0 || TN == 16 || TN == 32 || TN == 64, "swap-AB tiles of 16, 32 or 64 rows");
   constexpr int S = EG_STAGES;
   constexpr int STAGE_B = FP4 ? EG_BN * 36 : EG_B_BYTES;
   constexpr int STAGE = (EG_A_BYTES + STAGE_B + 1023) / 1024 * 1024;
+  constexpr int ACC = TN ? TN / 2 : EG_BN / 2;  // per accumulator array (swap-AB: one per m64 slice)
   const int tid = threadIdx.x, wg = tid >> 7;
-  const bool active = wg * 64 < rows;  // warpgroup-uniform
+  const bool active = TN || wg * 64 < rows;  // warpgroup-uniform
   const int KT = K / EG_BK;
+  // swap-AB: the first weight-tile row of the warpgroup's two m64 slices
+  const int slice0 = GATE_UP ? wg * 64 : wg * 128, slice1 = GATE_UP ? EG_BN / 2 + wg * 64 : wg * 128 + 64;
 
-  float acc[EG_BN / 2];
+  float acc[ACC], acc1[TN ? ACC : 1];
 #pragma unroll
-  for (int i = 0; i < EG_BN / 2; ++i) acc[i] = 0.0f;
+  for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < (TN ? ACC : 1); ++i) acc1[i] = 0.0f;
   wgmma_fence_acc(acc);
+  wgmma_fence_acc(acc1);
 
   auto mma_tile = [&](u32 a_tile, u32 b_tile) {
     if (!active) return;
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_m64n256k16(acc, wgmma_desc(a_tile + wg * 64 * 128 + kk * 32), wgmma_desc(b_tile + kk * 32));
+    for (int kk = 0; kk < 4; ++kk) {
+      if constexpr (TN == 0) {
+        wgmma_m64n256k16(acc, wgmma_desc(a_tile + wg * 64 * 128 + kk * 32), wgmma_desc(b_tile + kk * 32));
+      } else {
+        const u64 tokens = wgmma_desc(a_tile + kk * 32);
+        wgmma_ss<TN>(acc, wgmma_desc(b_tile + slice0 * 128 + kk * 32), tokens);
+        wgmma_ss<TN>(acc1, wgmma_desc(b_tile + slice1 * 128 + kk * 32), tokens);
+      }
+    }
   };
 
 #pragma unroll
@@ -236,10 +260,33 @@ __device__ __forceinline__ void expert_gemm_wgmma(u16* out, unsigned char* smem,
   cp_async_wait<0>();
   wgmma_wait<0>();
   wgmma_fence_acc(acc);
+  wgmma_fence_acc(acc1);
   if (!active) return;
 
   // Thread (warp w of the warpgroup, lane 4g + q): rows 64 wg + 16 w + g (+ 8), columns 8j + 2q (+ 1).
   const int lane = tid & 31, g = lane >> 2, q = lane & 3;
+  if constexpr (TN > 0) {  // rows of D are weight rows (output columns), its columns the item's tokens
+    const int w = (tid >> 5) & 3;
+#pragma unroll
+    for (int j = 0; j < TN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int t = 8 * j + 2 * q + e;
+        if (t >= rows) continue;
+        u16* orow = out + (size_t)(row0 + t) * N + n0;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = 4 * j + 2 * half + e, f = 16 * w + g + 8 * half;
+          if (GATE_UP) {
+            orow[slice0 + f] = f32_to_bf16(eg_silu(acc[i] * sum_scale_a) * (acc1[i] * sum_scale_b));
+          } else {
+            orow[slice0 + f] = f32_to_bf16(acc[i] * sum_scale_a);
+            orow[slice1 + f] = f32_to_bf16(acc1[i] * sum_scale_a);
+          }
+        }
+      }
+    return;
+  }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = wg * 64 + ((tid >> 5) & 3) * 16 + g + 8 * half;
@@ -363,8 +410,18 @@ __device__ __forceinline__ void expert_gemm(u16* out, const u16* act, const int*
   auto raw_stage = [&](int stage) { return smem + stage * STAGE + EG_A_BYTES; };
 
 #if EG_WGMMA
-  expert_gemm_wgmma<GATE_UP, FP4>(out, smem, base, dec_base, table, load_tile, raw_stage, row0, rows, n0,
-                                  sum_scale_a, sum_scale_b, N, K);
+#define EG_RUN(TN)                                                                                            \
+  expert_gemm_wgmma<GATE_UP, FP4, TN>(out, smem, base, dec_base, table, load_tile, raw_stage, row0, rows, n0, \
+                                      sum_scale_a, sum_scale_b, N, K)
+  if (EG_SWAP && rows <= 16)
+    EG_RUN(16);
+  else if (EG_SWAP && rows <= 32)
+    EG_RUN(32);
+  else if (EG_SWAP && rows <= 64)
+    EG_RUN(64);
+  else
+    EG_RUN(0);
+#undef EG_RUN
 #else
   const int lane = tid & 31, wm = (tid >> 5) / EG_WARPS_N, wn = (tid >> 5) % EG_WARPS_N;
   float acc[4][8][4];

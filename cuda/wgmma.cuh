@@ -98,6 +98,38 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], u64 desc_a, u64
       : "memory");
 }
 
+// Narrow tiles for swap-AB GEMMs (weights as A, a few token rows as B): m64nNk16, N/2 accumulators.
+#define WGMMA_D8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define WGMMA_D16 WGMMA_D8 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define WGMMA_D32                                                                                        \
+  WGMMA_D16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define WGMMA_SS(n, regs, a, b)                                                                          \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n" #n "k16.f32.bf16.bf16 {" \
+  regs "}, " a ", " b ", p, 1, 1, 0, 0;\n}\n"
+
+// D[64 x N] += A . B^T, both K-major from shared memory; N in {16, 32, 64, 128, 256}.
+template <int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b) {
+  if constexpr (N == 16) {
+    asm volatile(WGMMA_SS(16, WGMMA_D8, "%8", "%9") : WGMMA_ACC8(d, 0) : "l"(desc_a), "l"(desc_b) : "memory");
+  } else if constexpr (N == 32) {
+    asm volatile(WGMMA_SS(32, WGMMA_D16, "%16", "%17")
+                 : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8)
+                 : "l"(desc_a), "l"(desc_b)
+                 : "memory");
+  } else if constexpr (N == 64) {
+    asm volatile(WGMMA_SS(64, WGMMA_D32, "%32", "%33")
+                 : WGMMA_ACC8(d, 0), WGMMA_ACC8(d, 8), WGMMA_ACC8(d, 16), WGMMA_ACC8(d, 24)
+                 : "l"(desc_a), "l"(desc_b)
+                 : "memory");
+  } else if constexpr (N == 128) {
+    wgmma_m64n128k16(d, desc_a, desc_b);
+  } else {
+    static_assert(N == 256, "wgmma_ss: N in {16, 32, 64, 128, 256}");
+    wgmma_m64n256k16(d, desc_a, desc_b);
+  }
+}
+
 // Warp-specialized kernels: a warpgroup gives registers back (producers) or takes them (consumers);
 // every warp of the warpgroup executes it. The kernel's launch bound fixes the starting count.
 template <int R>

@@ -32,6 +32,9 @@ CONFIGS = {
     "n128": {"EG_BN": 128, "EG_STAGES": 3, "EG_MIN_CTAS": 2},
     "w256": {"EG_BN": 256, "EG_STAGES": 4, "EG_MIN_CTAS": 1, "EG_WGMMA": 1},
     "w256s5": {"EG_BN": 256, "EG_STAGES": 5, "EG_MIN_CTAS": 1, "EG_WGMMA": 1},
+    # the same, items of <= 64 rows on swap-AB tiles (m64n16/32/64 with the weights as A)
+    "w256x": {"EG_BN": 256, "EG_STAGES": 4, "EG_MIN_CTAS": 1, "EG_WGMMA": 1, "EG_SWAP": 1},
+    "w256s5x": {"EG_BN": 256, "EG_STAGES": 5, "EG_MIN_CTAS": 1, "EG_WGMMA": 1, "EG_SWAP": 1},
 }
 DEFAULT_CONFIG = {"bf16": "w256", "nvfp4": "w256s5"}
 
