@@ -48,7 +48,11 @@
 #define EG_BM 128  // rows per M-tile = the routing chunk (kernels/expert_gemm.py TILE_M)
 #define EG_BK 64
 #define EG_WARPS_N (EG_BN / 64)
-#define EG_THREADS (2 * EG_WARPS_N * 32)  // == EG_BN: one thread per weight row in the NVFP4 decode
+#ifndef EG_WIDE
+#define EG_WIDE 0  // 1: 512 threads, every item on swap-AB tiles, NVFP4 only (see expert_gemm_wgmma)
+#endif
+// One thread per weight row in the NVFP4 decode; EG_WIDE: two per row, a half k-tile each.
+#define EG_THREADS (EG_WIDE ? 512 : 2 * EG_WARPS_N * 32)
 #define EG_A_BYTES (EG_BM * 128)
 #define EG_B_BYTES (EG_BN * 128)
 
@@ -78,8 +82,15 @@ struct Nvfp4B {
 
 // The CTA's B rows: gate/up rows n < EG_BN/2 from `a` (gate), the rest from `b` (up), each at
 // weight row n0 + (n mod EG_BN/2); down: all from `a`, weight row n0 + n.
+// EG_WIDE gate/up: each 64-row slice interleaves 8 gate and the same 8 up rows per 16 (so a thread's
+// accumulator rows g and g + 8 are a gate and its up): row n -> output column 32 (n / 64) +
+// 8 ((n / 16) % 4) + n % 8, from `b` (up) when (n / 8) is odd.
 template <bool GATE_UP>
 __device__ __forceinline__ int b_source_row(int n, int n0, bool& from_b) {
+  if (EG_WIDE && GATE_UP) {
+    from_b = (n >> 3) & 1;
+    return n0 + 32 * (n >> 6) + 8 * ((n >> 4) & 3) + (n & 7);
+  }
   from_b = GATE_UP && n >= EG_BN / 2;
   return n0 + (from_b ? n - EG_BN / 2 : n);
 }
@@ -141,6 +152,19 @@ __device__ __forceinline__ void decode_block(u32 dst, const u8* raw_codes, const
   }
 }
 
+// This thread's share of decoding a k-tile's raw stage into the bf16 tile at dst: all four blocks of
+// row tid, or (EG_WIDE) two blocks of row tid % EG_BN.
+__device__ __forceinline__ void decode_tile(u32 dst, const unsigned char* raw, const u32* table, int tid) {
+  if (EG_THREADS == EG_BN) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) decode_block(dst, raw, raw + EG_BN * 32, table, tid, kk);
+  } else {
+    const int n = tid % EG_BN, kk = 2 * (tid / EG_BN);
+    decode_block(dst, raw, raw + EG_BN * 32, table, n, kk);
+    decode_block(dst, raw, raw + EG_BN * 32, table, n, kk + 1);
+  }
+}
+
 // One k-tile: acc += A[warp's groups, 64 k] . B[warp's 64 rows, 64 k]^T, the fragments of k-step
 // kk + 1 loaded while kk's mmas run. NVFP4 with `decode`: block kk of the next k-tile's raw row
 // (this thread's) is decoded into dec_dst between them, so the integer work overlaps the mmas.
@@ -181,9 +205,9 @@ __device__ __forceinline__ void expert_gemm_wgmma(u16* out, unsigned char* smem,
                                                   const u32* table, LoadTile&& load_tile, RawStage&& raw_stage,
                                                   int row0, int rows, int n0, float sum_scale_a, float sum_scale_b,
                                                   int N, int K) {
-  static_assert(EG_BN == 256 && EG_THREADS == 256, "wgmma tiles: 2 warpgroups x m64n256");
+  static_assert(EG_BN == 256 && EG_THREADS == (EG_WIDE ? 512 : 256), "wgmma tiles: 2 (4) warpgroups x m64n256");
   static_assert(EG_STAGES >= (FP4 ? 4 : 3), "stages: two in use by wgmma plus the prefetch distance");
-  static_assert(TN == 0 || TN == 16 || TN == 32 || TN == 64, "swap-AB tiles of 16, 32 or 64 rows");
+  static_assert(EG_WIDE ? TN >= 16 && TN <= 128 && FP4 : TN <= 64, "swap-AB tiles of 16 .. 64 (wide: 128) rows");
   constexpr int S = EG_STAGES;
   constexpr int STAGE_B = FP4 ? EG_BN * 36 : EG_B_BYTES;
   constexpr int STAGE = (EG_A_BYTES + STAGE_B + 1023) / 1024 * 1024;
@@ -191,14 +215,16 @@ __device__ __forceinline__ void expert_gemm_wgmma(u16* out, unsigned char* smem,
   const int tid = threadIdx.x, wg = tid >> 7;
   const bool active = TN || wg * 64 < rows;  // warpgroup-uniform
   const int KT = K / EG_BK;
-  // swap-AB: the first weight-tile row of the warpgroup's two m64 slices
-  const int slice0 = GATE_UP ? wg * 64 : wg * 128, slice1 = GATE_UP ? EG_BN / 2 + wg * 64 : wg * 128 + 64;
+  // swap-AB: the first weight-tile row of the warpgroup's two m64 slices (EG_WIDE: its one slice)
+  const int slice0 = EG_WIDE ? wg * 64 : GATE_UP ? wg * 64 : wg * 128;
+  const int slice1 = GATE_UP ? EG_BN / 2 + wg * 64 : wg * 128 + 64;
 
-  float acc[ACC], acc1[TN ? ACC : 1];
+  constexpr int ACC1 = TN && !EG_WIDE ? ACC : 1;
+  float acc[ACC], acc1[ACC1];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;
 #pragma unroll
-  for (int i = 0; i < (TN ? ACC : 1); ++i) acc1[i] = 0.0f;
+  for (int i = 0; i < ACC1; ++i) acc1[i] = 0.0f;
   wgmma_fence_acc(acc);
   wgmma_fence_acc(acc1);
 
@@ -212,7 +238,7 @@ __device__ __forceinline__ void expert_gemm_wgmma(u16* out, unsigned char* smem,
       } else {
         const u64 tokens = wgmma_desc(a_tile + kk * 32);
         wgmma_ss<TN>(acc, wgmma_desc(b_tile + slice0 * 128 + kk * 32), tokens);
-        wgmma_ss<TN>(acc1, wgmma_desc(b_tile + slice1 * 128 + kk * 32), tokens);
+        if constexpr (!EG_WIDE) wgmma_ss<TN>(acc1, wgmma_desc(b_tile + slice1 * 128 + kk * 32), tokens);
       }
     }
   };
@@ -237,8 +263,7 @@ __device__ __forceinline__ void expert_gemm_wgmma(u16* out, unsigned char* smem,
   } else {
     cp_async_wait<S - 3>();
     __syncthreads();  // the scale table, tile 0's raw bytes
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) decode_block(dec_base, raw_stage(0), raw_stage(0) + EG_BN * 32, table, tid, kk);
+    decode_tile(dec_base, raw_stage(0), table, tid);
     for (int kt = 0; kt < KT; ++kt) {
       cp_async_wait<S - 4>();  // tile kt + 1
       fence_proxy_async_shared();  // this thread's decoded rows and copied A chunks, to wgmma
@@ -248,12 +273,7 @@ __device__ __forceinline__ void expert_gemm_wgmma(u16* out, unsigned char* smem,
       const u32 sa = base + (kt % S) * STAGE;
       mma_tile(sa, dec_base + (kt % 3) * EG_B_BYTES);
       wgmma_commit();
-      if (kt + 1 < KT) {
-        const unsigned char* raw = raw_stage((kt + 1) % S);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          decode_block(dec_base + ((kt + 1) % 3) * EG_B_BYTES, raw, raw + EG_BN * 32, table, tid, kk);
-      }
+      if (kt + 1 < KT) decode_tile(dec_base + ((kt + 1) % 3) * EG_B_BYTES, raw_stage((kt + 1) % S), table, tid);
       wgmma_wait<1>();
     }
   }
@@ -265,7 +285,26 @@ __device__ __forceinline__ void expert_gemm_wgmma(u16* out, unsigned char* smem,
 
   // Thread (warp w of the warpgroup, lane 4g + q): rows 64 wg + 16 w + g (+ 8), columns 8j + 2q (+ 1).
   const int lane = tid & 31, g = lane >> 2, q = lane & 3;
-  if constexpr (TN > 0) {  // rows of D are weight rows (output columns), its columns the item's tokens
+  if constexpr (TN > 0 && EG_WIDE) {  // gate/up: rows g (gate) and g + 8 (up) of column 32 wg + 8 w + g
+    const int w = (tid >> 5) & 3;
+#pragma unroll
+    for (int j = 0; j < TN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int t = 8 * j + 2 * q + e;
+        if (t >= rows) continue;
+        u16* orow = out + (size_t)(row0 + t) * N + n0;
+        if (GATE_UP) {
+          orow[32 * wg + 8 * w + g] =
+              f32_to_bf16(eg_silu(acc[4 * j + e] * sum_scale_a) * (acc[4 * j + 2 + e] * sum_scale_b));
+        } else {
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            orow[slice0 + 16 * w + g + 8 * half] = f32_to_bf16(acc[4 * j + 2 * half + e] * sum_scale_a);
+        }
+      }
+    return;
+  } else if constexpr (TN > 0) {  // rows of D are weight rows (output columns), its columns the item's tokens
     const int w = (tid >> 5) & 3;
 #pragma unroll
     for (int j = 0; j < TN / 8; ++j)
@@ -287,6 +326,7 @@ __device__ __forceinline__ void expert_gemm_wgmma(u16* out, unsigned char* smem,
       }
     return;
   }
+  if constexpr (TN == 0) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = wg * 64 + ((tid >> 5) & 3) * 16 + g + 8 * half;
@@ -307,6 +347,7 @@ __device__ __forceinline__ void expert_gemm_wgmma(u16* out, unsigned char* smem,
         *reinterpret_cast<u32*>(orow + n0 + 8 * j + 2 * q) =
             pack_bf16x2(acc[4 * j + 2 * half] * sum_scale_a, acc[4 * j + 2 * half + 1] * sum_scale_a);
     }
+  }
   }
 }
 
@@ -378,7 +419,7 @@ __device__ __forceinline__ void expert_gemm(u16* out, const u16* act, const int*
                                   wq[1].scales + (size_t)expert * rows_per_expert * (K / 16),
                                   wq[1].tensor_scale + expert};
     bool hi;
-    const int r = b_source_row<GATE_UP>(tid, n0, hi);
+    const int r = b_source_row<GATE_UP>(tid % EG_BN, n0, hi);
     const Nvfp4B& q = hi ? qb : qa;
     q_codes = q.codes + (size_t)r * (K / 2);
     q_scales = q.scales + (size_t)r * (K / 16);
@@ -402,9 +443,15 @@ __device__ __forceinline__ void expert_gemm(u16* out, const u16* act, const int*
         cp_async_16(sb + sw128(r, tid & 7), src, 16u);
       }
     } else {
-      cp_async_16(sb + tid * 32, q_codes + k / 2, 16u);
-      cp_async_16(sb + tid * 32 + 16, q_codes + k / 2 + 16, 16u);
-      cp_async_4(sb + EG_BN * 32 + tid * 4, q_scales + k / 16);
+      if (EG_THREADS == EG_BN) {
+        cp_async_16(sb + tid * 32, q_codes + k / 2, 16u);
+        cp_async_16(sb + tid * 32 + 16, q_codes + k / 2 + 16, 16u);
+        cp_async_4(sb + EG_BN * 32 + tid * 4, q_scales + k / 16);
+      } else {  // EG_WIDE: row tid % EG_BN, half tid / EG_BN of its codes; the first half's threads the scales
+        const int n = tid % EG_BN, h = tid / EG_BN;
+        cp_async_16(sb + n * 32 + 16 * h, q_codes + k / 2 + 16 * h, 16u);
+        if (h == 0) cp_async_4(sb + EG_BN * 32 + n * 4, q_scales + k / 16);
+      }
     }
   };
   auto raw_stage = [&](int stage) { return smem + stage * STAGE + EG_A_BYTES; };
@@ -420,7 +467,7 @@ __device__ __forceinline__ void expert_gemm(u16* out, const u16* act, const int*
   else if (EG_SWAP && rows <= 64)
     EG_RUN(64);
   else
-    EG_RUN(0);
+    EG_RUN(EG_WIDE ? 128 : 0);
 #undef EG_RUN
 #else
   const int lane = tid & 31, wm = (tid >> 5) / EG_WARPS_N, wn = (tid >> 5) % EG_WARPS_N;
@@ -506,11 +553,13 @@ __device__ __forceinline__ void expert_gemm(u16* out, const u16* act, const int*
 #define WORK offsets, work_expert, work_row, num_work
 
 // Argument order as grouped_gemm.cu's grouped_moe_* (kernels/grouped_moe.py builds both).
+#if !EG_WIDE  // EG_WIDE kernels are NVFP4 only
 EG_KERNEL expert_gate_up_bf16(u16* h, const u16* x, const int* sorted_token, const u16* gate, const u16* up,
                               const u16* shared_gate, const u16* shared_up, WORK_ARGS, int I, int K, int E) {
   const Bf16B w[4] = {{gate}, {up}, {shared_gate}, {shared_up}};
   expert_gemm<true, false>(h, x, sorted_token, w, nullptr, WORK, I, K, E);
 }
+#endif
 
 EG_KERNEL expert_gate_up_nvfp4(u16* h, const u16* x, const int* sorted_token, Q_ARGS(g), Q_ARGS(u), Q_ARGS(sg),
                                Q_ARGS(su), WORK_ARGS, int I, int K, int E) {
@@ -518,11 +567,13 @@ EG_KERNEL expert_gate_up_nvfp4(u16* h, const u16* x, const int* sorted_token, Q_
   expert_gemm<true, true>(h, x, sorted_token, nullptr, w, WORK, I, K, E);
 }
 
+#if !EG_WIDE
 EG_KERNEL expert_down_bf16(u16* y, const u16* h, const u16* down, const u16* shared_down, WORK_ARGS, int N, int K,
                            int E) {
   const Bf16B w[4] = {{down}, {down}, {shared_down}, {shared_down}};
   expert_gemm<false, false>(y, h, nullptr, w, nullptr, WORK, N, K, E);
 }
+#endif
 
 EG_KERNEL expert_down_nvfp4(u16* y, const u16* h, Q_ARGS(d), Q_ARGS(sd), WORK_ARGS, int N, int K, int E) {
   const Nvfp4B w[4] = {Q(d), Q(d), Q(sd), Q(sd)};

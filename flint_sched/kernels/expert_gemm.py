@@ -35,6 +35,12 @@ CONFIGS = {
     # the same, items of <= 64 rows on swap-AB tiles (m64n16/32/64 with the weights as A)
     "w256x": {"EG_BN": 256, "EG_STAGES": 4, "EG_MIN_CTAS": 1, "EG_WGMMA": 1, "EG_SWAP": 1},
     "w256s5x": {"EG_BN": 256, "EG_STAGES": 5, "EG_MIN_CTAS": 1, "EG_WGMMA": 1, "EG_SWAP": 1},
+    # 512 threads (16 warps a SM; ncu: the 8-warp NVFP4 tiles issue 0.30 instructions a cycle per
+    # scheduler at 528 tokens, no warp eligible 70 % of the time), every item on swap-AB tiles of up to
+    # 128 rows, 4 stages; NVFP4 only. The default: 1-4 % faster than w256s5 in every tiled case of the
+    # full model (mixed steps of 512-2,032 prompt rows, 8K prefill 69.5K -> 71.5K tok/s; RESULTS.md
+    # session 11)
+    "s512": {"EG_BN": 256, "EG_STAGES": 4, "EG_MIN_CTAS": 1, "EG_WGMMA": 1, "EG_SWAP": 1, "EG_WIDE": 1},
 }
 DEFAULT_CONFIG = {"bf16": "w256", "nvfp4": "w256s5"}
 
@@ -44,7 +50,9 @@ MAX_SHARED_BYTES = 227 * 1024   # sm_90's opt-in dynamic shared memory per block
 
 def formats(config: str) -> tuple[str, ...]:
     """Weight formats whose shared memory the config fits (five BF16 stages of 48 KB do not)."""
-    return tuple(fmt for fmt in ("bf16", "nvfp4") if shared_bytes(fmt, config) <= MAX_SHARED_BYTES)
+    wide = CONFIGS[config].get("EG_WIDE", 0)
+    return tuple(fmt for fmt in ("bf16", "nvfp4")
+                 if shared_bytes(fmt, config) <= MAX_SHARED_BYTES and not (wide and fmt == "bf16"))
 
 
 @functools.cache
@@ -65,7 +73,7 @@ def shared_bytes(fmt: str, config: str) -> int:
 
 
 def threads(config: str) -> int:
-    return CONFIGS[config]["EG_BN"]
+    return 512 if CONFIGS[config].get("EG_WIDE") else CONFIGS[config]["EG_BN"]
 
 
 def supported(fmt: str, hidden: int, inter: int) -> bool:
