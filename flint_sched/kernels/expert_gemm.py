@@ -42,7 +42,7 @@ CONFIGS = {
     # session 11)
     "s512": {"EG_BN": 256, "EG_STAGES": 4, "EG_MIN_CTAS": 1, "EG_WGMMA": 1, "EG_SWAP": 1, "EG_WIDE": 1},
 }
-DEFAULT_CONFIG = {"bf16": "w256", "nvfp4": "w256s5"}
+DEFAULT_CONFIG = {"bf16": "w256", "nvfp4": "s512"}
 
 
 MAX_SHARED_BYTES = 227 * 1024   # sm_90's opt-in dynamic shared memory per block
