@@ -6,6 +6,12 @@ together in a CUDA graph over rotating weight sets larger than L2. TFLOP/s count
 2 * P * (2 I H + H I), P = tokens * 7. A quick check first: relative L2 error of h and y against
 an fp32 per-expert loop at 1,000 tokens, per format and config.
 Run on the GPU machine: python3 benchmarks/bench_expert_gemm.py [--tokens ...] [--formats ...]
+
+`--random-routing`: route random router logits instead of a random router over random x (this
+router's choices bunch on ~100 experts; the full model's spread over all of them, as random logits
+do). `--probes` (wgmma configs): also time each config built with cuda/expert_gemm.cu's EG_PROBE
+1 / 2 / 3 (the NVFP4 decode, the MMAs, the loads after the prologue left out; wrong results, not
+checked), so the differences say what each stage costs.
 """
 
 from __future__ import annotations
@@ -45,13 +51,16 @@ def expert_set(fmt: str) -> dict:
                 shared_up=weight(fmt, INTER, HIDDEN), shared_down=weight(fmt, HIDDEN, INTER))
 
 
-def routed(m: int, chunk: int | None):
+def routed(m: int, chunk: int | None, random_logits: bool = False):
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, HIDDEN, device="cuda", generator=g).bfloat16()
     router = (torch.randn(EXPERTS, HIDDEN, device="cuda", generator=g) / HIDDEN**0.5).bfloat16()
     bias = 0.1 * torch.randn(EXPERTS, device="cuda", generator=g)
     ws = moe_routing_workspace(m, EXPERTS, TOP_K, "cuda", hidden_size=HIDDEN, intermediate_size=INTER)
-    logits = grouped_linear(x, router, out=ws.logits[:m], out_dtype=torch.float32)
+    if random_logits:
+        logits = ws.logits[:m].copy_(torch.randn(m, EXPERTS, device="cuda", generator=g))
+    else:
+        logits = grouped_linear(x, router, out=ws.logits[:m], out_dtype=torch.float32)
     return x, ws, route_and_sort(logits, bias, TOP_K, SCALING, ws, chunk=chunk)
 
 
@@ -106,7 +115,16 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"])
     parser.add_argument("--configs", nargs="+", default=sorted(expert_gemm.CONFIGS))
     parser.add_argument("--no-old", action="store_true", help="skip the swap-AB kernels")
+    parser.add_argument("--random-routing", action="store_true", help="route random logits (module docstring)")
+    parser.add_argument("--probes", action="store_true", help="also time the EG_PROBE builds (module docstring)")
     args = parser.parse_args()
+    probes = []
+    if args.probes:
+        for c in args.configs:
+            if expert_gemm.CONFIGS[c].get("EG_WGMMA"):
+                for n in (1, 2, 3):
+                    expert_gemm.CONFIGS[f"{c}-probe{n}"] = dict(expert_gemm.CONFIGS[c], EG_PROBE=n)
+                    probes.append(f"{c}-probe{n}")
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}", flush=True)
     lines = []
@@ -115,17 +133,18 @@ def main() -> None:
         per_set = sum(nbytes(probe[k]) for k in ("gate", "up", "down"))
         sets = [probe] + [expert_set(fmt) for _ in range(num_sets(per_set, MAX_SETS) - 1)]
         for config in args.configs:
-            print(check(fmt, probe, config), flush=True)
+            if fmt in expert_gemm.formats(config):
+                print(check(fmt, probe, config), flush=True)
         for m in args.tokens:
             flops = 2 * m * (TOP_K + 1) * 3 * INTER * HIDDEN
             impls = [(f"tiled {c}", expert_gemm.TILE_M, lambda x, ws, r, s, c=c: run_tiled(x, ws, r, s, c))
-                     for c in args.configs]
+                     for c in args.configs + probes if fmt in expert_gemm.formats(c)]
             if not args.no_old:
                 impls.append(("swap-AB (old)", None, run_old))
             for name, chunk, fn in impls:
-                x, ws, r = routed(m, chunk)
+                x, ws, r = routed(m, chunk, args.random_routing)
                 us = time_graph([lambda s=s: fn(x, ws, r, s) for s in sets], reps_for(len(sets), 10), replays=5)
-                line = f"| {fmt:<5} | {m:>5} | {name:<14} | {us:9.1f} | {flops / us / 1e6:7.1f} |"
+                line = f"| {fmt:<5} | {m:>5} | {name:<22} | {us:9.1f} | {flops / us / 1e6:7.1f} |"
                 lines.append(line)
                 print(line, flush=True)
         del sets, probe

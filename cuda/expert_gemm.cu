@@ -45,6 +45,10 @@
 #ifndef EG_SWAP
 #define EG_SWAP 0  // 1 (EG_WGMMA only): items of <= 64 rows on swap-AB tiles (expert_gemm_wgmma)
 #endif
+#ifndef EG_PROBE
+#define EG_PROBE 0  // timing probes, wrong results (benchmarks/bench_expert_gemm.py --probes): with EG_WGMMA,
+                    // 1 leaves out the NVFP4 decode, 2 the MMAs, 3 the global loads after the prologue's
+#endif
 #define EG_BM 128  // rows per M-tile = the routing chunk (kernels/expert_gemm.py TILE_M)
 #define EG_BK 64
 #define EG_WARPS_N (EG_BN / 64)
@@ -155,6 +159,7 @@ __device__ __forceinline__ void decode_block(u32 dst, const u8* raw_codes, const
 // This thread's share of decoding a k-tile's raw stage into the bf16 tile at dst: all four blocks of
 // row tid, or (EG_WIDE) two blocks of row tid % EG_BN.
 __device__ __forceinline__ void decode_tile(u32 dst, const unsigned char* raw, const u32* table, int tid) {
+  if (EG_PROBE == 1) return;
   if (EG_THREADS == EG_BN) {
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) decode_block(dst, raw, raw + EG_BN * 32, table, tid, kk);
@@ -229,7 +234,7 @@ __device__ __forceinline__ void expert_gemm_wgmma(u16* out, unsigned char* smem,
   wgmma_fence_acc(acc1);
 
   auto mma_tile = [&](u32 a_tile, u32 b_tile) {
-    if (!active) return;
+    if (!active || EG_PROBE == 2) return;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
@@ -428,6 +433,7 @@ __device__ __forceinline__ void expert_gemm(u16* out, const u16* act, const int*
   }
 
   auto load_tile = [&](int kt, int stage) {
+    if (EG_PROBE == 3 && kt >= EG_STAGES - 2) return;  // later tiles reuse stale stages
     const u32 sa = base + stage * STAGE, sb = sa + EG_A_BYTES;
     const int k = kt * EG_BK;
 #pragma unroll
