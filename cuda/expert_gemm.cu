@@ -290,7 +290,7 @@ __device__ __forceinline__ void expert_gemm_wgmma(u16* out, unsigned char* smem,
 
   // Thread (warp w of the warpgroup, lane 4g + q): rows 64 wg + 16 w + g (+ 8), columns 8j + 2q (+ 1).
   const int lane = tid & 31, g = lane >> 2, q = lane & 3;
-  if constexpr (TN > 0 && EG_WIDE) {  // gate/up: rows g (gate) and g + 8 (up) of column 32 wg + 8 w + g
+  if constexpr (TN > 0) {  // rows of D are weight rows (output columns), its columns the item's tokens
     const int w = (tid >> 5) & 3;
 #pragma unroll
     for (int j = 0; j < TN / 8; ++j)
@@ -299,33 +299,19 @@ __device__ __forceinline__ void expert_gemm_wgmma(u16* out, unsigned char* smem,
         const int t = 8 * j + 2 * q + e;
         if (t >= rows) continue;
         u16* orow = out + (size_t)(row0 + t) * N + n0;
-        if (GATE_UP) {
+        if constexpr (EG_WIDE && GATE_UP) {  // rows g (gate) and g + 8 (up) of column 32 wg + 8 w + g
           orow[32 * wg + 8 * w + g] =
               f32_to_bf16(eg_silu(acc[4 * j + e] * sum_scale_a) * (acc[4 * j + 2 + e] * sum_scale_b));
-        } else {
-#pragma unroll
-          for (int half = 0; half < 2; ++half)
-            orow[slice0 + 16 * w + g + 8 * half] = f32_to_bf16(acc[4 * j + 2 * half + e] * sum_scale_a);
+          continue;
         }
-      }
-    return;
-  } else if constexpr (TN > 0) {  // rows of D are weight rows (output columns), its columns the item's tokens
-    const int w = (tid >> 5) & 3;
-#pragma unroll
-    for (int j = 0; j < TN / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int t = 8 * j + 2 * q + e;
-        if (t >= rows) continue;
-        u16* orow = out + (size_t)(row0 + t) * N + n0;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int i = 4 * j + 2 * half + e, f = 16 * w + g + 8 * half;
-          if (GATE_UP) {
+          if constexpr (GATE_UP) {
             orow[slice0 + f] = f32_to_bf16(eg_silu(acc[i] * sum_scale_a) * (acc1[i] * sum_scale_b));
           } else {
             orow[slice0 + f] = f32_to_bf16(acc[i] * sum_scale_a);
-            orow[slice1 + f] = f32_to_bf16(acc1[i] * sum_scale_a);
+            if constexpr (!EG_WIDE) orow[slice1 + f] = f32_to_bf16(acc1[i] * sum_scale_a);
           }
         }
       }
