@@ -15,7 +15,7 @@ collections a step, a full one every ~100 steps (each walks every object not fro
 logged pauses of 50 ms and more under load). Objects freed by their reference counts never need the
 collector, so only cyclic garbage waits longer with the higher thresholds. Measured on the CI machine
 (scripted executor, 256 streams x 512 tokens, RESULTS.md session 11): server CPU 133 -> 104-123 µs a
-token, P99 time between tokens 143-151 -> 36-38 ms.
+token, P99 time between tokens 143-151 -> 36-39 ms.
 """
 
 from __future__ import annotations
