@@ -15,8 +15,10 @@
 //
 // Grid (items, tile groups): blockIdx.x = an item of the work list built with chunk ED_ROWS
 // (expert e, first sorted row; e = E: the shared expert's own weights; items past num_work exit at
-// once), blockIdx.y = ED_WARPS * ED_TILES tiles of 16 weight rows: gate/up 8 gate rows and the same
-// 8 up rows (8 output columns; lane g holds the gate and up sums of column g), down 16 rows.
+// once), blockIdx.y = ED_WARPS * ED_TILES (down: ED_TILES_DOWN) tiles of 16 weight rows: gate/up 8
+// gate rows and the same 8 up rows (8 output columns; lane g holds the gate and up sums of column
+// g), down 16 rows. With ED_GROUPS 2 the items have up to 16 rows (routing chunk 16) and an item of
+// 8 or fewer runs the one-group code: an expert's weights are decoded once for up to 16 of its rows.
 // A warp's work is a flat sequence of rounds (ED_KR = 512 weights of K for its tile's 16 rows; the
 // next round's loads in flight while this one is computed). In a round lane (g, t) takes the 128
 // consecutive weights kb + 128t .. of tile rows g and g + 8 (k-step u: 32 of them, code word i: 8),
@@ -27,10 +29,13 @@
 #include "gemv_tile.cuh"  // nvfp4.cuh, silu
 
 #ifndef ED_GROUPS
-#define ED_GROUPS 1  // 8-row groups per item (kernels/expert_decode.py)
+#define ED_GROUPS 1  // most 8-row groups per item (kernels/expert_decode.py); 2: an item of <= 8 rows runs one
 #endif
 #ifndef ED_TILES
 #define ED_TILES 4  // 16-row tiles per warp
+#endif
+#ifndef ED_TILES_DOWN
+#define ED_TILES_DOWN ED_TILES  // the down GEMM's (K = I: one round a tile)
 #endif
 #ifndef ED_PREFETCH
 #define ED_PREFETCH 1  // 1: a warp loads its next round while computing this one
@@ -38,12 +43,18 @@
 #ifndef ED_ACCS
 #define ED_ACCS 1  // accumulators per group: 2 halves the chain of dependent mmas (parts alternate)
 #endif
+#ifndef ED_STAGE_LOADS
+#define ED_STAGE_LOADS 4  // x chunks a thread loads at once while staging (1: one at a time)
+#endif
 #ifndef ED_MIN_CTAS
 #define ED_MIN_CTAS 4
 #endif
-#define ED_WARPS 4
+#ifndef ED_WARPS
+#define ED_WARPS 4  // warps a CTA, sharing the item's staged x rows
+#endif
 #define ED_KR 512            // weights of K per round: 4 lanes x 4 k-steps x 32
 #define ED_ROWS (ED_GROUPS * 8)
+static_assert(ED_GROUPS == 1 || ED_GROUPS == 2, "items of one or two 8-row groups");
 #define ED_TABLE_BYTES 1024  // the scale table, then the x rows
 
 // x row r, 16-byte chunk c (elements 8c .. 8c + 7, pair order) at byte r * x_row_bytes(K) +
@@ -68,22 +79,14 @@ struct EdRound {  // one round of a lane: 128 weights of tile rows g and g + 8
   uint2 s0, s1;        // block scale bytes, block j = byte j
 };
 
-template <bool GATE_UP>
-__device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int* gather, const EdWeights (&w)[4],
-                                              const int* offsets, const int* work_expert, const int* work_row,
-                                              const int* num_work, int N, int K, int E) {
+// One item of G 8-row groups (rows <= 8 G), after the scale table is in shared memory.
+template <bool GATE_UP, int G>
+__device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const int* gather, const EdWeights (&w)[4],
+                                                   int expert, int row0, int rows, int N, int K, int E) {
   extern __shared__ __align__(16) unsigned char smem[];
-  u32* table = reinterpret_cast<u32*>(smem);  // ue4m3_scale_bf16x2 of every scale byte
+  const u32* table = reinterpret_cast<const u32*>(smem);
   const u32 x_base = (u32)__cvta_generic_to_shared(smem) + ED_TABLE_BYTES;
   const u32 row_bytes = x_row_bytes(K);
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) table[i] = ue4m3_scale_bf16x2(i);
-
-  if (GATE_UP) pdl_wait();
-  pdl_launch_dependents();
-  const int item = blockIdx.x;
-  if (item >= __ldcg(num_work)) return;
-  const int expert = __ldcg(work_expert + item), row0 = __ldcg(work_row + item);
-  const int rows = min(ED_ROWS, __ldcg(offsets + expert + 1) - row0);
   // a: gate (gate/up) or down rows, b: up rows; stacks are [E, N, K] (gate/up: N = I).
   EdWeights a = w[0], b = w[1];
   if (expert == E) {
@@ -97,8 +100,9 @@ __device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int*
   constexpr int R = GATE_UP ? 8 : 16;  // output columns per tile
 
   // This warp's tiles: first + ED_WARPS * j, j < tiles; `per_tile` rounds each.
-  const int first = blockIdx.y * ED_WARPS * ED_TILES + warp;
-  const int tiles = max(0, min(ED_TILES, (N / R - first + ED_WARPS - 1) / ED_WARPS));  // warp-uniform
+  constexpr int TILES = GATE_UP ? ED_TILES : ED_TILES_DOWN;
+  const int first = blockIdx.y * ED_WARPS * TILES + warp;
+  const int tiles = max(0, min(TILES, (N / R - first + ED_WARPS - 1) / ED_WARPS));  // warp-uniform
   const int per_tile = K / ED_KR, rounds = tiles * per_tile;
   auto load_round = [&](EdRound& f, int j, int kb) {
     const int r0 = (first + ED_WARPS * j) * R + g, r1 = GATE_UP ? r0 : r0 + 8;  // gate/up: gate and up row r0
@@ -121,18 +125,30 @@ __device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int*
   if (rounds > 0) next_load(fa);  // in flight while x is staged
   if (!GATE_UP) pdl_wait();       // h comes from the gate/up launch
 
-  // Stage x: ED_ROWS rows of K, pair order, zero past `rows`.
-  const int chunks = K / 8;
-  for (int idx = threadIdx.x; idx < ED_ROWS * chunks; idx += blockDim.x) {
-    const int r = idx / chunks, c = idx - r * chunks;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < rows) {
-      const int src = gather ? __ldcg(gather + row0 + r) : row0 + r;
-      v = ld_act_v4(x + (size_t)src * K + 8 * c);
+  // Stage x: 8 G rows of K, pair order, zero past `rows`. The rows' sources first, then a thread's
+  // chunks ED_STAGE_LOADS at a time, all in flight together (one L2 round trip per batch, not two
+  // dependent ones per chunk).
+  __shared__ int src_row[8 * G];
+  if (threadIdx.x < 8 * G)
+    src_row[threadIdx.x] = threadIdx.x >= rows ? -1 : gather ? __ldcg(gather + row0 + threadIdx.x) : row0 + threadIdx.x;
+  __syncthreads();
+  const int chunks = K / 8, total = 8 * G * chunks;
+  for (int base = threadIdx.x; base < total; base += ED_STAGE_LOADS * blockDim.x) {
+    uint4 v[ED_STAGE_LOADS];
+#pragma unroll
+    for (int j = 0; j < ED_STAGE_LOADS; ++j) {
+      const int idx = base + j * blockDim.x, r = idx / chunks;
+      const int src = idx < total ? src_row[r] : -1;
+      v[j] = src >= 0 ? ld_act_v4(x + (size_t)src * K + 8 * (idx - r * chunks)) : make_uint4(0, 0, 0, 0);
     }
-    u32 p[4];
-    x_pairs_for_e2m1(v, p);
-    sts_v4(x_base + r * row_bytes + x_slot(c) * 16u, make_uint4(p[0], p[1], p[2], p[3]));
+#pragma unroll
+    for (int j = 0; j < ED_STAGE_LOADS; ++j) {
+      const int idx = base + j * blockDim.x, r = idx / chunks;
+      if (idx >= total) break;
+      u32 p[4];
+      x_pairs_for_e2m1(v[j], p);
+      sts_v4(x_base + r * row_bytes + x_slot(idx - r * chunks) * 16u, make_uint4(p[0], p[1], p[2], p[3]));
+    }
   }
   __syncthreads();
 
@@ -141,14 +157,14 @@ __device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int*
   const u32 x_lane = x_base + g * row_bytes + 272u * t;
   const float scale_a = __ldg(a.tensor_scale) * NVFP4_SUM_SCALE;
   const float scale_b = GATE_UP ? __ldg(b.tensor_scale) * NVFP4_SUM_SCALE : scale_a;
-  float acc[ED_ACCS][ED_GROUPS][4];
+  float acc[ED_ACCS][G][4];
   int comp_j = 0, comp_kb = 0;  // the round to compute
   auto compute = [&](const EdRound& f) {
     if (comp_kb == 0) {
 #pragma unroll
       for (int a2 = 0; a2 < ED_ACCS; ++a2)
 #pragma unroll
-        for (int grp = 0; grp < ED_GROUPS; ++grp)
+        for (int grp = 0; grp < G; ++grp)
           acc[a2][grp][0] = acc[a2][grp][1] = acc[a2][grp][2] = acc[a2][grp][3] = 0.0f;
     }
     const u32 xr = x_lane + (u32)comp_kb * 17u / 8u;
@@ -166,7 +182,7 @@ __device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int*
         e2m1x8_to_bf16(words0[i], sc0, p0);
         e2m1x8_to_bf16(words1[i], sc1, p1);
 #pragma unroll
-        for (int grp = 0; grp < ED_GROUPS; ++grp) {
+        for (int grp = 0; grp < G; ++grp) {
           const uint4 xv = lds_v4(xr + grp * 8 * row_bytes + (4 * u + i) * 16);
           float (&d)[4] = acc[i % ED_ACCS][grp];
           mma_bf16_16x8x16(d, p0[0], p1[0], p0[1], p1[1], xv.x, xv.y);
@@ -182,11 +198,11 @@ __device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int*
 #pragma unroll
     for (int a2 = 1; a2 < ED_ACCS; ++a2)
 #pragma unroll
-      for (int grp = 0; grp < ED_GROUPS; ++grp)
+      for (int grp = 0; grp < G; ++grp)
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[0][grp][j] += acc[a2][grp][j];
 #pragma unroll
-    for (int grp = 0; grp < ED_GROUPS; ++grp)
+    for (int grp = 0; grp < G; ++grp)
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
         const int r = grp * 8 + 2 * t + q;
@@ -218,6 +234,27 @@ __device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int*
   }
   (void)fb;
 #endif
+}
+
+template <bool GATE_UP>
+__device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int* gather, const EdWeights (&w)[4],
+                                              const int* offsets, const int* work_expert, const int* work_row,
+                                              const int* num_work, int N, int K, int E) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  u32* table = reinterpret_cast<u32*>(smem);  // ue4m3_scale_bf16x2 of every scale byte
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) table[i] = ue4m3_scale_bf16x2(i);
+
+  if (GATE_UP) pdl_wait();
+  pdl_launch_dependents();
+  const int item = blockIdx.x;
+  if (item >= __ldcg(num_work)) return;
+  const int expert = __ldcg(work_expert + item), row0 = __ldcg(work_row + item);
+  const int rows = min(ED_ROWS, __ldcg(offsets + expert + 1) - row0);
+#if ED_GROUPS == 2
+  // Items of up to 16 rows (routing chunk 16): one of 8 or fewer decodes for one group only.
+  if (rows > 8) return expert_decode_item<GATE_UP, 2>(out, x, gather, w, expert, row0, rows, N, K, E);
+#endif
+  expert_decode_item<GATE_UP, 1>(out, x, gather, w, expert, row0, rows, N, K, E);
 }
 
 #define ED_KERNEL extern "C" __global__ void __launch_bounds__(ED_WARPS * 32, ED_MIN_CTAS)

@@ -114,3 +114,38 @@ def test_decode_configs_refuses_unknown_configs_and_a_machine_without_a_gpu(monk
         monkeypatch.setattr("sys.argv", ["decode_configs", "--configs", "g1t2", "--batch-sizes", "16"])
         with pytest.raises(SystemExit, match="decode_configs: --device cuda"):
             decode_configs.main()
+
+
+def test_ab_decode_parses_variants_and_says_what_is_wrong(monkeypatch):
+    """benchmarks/ab_decode.py: NAME:module.ATTR=value variants, a clear message for a bad one."""
+    import torch
+
+    from flint_sched.benchmarks import ab_decode, latency
+
+    name, sets = ab_decode.parse_variant("fast:flint_sched.kernels.attention.CTAS_PER_SM=6,"
+                                         "flint_sched.kernels.expert_decode.CONFIG='g1t4'")
+    assert name == "fast" and [(m.__name__, a, v) for m, a, v in sets] == [
+        ("flint_sched.kernels.attention", "CTAS_PER_SM", 6), ("flint_sched.kernels.expert_decode", "CONFIG", "g1t4")]
+    assert ab_decode.parse_variant("base:") == ("base", [])
+    for bad, message in [(":x.Y=1", "NAME:"), ("v:CTAS=6", "not module.ATTR=value"),
+                         ("v:flint_sched.kernels.attention.NOPE=1", "has no NOPE")]:
+        with pytest.raises(ValueError, match=message):
+            ab_decode.parse_variant(bad)
+    monkeypatch.setattr("sys.argv", ["ab_decode", "--variant", "v:flint_sched.kernels.attention.NOPE=1"])
+    with pytest.raises(SystemExit, match="ab_decode: variant v"):
+        ab_decode.main()
+    if not torch.cuda.is_available():
+        monkeypatch.setattr("sys.argv", ["ab_decode", "--variant", "base:", "--batch-sizes", "16"])
+        with pytest.raises(SystemExit, match="ab_decode: --device cuda"):
+            ab_decode.main()
+    assert latency.GREEDY.temperature == 0.0
+
+
+def test_routing_stats_counts_items_per_chunk():
+    """benchmarks/routing_stats.py's summary of one layer's rows per expert (the shared expert last)."""
+    from flint_sched.benchmarks import routing_stats
+
+    line = routing_stats.summary([0, 3, 9, 17, 0, 1, 16], (8, 16))
+    assert "touched   4" in line and "max   17" in line and ">8 rows   2" in line and ">16   1" in line
+    # items: ceil(c / 8) over every count (shared included): 0+1+2+3+0+1+2 = 9; at 16: 0+1+1+2+0+1+1 = 6
+    assert "items@8    9" in line and "items@16    6" in line

@@ -25,6 +25,17 @@ def test_launcher_constants_match_the_kernel_source():
     assert f"#define ED_TABLE_BYTES {expert_decode.TABLE_BYTES}" in text
 
 
+def test_grid_per_config():
+    """Items x tile groups: gate/up's I / 8 tiles and down's N / 16 tiles over warps x tiles a CTA."""
+    class Routing:
+        max_items = 300
+    assert expert_decode._grid(Routing, 512 // 8, "g1t4") == (300, 4)
+    assert expert_decode._grid(Routing, 2048 // 16, "g1t4", down=True) == (300, 8)
+    assert expert_decode._grid(Routing, 2048 // 16, "g1t4d8", down=True) == (300, 4)
+    assert expert_decode._grid(Routing, 512 // 8, "g2w8t4") == (300, 2)
+    assert expert_decode._grid(Routing, 2048 // 16, "g2w8t4", down=True) == (300, 4)
+
+
 def test_shapes_and_shared_memory():
     assert expert_decode.rows_per_item("g1t4") == 8 and expert_decode.rows_per_item("g2t4") == 16
     assert expert_decode.x_row_bytes(2048) == 276 * 16 and expert_decode.x_row_bytes(512) == 68 * 16
@@ -39,6 +50,8 @@ def test_shapes_and_shared_memory():
 
 def test_config_by_token_count(monkeypatch):
     assert expert_decode.pick_config(1) == expert_decode.pick_config(32) == "g1t2"
-    assert expert_decode.pick_config(33) == expert_decode.pick_config(1023) == "g1t4"
+    assert expert_decode.pick_config(33) == expert_decode.pick_config(160) == "g1t4d8"
+    assert expert_decode.pick_config(161) == expert_decode.pick_config(1023) == "g2w8t4"
+    assert expert_decode.rows_per_item("g2w8t4") == 16 and expert_decode.warps("g2w8t4") == 8
     monkeypatch.setattr(expert_decode, "CONFIG", "g2t4")
     assert expert_decode.pick_config(64) == "g2t4" and expert_decode.rows_per_item("g2t4") == 16

@@ -18,7 +18,7 @@ from flint_sched.kernels.grouped import check_work_list
 from flint_sched.kernels.linear import (Weight, cdiv, check_tensor, expert_args, moe_gate_up_args, output,
                                         weight_format)
 
-WARPS = 4            # ED_WARPS
+WARPS = 4            # ED_WARPS unless a config sets it
 TILE_ROWS = 16       # weight rows per tile (gate/up: 8 gate + 8 up)
 K_ROUND = 512        # ED_KR: K must be a multiple
 TABLE_BYTES = 1024   # the scale table before the staged x rows
@@ -31,6 +31,15 @@ CONFIGS = {
     "g1t8": {"ED_GROUPS": 1, "ED_TILES": 8},
     "g1t4np": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_PREFETCH": 0, "ED_MIN_CTAS": 6},
     "g2t4": {"ED_GROUPS": 2, "ED_TILES": 4},
+    # 16-row items (an item of 8 rows or fewer runs one group), 8 warps a CTA sharing the staged x
+    "g2w8t2": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 2, "ED_MIN_CTAS": 2},
+    "g2w8t4": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2},
+    "g1w8t4": {"ED_GROUPS": 1, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2},
+    # the down GEMM (K = 512: one round a tile) with 8 or 16 tiles a warp: fewer CTAs, each longer
+    "g1t4d8": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8},
+    "g2w8t4d8": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_MIN_CTAS": 2},
+    # staging x one chunk at a time (the rows' sources still read first; 4 at once by default)
+    "g1t4s1": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_STAGE_LOADS": 1},
     "g1t4a2": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_ACCS": 2},   # not measured yet
     "g1t2a2": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_ACCS": 2},   # not measured yet
 }
@@ -38,17 +47,21 @@ CONFIGS = {
 # --decode-configs ...), µs at 16 / 64 / 256 / 512 / 1024 tokens: swap-AB GEMMs 76 / 133 / 242 / 389
 # / 726; g1t2 65 / 115 / 231 / 380 / 668; g1t4 81 / 106 / 212 / 326 / 574; g1t8 126 / 138 / 218 /
 # 324 / 542; g2t4 117 / 169 / 258 / 382 / 638; g1t4 without the next round in flight 162 / 191 /
-# 293 / 449 / 794 (RESULTS.md, session 9). Two tiles a warp while items are few (more CTAs), four
-# from there. (g1t1, one tile a warp, is not measured yet: in the full model at batch 16 the first
-# version of these kernels with one tile a warp took 6.00 ms a step against 6.61 for g1t2.)
+# 293 / 449 / 794 (RESULTS.md, session 9). In the full model (benchmarks/decode_configs.py, NVFP4,
+# 1K context, ms a step, RESULTS.md session 12): g1t2 6.30 / 6.79 / 8.48 / 11.97 / 17.16 at 24 / 32
+# / 64 / 128 / 256 requests; g1t4d8 6.54 / 6.76 / 7.70 / 11.07 / 16.35 (g1t4: 8.14 at 64, 16.98
+# at 256: the down GEMM, one round a tile, gains from 8 tiles a warp); g2w8t4 6.90 / 7.26 / 8.40 /
+# 11.76 / 15.94-16.08 (its 16-row items pay from ~200 requests, where the model's experts hold 7
+# rows each at the median and the shared expert 256); g2t4 (16-row items, 4 warps: three CTAs a
+# SM for gate/up's 72 KB of x) 11.21 at 64.
 CONFIG: str | None = None   # a CONFIGS key for every call (benchmarks), or None: pick_config
 
 
 def pick_config(num_tokens: int) -> str:
-    """The config for a call of num_tokens tokens (routed rows: num_tokens * top_k)."""
+    """The config for a call of num_tokens tokens (routed rows: num_tokens * top_k): measured above."""
     if CONFIG is not None:
         return CONFIG
-    return "g1t2" if num_tokens <= 32 else "g1t4"
+    return "g1t2" if num_tokens <= 32 else "g1t4d8" if num_tokens <= 160 else "g2w8t4"
 
 
 def rows_per_item(config: str) -> int:
@@ -80,8 +93,13 @@ def supported(fmt: str, hidden: int, inter: int, config: str = "g1t4") -> bool:
             and shared_bytes(config, max(hidden, inter)) <= MAX_SHARED_BYTES)
 
 
-def _grid(routing, num_tiles: int, config: str) -> tuple[int, int]:
-    per_cta = WARPS * CONFIGS[config]["ED_TILES"]
+def warps(config: str) -> int:
+    return CONFIGS[config].get("ED_WARPS", WARPS)
+
+
+def _grid(routing, num_tiles: int, config: str, down: bool = False) -> tuple[int, int]:
+    tiles = CONFIGS[config]["ED_TILES"]
+    per_cta = warps(config) * (CONFIGS[config].get("ED_TILES_DOWN", tiles) if down else tiles)
     return routing.max_items, cdiv(num_tiles, per_cta)
 
 
@@ -114,7 +132,7 @@ def expert_decode_gate_up(x: torch.Tensor, routing, gate: Weight, up: Weight, sh
     args = moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device)
     h = output(out, "out", (routing.sorted_token.numel(), i), x)
     _kernel("expert_decode_gate_up_nvfp4", config).launch(
-        _grid(routing, i // (TILE_ROWS // 2), config), (32 * WARPS,),
+        _grid(routing, i // (TILE_ROWS // 2), config), (32 * warps(config),),
         [h, x, routing.sorted_token, *args, *routing.work_args, I32(i), I32(k), I32(e)],
         shared_bytes=shared_bytes(config, k), pdl=pdl, device=x.device.index)
     return h
@@ -133,7 +151,7 @@ def expert_decode_down(h: torch.Tensor, routing, down: Weight, shared_down: Weig
     args = expert_args(down, shared_down, ("down", "shared_down"), n, k, e, h.device)
     y = output(out, "out", (p, n), h)
     _kernel("expert_decode_down_nvfp4", config).launch(
-        _grid(routing, n // TILE_ROWS, config), (32 * WARPS,),
+        _grid(routing, n // TILE_ROWS, config, down=True), (32 * warps(config),),
         [y, h, *args, *routing.work_args, I32(n), I32(k), I32(e)],
         shared_bytes=shared_bytes(config, k), pdl=pdl, device=h.device.index)
     return y

@@ -149,12 +149,14 @@ def test_moe_grouped_nvfp4_decode_and_swap_ab_gemms(flint_nvfp4_moe, gemms, toke
     check_moe("nvfp4", flint_nvfp4_moe, FLINT, tokens, gemms, ntok=ntok, gemms=gemms)
 
 
+@pytest.mark.parametrize("tokens", [100, 600])
 @pytest.mark.parametrize("config", sorted(expert_decode.CONFIGS))
-def test_every_decode_gemm_config(flint_nvfp4_moe, config, monkeypatch):
-    """Each compile-time config of the decode GEMMs (the ones benchmarks compare) at 100 tokens,
-    against the per-expert loop."""
+def test_every_decode_gemm_config(flint_nvfp4_moe, config, tokens, monkeypatch):
+    """Each compile-time config of the decode GEMMs (the ones benchmarks compare) against the
+    per-expert loop: at 100 tokens most experts hold 1-4 rows, at 600 about 14 (16-row configs:
+    items of 9-16 rows run both groups, the shared expert's too, an expert's last item often one)."""
     monkeypatch.setattr(expert_decode, "CONFIG", config)
-    check_moe("nvfp4", flint_nvfp4_moe, FLINT, 100, f"decode {config}", gemms="decode")
+    check_moe("nvfp4", flint_nvfp4_moe, FLINT, tokens, f"decode {config}", gemms="decode")
 
 
 def test_moe_grouped_decode_gemms_one_expert_and_graph(flint_nvfp4_moe):
@@ -165,6 +167,15 @@ def test_moe_grouped_decode_gemms_one_expert_and_graph(flint_nvfp4_moe):
     ws = check_moe("nvfp4", dict(flint_nvfp4_moe, bias=bias), FLINT, 317, "decode, one expert", gemms="decode")
     assert ws.offsets.diff()[7] == 317
     check_graph_replay(flint_nvfp4_moe, FLINT, tokens=200, partial=77, gemms="decode")
+
+
+def test_decode_gemms_of_16_row_items_with_one_expert(flint_nvfp4_moe, monkeypatch):
+    """A 16-row config with every token on one expert: 20 items of 16 rows and a last one of 13."""
+    monkeypatch.setattr(expert_decode, "CONFIG", "g2w8t4")
+    bias = torch.zeros(FLINT["experts"], device="cuda")
+    bias[[7, 9, 11, 100, 200, 255]] = torch.tensor([100.0, 90, 80, 70, 60, 50], device="cuda")
+    ws = check_moe("nvfp4", dict(flint_nvfp4_moe, bias=bias), FLINT, 333, "decode g2w8t4, one expert", gemms="decode")
+    assert ws.offsets.diff()[7] == 333 and ws.num_work.item() == 6 * 21 + 21
 
 
 @pytest.mark.parametrize("gemms", ["decode", "tiled"])

@@ -1,0 +1,79 @@
+"""Decode steps of the full model under variants of module constants, over one model build: each
+variant sets its constants, the graphs are captured again, `bench latency`'s decode cases run;
+the whole list runs `--rounds` times, interleaved, so drift shows. Run on the GPU machine:
+
+    python3 benchmarks/ab_decode.py --batch-sizes 64,256 --contexts 1024 \
+        --variant base: --variant ctas6:flint_sched.kernels.attention.CTAS_PER_SM=6
+
+A variant is NAME:ASSIGNMENTS, assignments comma-separated `module.ATTR=value` (value a Python
+literal); constants not named keep the value they had before the script changed any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flint_sched.benchmarks import latency  # noqa: E402
+
+
+def parse_variant(text: str) -> tuple[str, list[tuple[object, str, object]]]:
+    name, _, body = text.partition(":")
+    if not name:
+        raise ValueError(f"variant {text!r}: NAME:module.ATTR=value,...")
+    sets = []
+    for assignment in filter(None, body.split(",")):
+        target, eq, value = assignment.partition("=")
+        module_name, _, attr = target.rpartition(".")
+        if not eq or not module_name:
+            raise ValueError(f"variant {name}: {assignment!r} is not module.ATTR=value")
+        module = importlib.import_module(module_name)
+        if not hasattr(module, attr):
+            raise ValueError(f"variant {name}: {module_name} has no {attr}")
+        sets.append((module, attr, ast.literal_eval(value)))
+    return name, sets
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    latency.add_arguments(p)
+    p.add_argument("--variant", action="append", required=True, help="NAME:module.ATTR=value,... (repeatable)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.set_defaults(executor="cuda", device="cuda", prefill_lens="", weight_format="nvfp4")
+    args = p.parse_args()
+    try:
+        variants = [parse_variant(v) for v in args.variant]
+        executor, _, bandwidth, num_blocks = latency.build(args)
+    except ValueError as e:
+        raise SystemExit(f"ab_decode: {e}") from None
+    original = {(m, a): getattr(m, a) for _, sets in variants for m, a, _ in sets}
+    print("| variant | batch | context | ms/step (each round) |")
+    print("|---|---|---|---|")
+    results: dict[tuple[str, int, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for name, sets in variants:
+            for (module, attr), value in original.items():
+                setattr(module, attr, value)
+            for module, attr, value in sets:
+                setattr(module, attr, value)
+            executor.clear_graphs()
+            for context in latency._ints(args.contexts):
+                for batch in latency._ints(args.batch_sizes):
+                    if batch * -(-(context + 1) // args.block_size) > num_blocks:
+                        continue
+                    r = latency.run_decode(executor, args, batch, context, bandwidth)
+                    results.setdefault((name, batch, context), []).append(r.step_ms)
+    for (name, batch, context), times in results.items():
+        print(f"| {name} | {batch} | {context} | {' / '.join(f'{t:.2f}' for t in times)} |")
+    for (module, attr), value in original.items():
+        setattr(module, attr, value)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
