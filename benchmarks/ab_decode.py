@@ -62,12 +62,9 @@ def main() -> int:
             for module, attr, value in sets:
                 setattr(module, attr, value)
             executor.clear_graphs()
-            for context in latency._ints(args.contexts):
-                for batch in latency._ints(args.batch_sizes):
-                    if batch * -(-(context + 1) // args.block_size) > num_blocks:
-                        continue
-                    r = latency.run_decode(executor, args, batch, context, bandwidth)
-                    results.setdefault((name, batch, context), []).append(r.step_ms)
+            for batch, context, _ in latency.decode_cases(args, num_blocks)[0]:
+                r = latency.run_decode(executor, args, batch, context, bandwidth)
+                results.setdefault((name, batch, context), []).append(r.step_ms)
     for (name, batch, context), times in results.items():
         print(f"| {name} | {batch} | {context} | {' / '.join(f'{t:.2f}' for t in times)} |")
     for (module, attr), value in original.items():

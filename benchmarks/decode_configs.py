@@ -41,12 +41,9 @@ def main() -> int:
     for config in configs:
         expert_decode.CONFIG = config
         executor.clear_graphs()      # captured again, on this config's kernels
-        for context in latency._ints(args.contexts):
-            for batch in latency._ints(args.batch_sizes):
-                if batch * -(-(context + 1) // args.block_size) > num_blocks:
-                    continue
-                r = latency.run_decode(executor, args, batch, context, bandwidth)
-                print(f"| {config} | {batch} | {context} | {r.step_ms:.2f} | {r.tokens_per_s:.0f} |", flush=True)
+        for batch, context, _ in latency.decode_cases(args, num_blocks)[0]:
+            r = latency.run_decode(executor, args, batch, context, bandwidth)
+            print(f"| {config} | {batch} | {context} | {r.step_ms:.2f} | {r.tokens_per_s:.0f} |", flush=True)
     expert_decode.CONFIG = None
     return 0
 

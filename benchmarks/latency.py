@@ -121,6 +121,21 @@ def mixed_plan(batch: int, context: int, chunk: int, blocks_per_request: int, pa
     return StepPlan(decodes + [prompt], batch + chunk, "grouped", [], [])
 
 
+def decode_cases(args, num_blocks: int, extra_seqs: int = 0) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """The decode cases of --contexts x --batch-sizes (contexts outer) as (batch, context, blocks per
+    request) where the KV fits `num_blocks` beside `extra_seqs` more requests, and the (batch,
+    context) pairs that do not."""
+    cases, skipped = [], []
+    for context in _ints(args.contexts):
+        for batch in _ints(args.batch_sizes):
+            blocks = math.ceil((context + 1) / args.block_size)
+            if (batch + extra_seqs) * blocks > num_blocks:
+                skipped.append((batch, context))
+            else:
+                cases.append((batch, context, blocks))
+    return cases, skipped
+
+
 def sampling_params(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=1)
 
@@ -253,36 +268,32 @@ def _gbps(value: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     executor, device, bandwidth, num_blocks = build(args)
-    batches, contexts, prefills = _ints(args.batch_sizes), _ints(args.contexts), _ints(args.prefill_lens)
+    prefills = _ints(args.prefill_lens)
     sampling = ("greedy" if args.temperature == 0 else
                 f"sampled (temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k})")
     print(f"device {device}, {args.executor} executor, {args.weight_format} weights, KV pool {num_blocks} blocks of {args.block_size}, "
           f"bandwidth {_gbps(bandwidth)}{' (measured on GPUs only: no floors)' if math.isnan(bandwidth) else ''}, "
           f"{sampling} decode", flush=True)
-    results, skipped, mixed = [], [], []
-    for context in contexts:
-        for batch in batches:
-            blocks = math.ceil((context + 1) / args.block_size)
-            if (batch + bool(args.mixed_chunks)) * blocks > num_blocks:
-                skipped.append((batch, context))
-                continue
-            r = run_decode(executor, args, batch, context, bandwidth)
-            results.append(r)
-            floor = "" if math.isnan(r.floor_ms) else (f" floor {r.floor_ms:7.3f} ms  {r.achieved_gbps:8.1f} GB/s "
-                                                        f"({100 * r.bandwidth_share:5.1f} %)")
-            print(f"decode B={batch:<4} C={context:<7} {r.step_ms:9.2f} ms/step {r.tokens_per_s:10.1f} tok/s{floor}",
-                  flush=True)
+    results, mixed = [], []
+    cases, skipped = decode_cases(args, num_blocks, extra_seqs=bool(args.mixed_chunks))
+    for batch, context, blocks in cases:
+        r = run_decode(executor, args, batch, context, bandwidth)
+        results.append(r)
+        floor = "" if math.isnan(r.floor_ms) else (f" floor {r.floor_ms:7.3f} ms  {r.achieved_gbps:8.1f} GB/s "
+                                                    f"({100 * r.bandwidth_share:5.1f} %)")
+        print(f"decode B={batch:<4} C={context:<7} {r.step_ms:9.2f} ms/step {r.tokens_per_s:10.1f} tok/s{floor}",
+              flush=True)
+        if args.kernel_breakdown and device.type == "cuda":
+            plan = decode_plan(batch, context, blocks, fused_max_batch=executor.limits.fused_max_batch)
+            print(format_breakdown(_breakdown(executor, plan), r.step_ms), flush=True)
+        for chunk in (min(c, context) for c in _ints(args.mixed_chunks)):
+            plan = mixed_plan(batch, context, chunk, blocks, sampling_params(args))
+            step_ms = 1e3 * _step_seconds(executor, args, plan)
+            mixed.append({"batch": batch, "context": context, "chunk": chunk, "step_ms": step_ms})
+            print(f"mixed  B={batch:<4} C={context:<7} + {chunk} prompt rows {step_ms:9.2f} ms/step "
+                  f"({step_ms / r.step_ms:.1f}x the decode step)", flush=True)
             if args.kernel_breakdown and device.type == "cuda":
-                plan = decode_plan(batch, context, blocks, fused_max_batch=executor.limits.fused_max_batch)
-                print(format_breakdown(_breakdown(executor, plan), r.step_ms), flush=True)
-            for chunk in (min(c, context) for c in _ints(args.mixed_chunks)):
-                plan = mixed_plan(batch, context, chunk, blocks, sampling_params(args))
-                step_ms = 1e3 * _step_seconds(executor, args, plan)
-                mixed.append({"batch": batch, "context": context, "chunk": chunk, "step_ms": step_ms})
-                print(f"mixed  B={batch:<4} C={context:<7} + {chunk} prompt rows {step_ms:9.2f} ms/step "
-                      f"({step_ms / r.step_ms:.1f}x the decode step)", flush=True)
-                if args.kernel_breakdown and device.type == "cuda":
-                    print(format_breakdown(_breakdown(executor, plan), step_ms), flush=True)
+                print(format_breakdown(_breakdown(executor, plan), step_ms), flush=True)
     prefill = {}
     for length in prefills:
         fits = math.ceil(length / args.block_size) <= num_blocks

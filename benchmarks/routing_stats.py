@@ -65,23 +65,18 @@ def main() -> int:
         raise SystemExit(f"routing_stats: {e}") from None
     show = {int(x) for x in args.layers.split(",") if x}
     chunks = (8, 16, 32)
-    for context in latency._ints(args.contexts):
-        for batch in latency._ints(args.batch_sizes):
-            blocks = math.ceil((context + 1) / args.block_size)
-            if batch * blocks > num_blocks:
-                continue
-            plan = latency.decode_plan(batch, context, blocks, latency.GREEDY, executor.limits.fused_max_batch)
-            per_layer = layer_counts(executor, plan)
-            first_moe = executor.config.num_hidden_layers - len(per_layer)
-            print(f"B={batch} C={context}: {len(per_layer)} MoE layers")
-            for i, counts in enumerate(per_layer):
-                if i + first_moe in show:
-                    print(f"  layer {i + first_moe:2d}: {summary(counts, chunks)}")
-            total = [sum(c) for c in zip(*per_layer)]
-            touched = sum(sum(1 for c in counts[:-1] if c) for counts in per_layer) / len(per_layer)
-            items = {k: sum(math.ceil(c / k) for counts in per_layer for c in counts) / len(per_layer) for k in chunks}
-            print(f"  mean over layers: touched {touched:.1f} of {len(total) - 1}, "
-                  + ", ".join(f"items@{k} {n:.1f}" for k, n in items.items()))
+    for batch, context, blocks in latency.decode_cases(args, num_blocks)[0]:
+        plan = latency.decode_plan(batch, context, blocks, latency.GREEDY, executor.limits.fused_max_batch)
+        per_layer = layer_counts(executor, plan)
+        first_moe = executor.config.num_hidden_layers - len(per_layer)
+        print(f"B={batch} C={context}: {len(per_layer)} MoE layers")
+        for i, counts in enumerate(per_layer):
+            if i + first_moe in show:
+                print(f"  layer {i + first_moe:2d}: {summary(counts, chunks)}")
+        touched = sum(sum(1 for c in counts[:-1] if c) for counts in per_layer) / len(per_layer)
+        items = {k: sum(math.ceil(c / k) for counts in per_layer for c in counts) / len(per_layer) for k in chunks}
+        print(f"  mean over layers: touched {touched:.1f} of {len(per_layer[0]) - 1}, "
+              + ", ".join(f"items@{k} {n:.1f}" for k, n in items.items()))
     return 0
 
 

@@ -149,3 +149,17 @@ def test_routing_stats_counts_items_per_chunk():
     assert "touched   4" in line and "max   17" in line and ">8 rows   2" in line and ">16   1" in line
     # items: ceil(c / 8) over every count (shared included): 0+1+2+3+0+1+2 = 9; at 16: 0+1+1+2+0+1+1 = 6
     assert "items@8    9" in line and "items@16    6" in line
+
+
+def test_decode_cases_keep_the_cases_whose_kv_fits():
+    """latency.decode_cases: contexts outer, blocks per request of context + 1 tokens, a case skipped
+    when its requests (and the extra ones) need more blocks than the pool holds."""
+    import argparse
+
+    from flint_sched.benchmarks import latency
+
+    args = argparse.Namespace(contexts="15,16", batch_sizes="2,4", block_size=16)
+    assert latency.decode_cases(args, 8) == ([(2, 15, 1), (4, 15, 1), (2, 16, 2), (4, 16, 2)], [])
+    assert latency.decode_cases(args, 7) == ([(2, 15, 1), (4, 15, 1), (2, 16, 2)], [(4, 16)])
+    assert latency.decode_cases(args, 7, extra_seqs=1) == ([(2, 15, 1), (4, 15, 1), (2, 16, 2)], [(4, 16)])
+    assert latency.decode_cases(args, 5, extra_seqs=1) == ([(2, 15, 1), (4, 15, 1)], [(2, 16), (4, 16)])
