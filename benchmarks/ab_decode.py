@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flint_sched.benchmarks import latency  # noqa: E402
+from flint_sched.kernels.attention import attention_workspace  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, list[tuple[object, str, object]]]:
@@ -62,6 +63,9 @@ def main() -> int:
             for module, attr, value in sets:
                 setattr(module, attr, value)
             executor.clear_graphs()
+            # sized from module constants (CTAS_PER_SM): made again for this variant
+            ws = executor.ws
+            ws.attention = attention_workspace(ws.hidden.device, ws.max_rows, executor.config.num_key_value_heads)
             for batch, context, _ in latency.decode_cases(args, num_blocks)[0]:
                 r = latency.run_decode(executor, args, batch, context, bandwidth)
                 results.setdefault((name, batch, context), []).append(r.step_ms)
