@@ -6,7 +6,7 @@ the whole list runs `--rounds` times, interleaved, so drift shows. Run on the GP
         --variant base: --variant ctas6:flint_sched.kernels.attention.CTAS_PER_SM=6
 
 A variant is NAME:ASSIGNMENTS, assignments comma-separated `module.ATTR=value` (value a Python
-literal); constants not named keep the value they had before the script changed any.
+literal, commas inside its brackets allowed); constants not named keep the value they had before the script changed any.
 """
 
 from __future__ import annotations
@@ -23,12 +23,23 @@ from flint_sched.benchmarks import latency  # noqa: E402
 from flint_sched.kernels.attention import attention_workspace  # noqa: E402
 
 
+def top_level_split(text: str, sep: str = ",") -> list[str]:
+    """text split at the separators outside brackets (a value may be a dict or a tuple)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
 def parse_variant(text: str) -> tuple[str, list[tuple[object, str, object]]]:
     name, _, body = text.partition(":")
     if not name:
         raise ValueError(f"variant {text!r}: NAME:module.ATTR=value,...")
     sets = []
-    for assignment in filter(None, body.split(",")):
+    for assignment in filter(None, top_level_split(body)):
         target, eq, value = assignment.partition("=")
         module_name, _, attr = target.rpartition(".")
         if not eq or not module_name:

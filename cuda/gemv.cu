@@ -1,26 +1,47 @@
-// Dense skinny GEMMs for B <= 8 tokens: y[B, N] = x[B, K] . W[N, K]^T (+ residual), and the
-// SwiGLU front half h[B, I] = silu(x . Wg^T) * (x . Wu^T). x, y, h, residual: bf16 row-major,
-// contiguous; W: bf16 or NVFP4 (gemv_tile.cuh). One CTA of GEMV_WARPS warps per 16 output rows
-// (8 for gate/up: tile rows 0-7 read Wg, rows 8-15 read Wu), whole K per CTA, no atomics.
-// y may alias residual (each element is read and written by the same thread). NVFP4 W may be up
-// to three weights stacked by rows, each with its tensor scale: rows [split1, split2) use
+// Dense skinny GEMMs for B <= 8 * GEMV_GROUPS tokens: y[B, N] = x[B, K] . W[N, K]^T (+ residual),
+// and the SwiGLU front half h[B, I] = silu(x . Wg^T) * (x . Wu^T). x, y, h, residual: bf16
+// row-major, contiguous; W: bf16 or NVFP4 (gemv_tile.cuh). One CTA of GEMV_WARPS warps per 16
+// output rows (8 for gate/up: tile rows 0-7 read Wg, rows 8-15 read Wu), whole K per CTA, no
+// atomics. y may alias residual (each element is read and written by the same thread). NVFP4 W may
+// be up to three weights stacked by rows, each with its tensor scale: rows [split1, split2) use
 // tensor_scale[1], rows from split2 on tensor_scale[2] (q/k/v as one GEMV).
 // Before waiting on the previous kernel (PDL), each CTA asks for its weight rows in L2 and issues
 // its first round of weight loads.
 // GEMV_WARPS (4, 8 or 16) is a compile-time define: few tiles want more warps splitting K, so
-// that each SM keeps enough loads in flight.
+// that each SM keeps enough loads in flight. GEMV_GROUPS (1 or 2): 8-token groups; with 2, tokens
+// 8..15 are a second mma column group fed by the same decoded weights.
 #include "gemv_tile.cuh"
 
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 4
 #endif
+#ifndef GEMV_GROUPS
+#define GEMV_GROUPS 1
+#endif
 #define BF16_UNROLL 8   // k-steps in flight per warp: 8 x 1 KB
 #define NVFP4_UNROLL 4  // 4 x (1 KB codes + scales)
+#define GEMV_RED (GEMV_WARPS * 4 * 32)  // partials of one group
+
+// acc[grp] over all of K for this CTA's rows; token grp * 8 + g feeds lane g of group grp.
+template <class Wt, int U>
+__device__ __forceinline__ void gemv_partials(float* red, const typename Wt::Rows& rows, const u16* x,
+                                              int B, int K, const typename Wt::Shared& sh) {
+  const int g = (threadIdx.x & 31) >> 2;
+  const u16* xs[GEMV_GROUPS];
+#pragma unroll
+  for (int grp = 0; grp < GEMV_GROUPS; ++grp) xs[grp] = grp * 8 + g < B ? x + (size_t)(grp * 8 + g) * K : nullptr;
+  float acc[GEMV_GROUPS][4] = {};
+  tile_partial_groups<Wt, GEMV_WARPS, U, true, GEMV_GROUPS>(acc, rows, xs, K, 0, (K + Wt::KSTEP - 1) / Wt::KSTEP,
+                                                           sh);
+#pragma unroll
+  for (int grp = 0; grp < GEMV_GROUPS; ++grp) tile_store_partials<GEMV_WARPS>(red + grp * GEMV_RED, acc[grp]);
+  __syncthreads();
+}
 
 template <class Wt, int U>
 __device__ __forceinline__ void gemv(u16* y, const u16* x, const Wt& wt, const u16* residual,
                                      int B, int N, int K, int split1, int split2) {
-  __shared__ float red[GEMV_WARPS * 4 * 32];
+  __shared__ float red[GEMV_GROUPS * GEMV_RED];
   __shared__ typename Wt::Shared sh;
   Wt::init_shared(sh);
   pdl_launch_dependents();
@@ -29,15 +50,14 @@ __device__ __forceinline__ void gemv(u16* y, const u16* x, const Wt& wt, const u
   const int n0 = blockIdx.x * 16;
   if (threadIdx.x == 0) wt.prefetch(n0, min(16, N - n0), K);
   const typename Wt::Rows rows = Wt::rows(wt, min(n0 + g, N - 1), wt, min(n0 + g + 8, N - 1), K);
-  const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  tile_partial<Wt, GEMV_WARPS, U, true>(acc, rows, g < B ? x + (size_t)g * K : nullptr, K, 0, steps,
-                                        sh);
-  tile_store_partials<GEMV_WARPS>(red, acc);
-  __syncthreads();
-  const int r = threadIdx.x >> 3, b = threadIdx.x & 7, n = n0 + r;  // threads 0..127: 16 x 8
-  if (r < 16 && n < N && b < B) {
-    float v = tile_sum<GEMV_WARPS>(red, r, b) * wt.sum_scale((n >= split1) + (n >= split2));
+  gemv_partials<Wt, U>(red, rows, x, B, K, sh);
+  const int r = threadIdx.x >> 3, n = n0 + r;  // threads 0..127: 16 rows x 8 tokens of a group
+  if (r >= 16 || n >= N) return;
+#pragma unroll
+  for (int grp = 0; grp < GEMV_GROUPS; ++grp) {
+    const int j = threadIdx.x & 7, b = grp * 8 + j;
+    if (b >= B) break;
+    float v = tile_sum<GEMV_WARPS>(red + grp * GEMV_RED, r, j) * wt.sum_scale((n >= split1) + (n >= split2));
     if (residual) v += bf16_to_f32(residual[(size_t)b * N + n]);
     y[(size_t)b * N + n] = f32_to_bf16(v);
   }
@@ -46,7 +66,7 @@ __device__ __forceinline__ void gemv(u16* y, const u16* x, const Wt& wt, const u
 template <class Wt, int U>
 __device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, const Wt& wu, int B,
                                         int I, int K) {
-  __shared__ float red[GEMV_WARPS * 4 * 32];
+  __shared__ float red[GEMV_GROUPS * GEMV_RED];
   __shared__ typename Wt::Shared sh;
   Wt::init_shared(sh);
   pdl_launch_dependents();
@@ -56,17 +76,15 @@ __device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, cons
   if (threadIdx.x == 0) wg.prefetch(j0, min(8, I - j0), K);
   if (threadIdx.x == 32) wu.prefetch(j0, min(8, I - j0), K);
   const int row = min(j0 + g, I - 1);
-  const typename Wt::Rows rows = Wt::rows(wg, row, wu, row, K);
-  const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  tile_partial<Wt, GEMV_WARPS, U, true>(acc, rows, g < B ? x + (size_t)g * K : nullptr, K, 0, steps,
-                                        sh);
-  tile_store_partials<GEMV_WARPS>(red, acc);
-  __syncthreads();
-  const int j = threadIdx.x >> 3, b = threadIdx.x & 7, n = j0 + j;
-  if (j < 8 && n < I && b < B) {
-    const float gate = tile_sum<GEMV_WARPS>(red, j, b) * wg.sum_scale();
-    const float up = tile_sum<GEMV_WARPS>(red, j + 8, b) * wu.sum_scale();
+  gemv_partials<Wt, U>(red, Wt::rows(wg, row, wu, row, K), x, B, K, sh);
+  const int j = threadIdx.x >> 3, n = j0 + j;
+  if (j >= 8 || n >= I) return;
+#pragma unroll
+  for (int grp = 0; grp < GEMV_GROUPS; ++grp) {
+    const int c = threadIdx.x & 7, b = grp * 8 + c;
+    if (b >= B) break;
+    const float gate = tile_sum<GEMV_WARPS>(red + grp * GEMV_RED, j, c) * wg.sum_scale();
+    const float up = tile_sum<GEMV_WARPS>(red + grp * GEMV_RED, j + 8, c) * wu.sum_scale();
     h[(size_t)b * I + n] = f32_to_bf16(silu(gate) * up);
   }
 }

@@ -62,6 +62,11 @@ struct Bf16Weights {
     mma_bf16_16x8x16(acc, f.w0.x, f.w1.x, f.w0.y, f.w1.y, x.x, x.y);
     mma_bf16_16x8x16(acc, f.w0.z, f.w1.z, f.w0.w, f.w1.w, x.z, x.w);
   }
+  template <int G>  // one fragment into G 8-token groups
+  static __device__ void mma_groups(float (&acc)[G][4], const Frag& f, const X (&x)[G], const Shared& sh) {
+#pragma unroll
+    for (int grp = 0; grp < G; ++grp) mma(acc[grp], f, x[grp], sh);
+  }
 };
 
 // ---- NVFP4 weights: codes [N, K/2], block scales [N, K/16], tensor scale [1] -----------------
@@ -135,21 +140,33 @@ struct Nvfp4Weights {
     for (int i = 0; i < 4; ++i) x.v[i] = make_uint4(0, 0, 0, 0);
     return x;
   }
-  static __device__ void mma(float (&acc)[4], const Frag& f, const X& x, const Shared& sh) {
+  // One fragment into G 8-token groups, each code word decoded once for all of them.
+  template <int G>
+  static __device__ void mma_groups(float (&acc)[G][4], const Frag& f, const X (&x)[G], const Shared& sh) {
     const u32 scale0[2] = {sh.scale[f.s0 & 0xFFu], sh.scale[f.s0 >> 8]};
     const u32 scale1[2] = {sh.scale[f.s1 & 0xFFu], sh.scale[f.s1 >> 8]};
     const u32 words0[4] = {f.c0.x, f.c0.y, f.c0.z, f.c0.w};
     const u32 words1[4] = {f.c1.x, f.c1.y, f.c1.z, f.c1.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // word i: weights k + 8i .. k + 8i + 7, block i / 2
-      u32 xp[4];
-      x_pairs_for_e2m1(x.v[i], xp);
       u32 p0[4], p1[4];
       e2m1x8_to_bf16(words0[i], scale0[i >> 1], p0);
       e2m1x8_to_bf16(words1[i], scale1[i >> 1], p1);
-      mma_bf16_16x8x16(acc, p0[0], p1[0], p0[1], p1[1], xp[0], xp[1]);
-      mma_bf16_16x8x16(acc, p0[2], p1[2], p0[3], p1[3], xp[2], xp[3]);
+#pragma unroll
+      for (int grp = 0; grp < G; ++grp) {
+        u32 xp[4];
+        x_pairs_for_e2m1(x[grp].v[i], xp);
+        mma_bf16_16x8x16(acc[grp], p0[0], p1[0], p0[1], p1[1], xp[0], xp[1]);
+        mma_bf16_16x8x16(acc[grp], p0[2], p1[2], p0[3], p1[3], xp[2], xp[3]);
+      }
     }
+  }
+  static __device__ void mma(float (&acc)[4], const Frag& f, const X& x, const Shared& sh) {
+    float a[1][4] = {{acc[0], acc[1], acc[2], acc[3]}};
+    const X xs[1] = {x};
+    mma_groups<1>(a, f, xs, sh);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[j] = a[0][j];
   }
 };
 
@@ -162,15 +179,17 @@ struct Nvfp4Weights {
 #define X_BATCH 1
 #endif
 
-// acc += this warp's share of rows . x_g over k-steps [s_begin, s_end).
-// x_g: token g's activation row (K bf16), or nullptr. K % LANE_K == 0.
+// acc[grp] += this warp's share of rows . x_g[grp] over k-steps [s_begin, s_end), for G groups
+// of 8 tokens (lane g feeds token grp * 8 + g of group grp; each weight fragment is loaded and
+// decoded once for all groups). x_g[grp]: that token's activation row (K bf16), or nullptr.
+// K % LANE_K == 0.
 // PREFETCH: the caller has not waited on the previous kernel yet (PDL); the first round of weight
 // loads is issued before `pdl_wait`, so it overlaps the previous kernel's tail, and every thread
 // has waited when this returns. Weights never depend on the previous kernel; x does.
-template <class Wt, int W, int U, bool PREFETCH = false>
-__device__ __forceinline__ void tile_partial(float (&acc)[4], const typename Wt::Rows& rows,
-                                             const u16* x_g, int k_total, int s_begin, int s_end,
-                                             const typename Wt::Shared& sh) {
+template <class Wt, int W, int U, bool PREFETCH = false, int G = 1>
+__device__ __forceinline__ void tile_partial_groups(float (&acc)[G][4], const typename Wt::Rows& rows,
+                                                    const u16* const (&x_g)[G], int k_total, int s_begin,
+                                                    int s_end, const typename Wt::Shared& sh) {
   const int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
   bool waited = !PREFETCH;
   for (int s0 = s_begin + warp; s0 < s_end; s0 += W * U) {
@@ -188,26 +207,46 @@ __device__ __forceinline__ void tile_partial(float (&acc)[4], const typename Wt:
     if (X_BATCH) {
       // Every activation load of the round first (L1/L2 hits, but one after another they cost a
       // round trip per k-step), then the mmas.
-      typename Wt::X xv[U];
+      typename Wt::X xv[U][G];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int s = s0 + u * W;
         const int k = s * Wt::KSTEP + t * Wt::LANE_K;
-        xv[u] = (x_g && s < s_end && k < k_total) ? Wt::load_x(x_g + k) : Wt::zero_x();
+#pragma unroll
+        for (int grp = 0; grp < G; ++grp)
+          xv[u][grp] = (x_g[grp] && s < s_end && k < k_total) ? Wt::load_x(x_g[grp] + k) : Wt::zero_x();
       }
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        if (s0 + u * W < s_end) Wt::mma(acc, f[u], xv[u], sh);
+        if (s0 + u * W < s_end) Wt::template mma_groups<G>(acc, f[u], xv[u], sh);
     } else {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int s = s0 + u * W;
         const int k = s * Wt::KSTEP + t * Wt::LANE_K;
-        if (s < s_end) Wt::mma(acc, f[u], (x_g && k < k_total) ? Wt::load_x(x_g + k) : Wt::zero_x(), sh);
+        if (s < s_end) {
+          typename Wt::X xv[G];
+#pragma unroll
+          for (int grp = 0; grp < G; ++grp)
+            xv[grp] = (x_g[grp] && k < k_total) ? Wt::load_x(x_g[grp] + k) : Wt::zero_x();
+          Wt::template mma_groups<G>(acc, f[u], xv, sh);
+        }
       }
     }
   }
   if (!waited) pdl_wait();  // a warp with no k-steps
+}
+
+// One group of <= 8 tokens: acc += this warp's share of rows . x_g (see tile_partial_groups).
+template <class Wt, int W, int U, bool PREFETCH = false>
+__device__ __forceinline__ void tile_partial(float (&acc)[4], const typename Wt::Rows& rows,
+                                             const u16* x_g, int k_total, int s_begin, int s_end,
+                                             const typename Wt::Shared& sh) {
+  float a[1][4] = {{acc[0], acc[1], acc[2], acc[3]}};
+  const u16* const xs[1] = {x_g};
+  tile_partial_groups<Wt, W, U, PREFETCH, 1>(a, rows, xs, k_total, s_begin, s_end, sh);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) acc[j] = a[0][j];
 }
 
 // Partials of all warps: red[(warp * 4 + i) * 32 + lane], i = accumulator index.

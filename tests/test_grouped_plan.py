@@ -13,37 +13,47 @@ def items_of(counts: list[int], chunk: int) -> int:
     return sum(-(-c // chunk) for c in counts)
 
 
-@pytest.mark.parametrize("chunk", grouped.CHUNKS)
+def routed_counts(choices: list[list[int]], experts: int) -> list[int]:
+    counts = [0] * (experts + 1)
+    for chosen in choices:
+        assert len(set(chosen)) == len(chosen)     # a token's experts are distinct
+        for e in chosen:
+            counts[e] += 1
+    counts[experts] = len(choices)                 # the shared expert: one row a token
+    return counts
+
+
+@pytest.mark.parametrize("chunk", (*grouped.CHUNKS, 128))
 def test_work_bound_covers_every_distribution(chunk):
     rng = random.Random(chunk)
-    for tokens, experts, top_k in itertools.product((1, 7, 9, 63, 257, 4099), (4, 32, 256), (1, 6)):
+    for tokens, experts, top_k in itertools.product((1, 7, 9, 16, 63, 64, 257, 4099), (4, 32, 256), (1, 6)):
         top_k = min(top_k, experts)
-        pairs = tokens * (top_k + 1)
-        bound = grouped.work_bound(pairs, experts + 1, chunk)
-        # worst cases: every pair alone-ish, all on one expert, random
-        spread = [pairs // (experts + 1) + (e < pairs % (experts + 1)) for e in range(experts + 1)]
-        one = [tokens * top_k] + [0] * (experts - 1) + [tokens]
-        rand = [0] * (experts + 1)
-        for _ in range(tokens * top_k):
-            rand[rng.randrange(experts)] += 1
-        rand[experts] = tokens
-        for counts in (spread, one, rand):
-            assert sum(counts) == pairs
+        bound = grouped.work_bound(tokens, top_k, experts, chunk)
+        # worst cases: the choices spread over every expert (most experts touched), all tokens on
+        # the same top_k experts (fullest experts), one row short of whole chunks, random
+        spread = [[(t * top_k + j) % experts for j in range(top_k)] for t in range(tokens)]
+        same = [list(range(top_k))] * tokens
+        rand = [rng.sample(range(experts), top_k) for _ in range(tokens)]
+        for choices in (spread, same, rand):
+            counts = routed_counts(choices, experts)
             assert items_of(counts, chunk) <= bound, (tokens, experts, top_k, chunk)
+    # tight where the spread reaches every expert: one item each, then whole chunks
+    assert items_of(routed_counts([[t % 256] for t in range(256 * 9)], 256), 8) == grouped.work_bound(256 * 9, 1, 256, 8)
 
 
 def test_work_bound_values():
-    assert grouped.work_bound(448, 257, 16) == 28 + 257      # 64 tokens, top-6 + shared
-    assert grouped.work_bound(7, 257, 16) == 1 + 7           # one token: at most 7 experts
-    assert grouped.work_bound(0, 257, 64) == 0
+    assert grouped.work_bound(64, 6, 256, 16) == 256 + 128 // 16 + 4   # 384 routed rows, 64 shared
+    assert grouped.work_bound(16, 6, 256, 8) == 96 + 2                   # every routed row alone
+    assert grouped.work_bound(1, 6, 256, 16) == 6 + 1                    # one token: 7 experts
+    assert grouped.work_bound(0, 6, 256, 64) == 0
 
 
 def test_chunk_choice():
     assert grouped.dense_chunk(1) == grouped.dense_chunk(16) == 16
     assert grouped.dense_chunk(17) == grouped.dense_chunk(8192) == 64
-    # Flint: 256 experts, top-6. Decode (<= 6 rows per expert on average) takes 16-row items.
+    # Flint: 256 experts, top-6. Decode (<= 6 rows per expert on average) takes 8-row items.
     assert [grouped.moe_chunk(m, 6, 256) for m in (1, 16, 64, 256, 682, 683, 1024, 8192)] == \
-        [16, 16, 16, 16, 16, 64, 64, 64]
+        [8, 8, 8, 8, 8, 64, 64, 64]
 
 
 def test_tiles_per_cta_and_grid():
@@ -76,7 +86,7 @@ def test_routing_shared_memory_and_workspace_checks():
         grouped_moe.moe_routing_workspace(8, 4, 5, "cpu")
     ws = grouped_moe.moe_routing_workspace(9, 32, 6, "cpu", hidden_size=64, intermediate_size=32)
     assert ws.sorted_token.numel() == 9 * 7 and ws.pair_row.shape == (9, 7)
-    assert ws.work_expert.numel() == grouped.work_bound(63, 33, min(grouped.CHUNKS))
+    assert ws.work_expert.numel() == grouped.work_bound(9, 6, 32, min(grouped.CHUNKS))
     assert ws.h_sorted.shape == (63, 32) and ws.y_sorted.shape == (63, 64)
     assert int(ws.ticket) == 0
 

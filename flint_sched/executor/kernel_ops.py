@@ -28,7 +28,7 @@ from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.kernels import attention as attn
 from flint_sched.kernels.grouped import grouped_gate_up, grouped_linear
 from flint_sched.kernels.grouped_moe import moe_grouped
-from flint_sched.kernels.linear import gate_up_silu, linear
+from flint_sched.kernels.linear import gate_up_silu, linear, weight_format
 from flint_sched.kernels.moe import moe_down, moe_gate_up, route
 from flint_sched.kernels.norm import rms_norm
 from flint_sched.kernels.prefill_attention import (
@@ -42,6 +42,15 @@ from flint_sched.kernels.sampling import greedy
 # Grouped and prompt steps normalize the row a residual op writes in the same launch where the
 # kernels allow (moe_finalize_norm; the residual epilogue after cuBLAS); False: a launch of its own.
 FUSE_NORMS = True
+
+# Grouped and prompt steps of up to this many rows run their dense GEMMs (q/k/v, o_proj, the dense
+# MLP, the LM head) on the GEMV kernels over the weights as stored (cuda/gemv.cu: up to 16 rows, the
+# weights decoded once for two 8-row groups), by the weight's format; larger steps on cuBLAS over
+# bf16 weights (NVFP4: their bf16 copies, executor/dense_copies.py). The fused path always GEMVs.
+# Measured on the H200, full model at 1K (benchmarks/ab_decode.py, RESULTS.md session 13), ms a step
+# with GEMVs to 16 rows / cuBLAS from 9: NVFP4 at 9 / 12 / 16 requests 4.50 / 4.73 / 4.99 against
+# 5.03 / 5.25 / 5.55; BF16 at 16: 8.37 / 8.14 against 8.60 / 8.35 (24 rows: even, so cuBLAS above 16).
+GEMV_MAX_ROWS = {"nvfp4": 16, "bf16": 16}
 
 
 @dataclass
@@ -108,7 +117,7 @@ class KernelOps:
         c, p = self.c, f"model.layers.{i}.self_attn."
         weight, splits = self.k.qkv[i]
         out = torch.empty(self.rows, c.q_size + 2 * c.kv_size, dtype=torch.bfloat16, device=x.device)
-        if self.variant == "fused":
+        if self._gemv(self.rows, weight):
             qkv = linear(x, weight, out=out, pdl=self.pdl, row_splits=splits)
         else:
             if self.k.copies is not None:
@@ -157,17 +166,23 @@ class KernelOps:
             prefill_ring_write(qkv, pools[0], pools[1], self.prefill, pdl=self.pdl)
         return out.view(self.rows, self.c.q_size)
 
+    def _gemv(self, rows: int, weight) -> bool:
+        """Whether a dense GEMM of `rows` rows over `weight` runs on the GEMV kernels."""
+        return self.variant == "fused" or rows <= GEMV_MAX_ROWS[weight_format(weight)]
+
     def _weight(self, name: str, rows: int):
-        """The weight a GEMM of `rows` rows reads: its bf16 copy where cuBLAS serves it."""
+        """The weight a grouped GEMM of `rows` rows reads: its bf16 copy where cuBLAS serves it."""
         w = self.w[name]
-        return w if self.variant == "fused" or self.k.copies is None else self.k.copies.weight(name, rows, w)
+        return w if self.k.copies is None else self.k.copies.weight(name, rows, w)
 
     def linear(self, x: torch.Tensor, weight: str, residual: torch.Tensor | None = None) -> torch.Tensor:
-        gemm = linear if self.variant == "fused" else grouped_linear
-        return gemm(x, self._weight(weight, x.shape[0]), residual=residual, out=self._other(residual), pdl=self.pdl)
+        rows, out = x.shape[0], self._other(residual)
+        if self._gemv(rows, self.w[weight]):
+            return linear(x, self.w[weight], residual=residual, out=out, pdl=self.pdl)
+        return grouped_linear(x, self._weight(weight, rows), residual=residual, out=out, pdl=self.pdl)
 
     def linear_norm(self, x: torch.Tensor, weight: str, residual: torch.Tensor, norm: str | None):
-        if norm is None or self.variant == "fused" or not FUSE_NORMS:
+        if norm is None or self._gemv(x.shape[0], self.w[weight]) or not FUSE_NORMS:
             h = self.linear(x, weight, residual)
             return h, None if norm is None else self.rms_norm(h, norm)
         normed = torch.empty_like(residual)
@@ -176,9 +191,11 @@ class KernelOps:
         return h, normed
 
     def gate_up(self, x: torch.Tensor, gate: str, up: str) -> torch.Tensor:
-        out = torch.empty(self.rows, self.w[gate].shape[0], dtype=torch.bfloat16, device=x.device)
-        gemm = gate_up_silu if self.variant == "fused" else grouped_gate_up
-        return gemm(x, self._weight(gate, x.shape[0]), self._weight(up, x.shape[0]), out=out, pdl=self.pdl)
+        rows = x.shape[0]
+        out = torch.empty(rows, self.w[gate].shape[0], dtype=torch.bfloat16, device=x.device)
+        if self._gemv(rows, self.w[gate]):
+            return gate_up_silu(x, self.w[gate], self.w[up], out=out, pdl=self.pdl)
+        return grouped_gate_up(x, self._weight(gate, rows), self._weight(up, rows), out=out, pdl=self.pdl)
 
     def moe(self, i: int, x: torch.Tensor, residual: torch.Tensor, norm: str | None = None):
         c, w, p = self.c, self.w, f"model.layers.{i}.mlp."
@@ -210,7 +227,10 @@ class KernelOps:
         if rows == 0:
             return self.logits_out[:0]
         normed = self.rms_norm(h, "model.norm.weight")
-        gemm = linear if self.variant == "fused" else grouped_linear
-        logits = gemm(normed, self._weight("lm_head.weight", rows), out=self.logits_out[:rows], pdl=self.pdl)
+        name, out = "lm_head.weight", self.logits_out[:rows]
+        if self._gemv(rows, self.w[name]):
+            logits = linear(normed, self.w[name], out=out, pdl=self.pdl)
+        else:
+            logits = grouped_linear(normed, self._weight(name, rows), out=out, pdl=self.pdl)
         greedy(logits, out=self.next_tokens[:rows], workspace=self.ws.argmax, pdl=self.pdl)
         return logits

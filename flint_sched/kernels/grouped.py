@@ -22,13 +22,14 @@ from flint_sched.kernels.norm import add_rms_norm_f32, rms_norm
 
 CHUNKS = (8, 16, 64)       # rows per item (cuda/grouped_gemm.cu GROUPED_CHUNK)
 # Rows per item of the MoE GEMMs for decode-sized steps (<= 16 rows per touched expert on
-# average). 8 = one row group per item: the k-loop's SASS is ~23 % shorter than at 16 (the second
-# group's loads, PRMTs and HMMAs issue even when predicated off), but an expert with more than 8
-# rows takes two items (its weights read again, from L2). Measured on the H200 (`bench_grouped.py
-# --moe-small-chunk 8 16`, RESULTS.md session 7), NVFP4 µs at 16 / 64 / 256 tokens: 8-row items
-# 69 / 131 / 271, 16-row 74 / 137 / 254: within the noise of the fake router below 256, worse at
-# 256, so 16 stays.
-MOE_SMALL_CHUNK = 16
+# average; NVFP4 decode runs kernels/expert_decode.py, so this is BF16's and small prompt steps').
+# 8 = one row group per item: the k-loop's SASS is ~23 % shorter than at 16 (the second group's
+# loads, PRMTs and HMMAs issue even when predicated off), but an expert with more than 8 rows takes
+# two items (its weights read again, from L2). Measured on the H200, full model BF16 at 1K
+# (benchmarks/ab_decode.py, RESULTS.md session 13), ms a step at 9 / 16 / 64 / 256 requests: 16-row
+# items 6.70 / 8.32 / 13.00 / 20.94, 8-row 6.39 / 7.95 / 12.87 / 20.96. (NVFP4 in session 7's
+# kernel benchmark: 8-row items 69 / 131 / 271 µs at 16 / 64 / 256 tokens, 16-row 74 / 137 / 254.)
+MOE_SMALL_CHUNK = 8
 TILES_PER_CTA = (1, 4)     # 16-row weight tiles per CTA (GROUPED_TILES)
 WARPS = 4                  # GG_WARPS
 TILE_ROWS = 16
@@ -68,11 +69,15 @@ def moe_chunk(num_tokens: int, top_k: int, num_experts: int) -> int:
     return MOE_SMALL_CHUNK if mean_rows <= 16 else 64
 
 
-def work_bound(num_pairs: int, num_bins: int, chunk: int) -> int:
-    """Most items a work list of num_pairs rows over num_bins experts can hold: expert e with c_e
-    rows has ceil(c_e / chunk) <= c_e / chunk + 1 items, and at most min(bins, pairs) experts
-    have rows, so sum <= ceil(pairs / chunk) + min(bins, pairs)."""
-    return cdiv(num_pairs, chunk) + min(num_bins, num_pairs)
+def work_bound(num_tokens: int, top_k: int, num_experts: int, chunk: int) -> int:
+    """Most items the work list of num_tokens tokens can hold (each token: top_k distinct routed
+    experts of num_experts, and one row of the shared expert). A routed expert with c >= 1 rows has
+    ceil(c / chunk) = 1 + (c - 1) // chunk items; over the T touched experts that sums to at most
+    T + (R - T) // chunk (R = num_tokens * top_k routed rows), which grows with T, so T = min(E, R)
+    bounds it; the shared expert adds ceil(num_tokens / chunk)."""
+    routed = num_tokens * top_k
+    touched = min(num_experts, routed)
+    return touched + (routed - touched) // chunk + cdiv(num_tokens, chunk)
 
 
 def tiles_per_cta(num_items: int, num_tiles: int, chunk: int, sms: int) -> int:

@@ -83,7 +83,7 @@ def moe_routing_workspace(max_tokens: int, num_experts: int, top_k: int, device:
         raise ValueError(f"need max_tokens >= 1, 1 <= num_experts <= {MAX_EXPERTS}, 1 <= top_k <= "
                          f"min(num_experts, {MAX_TOP_K}); got {max_tokens}, {num_experts}, {top_k}")
     pairs = max_tokens * (top_k + 1)
-    items = work_bound(pairs, num_experts + 1, min(CHUNKS))
+    items = work_bound(max_tokens, top_k, num_experts, min(CHUNKS))
 
     def ints(*shape):
         return torch.zeros(shape, dtype=torch.int32, device=device)
@@ -142,7 +142,7 @@ def route_and_sort(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling
         raise ValueError(f"chunk must be one of {(*CHUNKS, expert_gemm.TILE_M)}, got {chunk}")
     pairs = m * (top_k + 1)
     r = Routing(ws.ids[:m], ws.weights[:m], ws.offsets, ws.sorted_token[:pairs], ws.pair_row[:m],
-                ws.work_expert, ws.work_row, ws.num_work, e, chunk, work_bound(pairs, e + 1, chunk))
+                ws.work_expert, ws.work_row, ws.num_work, e, chunk, work_bound(m, top_k, e, chunk))
     shared = routing_shared_bytes(e)
     sort_args = [r.offsets, r.sorted_token, r.pair_row, r.work_expert, r.work_row, r.num_work]
     dev = logits.device.index

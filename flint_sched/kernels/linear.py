@@ -1,8 +1,10 @@
 """Skinny GEMMs for decode (cuda/gemv.cu): y = x @ W^T (+ residual) and silu(x @ Wg^T) * (x @ Wu^T).
 
-x [B, K] bf16 contiguous with B <= 8; W bf16 [N, K] (K % 8 == 0) or an NVFP4Tensor (K % 64 == 0);
-outputs bf16. One CTA per 16 output rows (8 for gate/up: Wg and Wu stay separate tensors, their
-rows share one tile), whole K per CTA, 4-16 warps splitting K (`gemv_warps`). `out` may be
+x [B, K] bf16 contiguous with B <= 16 (GEMV_MAX_TOKENS; the small-batch MoE and router take <= 8,
+MAX_TOKENS); W bf16 [N, K] (K % 8 == 0) or an NVFP4Tensor (K % 64 == 0); outputs bf16. One CTA per
+16 output rows (8 for gate/up: Wg and Wu stay separate tensors, their rows share one tile), whole K
+per CTA, 4-16 warps splitting K (`gemv_warps`); tokens 9-16 are a second mma column group fed by
+the same decoded weights (GEMV_GROUPS 2). `out` may be
 `residual` (in-place add). `concat_rows` stacks up to three weights for one GEMV (q, k and v);
 NVFP4 parts keep their own tensor scales.
 """
@@ -18,7 +20,8 @@ from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
 from flint_sched.kernels.hardware import sm_count
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
-MAX_TOKENS = 8
+MAX_TOKENS = 8          # one 8-token mma column group: the small-batch MoE's and router's limit
+GEMV_MAX_TOKENS = 16    # the GEMVs: two groups
 TILE_ROWS = 16
 K_STEP = {"bf16": 32, "nvfp4": 128}  # weights per row per warp k-step (cuda/gemv_tile.cuh)
 UNROLL = {"bf16": 8, "nvfp4": 4}     # k-steps a warp loads at once (cuda/gemv.cu)
@@ -39,8 +42,13 @@ def x_batch(fmt: str) -> int:
 
 
 @functools.cache
-def _kernel(name: str, warps: int, batch_x: int) -> Kernel:
-    return compile_kernel("gemv.cu", name, {"GEMV_WARPS": warps, "X_BATCH": batch_x})
+def _kernel(name: str, warps: int, batch_x: int, groups: int = 1) -> Kernel:
+    return compile_kernel("gemv.cu", name, {"GEMV_WARPS": warps, "X_BATCH": batch_x, "GEMV_GROUPS": groups})
+
+
+def groups(tokens: int) -> int:
+    """8-token mma column groups of a GEMV of `tokens` rows (GEMV_GROUPS)."""
+    return 1 if tokens <= MAX_TOKENS else 2
 
 
 def resident_ctas(warps: int, fmt: str) -> int:
@@ -175,7 +183,7 @@ def check_row_splits(row_splits: tuple[int, ...], n: int) -> None:
 def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
            out: torch.Tensor | None = None, pdl: bool = False, row_splits: tuple[int, ...] = ()) -> torch.Tensor:
     """y[B, N] = x @ W^T (+ residual), fp32 sums, one bf16 rounding. `row_splits`: from `concat_rows`."""
-    check_activations(x)
+    check_activations(x, max_tokens=GEMV_MAX_TOKENS)
     b, k = x.shape
     n = weight.shape[0]
     if tuple(weight.shape) != (n, k):
@@ -189,7 +197,7 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     tiles = cdiv(n, TILE_ROWS)
     warps = gemv_warps(tiles, k, fmt)
     splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
-    _kernel(f"gemv_{fmt}", warps, x_batch(fmt)).launch(
+    _kernel(f"gemv_{fmt}", warps, x_batch(fmt), groups(b)).launch(
         (tiles,), (32 * warps,), [y, x, *w_args, residual, I32(b), I32(n), I32(k), *splits], pdl=pdl,
         device=x.device.index)
     return y
@@ -208,13 +216,13 @@ def gate_up_args(gate: Weight, up: Weight, k: int, device: torch.device) -> tupl
 def gate_up_silu(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor | None = None,
                  pdl: bool = False) -> torch.Tensor:
     """h[B, I] = silu(x @ gate^T) * (x @ up^T); gate and up [I, K] in the same format."""
-    check_activations(x)
+    check_activations(x, max_tokens=GEMV_MAX_TOKENS)
     b, k = x.shape
     i, fmt, args = gate_up_args(gate, up, k, x.device)
     h = output(out, "out", (b, i), x)
     tiles = cdiv(i, TILE_ROWS // 2)
     warps = gemv_warps(tiles, k, fmt)
-    _kernel(f"gate_up_{fmt}", warps, x_batch(fmt)).launch(
+    _kernel(f"gate_up_{fmt}", warps, x_batch(fmt), groups(b)).launch(
         (tiles,), (32 * warps,), [h, x, *args, I32(b), I32(i), I32(k)], pdl=pdl, device=x.device.index)
     return h
 
