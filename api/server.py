@@ -154,8 +154,7 @@ class ServingContext:
     def encode(self, text: str, param: str | None = None) -> list[int]:
         """Prompt text to ids (off the loop): refused unread when it surely cannot fit the context."""
         check_text_fits(text, self.chars_per_token, self.max_model_len, param)
-        # NOTE: encode_batch releases the GIL while it runs (encode does not), so the loop keeps routing
-        return self.tokenizer.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        return self.tokenizer.encode(text)          # off the GIL, so the loop keeps routing
 
     async def off_loop(self, fn: Callable, *args):
         """fn(*args) on a prepare thread: anything that grows with the request's size goes here."""

@@ -46,8 +46,8 @@ class FakeExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         self.starts.append(start)
-        if self.gpu_s:
-            time.sleep(self.gpu_s)
+        if (cost := self.step_cost_s(plan)) > 0:
+            time.sleep(cost)
         tokens = {e.request_id: [self.rng.randrange(300, self.vocab)] for e in plan.scheduled_requests if e.samples}
         self.steps += 1
         self.ends.append(time.perf_counter())

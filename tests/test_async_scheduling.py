@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +15,9 @@ from flint_sched.checkpoint.make import dummy_checkpoint
 from flint_sched.core import Scheduler, SchedulerConfig, StepResult
 from flint_sched.core.plan import PLACEHOLDER_TOKEN, fill_placeholders
 from flint_sched.engine import EngineConfig
+from flint_sched.engine.async_engine import AsyncEngine
 from flint_sched.engine.builder import build_engine, build_parts
+from flint_sched.executor.limits import ExecutorLimits
 from flint_sched.sampling_params import SamplingParams
 
 EOS = 2
@@ -198,3 +201,43 @@ async def test_prefix_cache_hits_under_async_scheduling_give_the_tokens_of_a_col
         warm = await agent_turns(ckpt, async_scheduling=async_scheduling, caching=True)
         assert [[tokens for tokens, _ in s] for s in warm] == [[tokens for tokens, _ in s] for s in cold]
         assert all(cached > 0 for s in warm for _, cached in s[1:])      # later turns hit
+
+
+class LaunchesThatRun:
+    """launch returns once its step has run (the torch executor's, or one that samples on the host);
+    every launch after the first waits for `release` too."""
+
+    limits = ExecutorLimits(fused_max_batch=8)
+
+    def __init__(self):
+        self.release, self.last = threading.Event(), {}
+
+    def launch(self, plan) -> StepResult:
+        if self.last:
+            self.release.wait()
+        fill_placeholders(plan.scheduled_requests, self.last)
+        self.last = {e.request_id: 7 for e in plan.scheduled_requests if e.samples}
+        return StepResult({rid: [token] for rid, token in self.last.items()})
+
+    def collect(self, launched: StepResult) -> StepResult:
+        return launched
+
+
+async def test_a_step_is_read_back_while_the_next_launch_still_runs(ckpt):
+    """The prompt's first token streams while the decode launched after it (one step ahead) still runs."""
+    executor = LaunchesThatRun()
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, num_blocks=20, max_model_len=32,
+                             block_size=4, sliding_window=5)
+    engine = AsyncEngine(Scheduler(config), executor, ckpt.tokenizer, ckpt.config.vocab_size, async_scheduling=True)
+    engine.start()
+    try:
+        stream = engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        first = await asyncio.wait_for(anext(stream), 30)            # a hang guard, not a timing
+        assert first.outputs[0].token_ids == [7] and not executor.release.is_set()
+        executor.release.set()
+        async for last in stream:
+            pass
+        assert last.outputs[0].token_ids == [7, 7, 7] and last.finished
+    finally:
+        executor.release.set()
+        await engine.shutdown()

@@ -83,6 +83,22 @@ def test_bench_agent_sim_smoke():
     assert cached["hit_rate"] > 0.5 and cold["hit_rate"] == 0
 
 
+async def test_serve_cost_model_streams_a_chat_turn_with_tools():
+    import httpx
+
+    from flint_sched.api.server import build_app
+    from flint_sched.benchmarks.serve.datasets import AGENT_TOOLS
+    from flint_sched.benchmarks.serve_cost_model import SERVER_CONFIG, engine_state
+
+    app = build_app(engine_state(0.5, 0.1, max_num_seqs=2, async_scheduling=True), SERVER_CONFIG)
+    body = {"messages": [{"role": "user", "content": "Fix the tests."}], "tools": AGENT_TOOLS, "max_tokens": 4,
+            "stream": True, "ignore_eos": True}
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+            response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
+
+
 def test_agent_sim_eager_prompt_steps_take_the_host_floor():
     from flint_sched.benchmarks.bench_agent_sim import CostExecutor
     from flint_sched.core.plan import ScheduledRequest, StepPlan

@@ -16,6 +16,16 @@ def test_keys_chain_every_earlier_token_and_the_extra_key():
     assert extend_block_keys([], [1, 2], 2, root_key("other-model"))[0] != keys[0]
 
 
+def test_keys_grown_a_few_blocks_at_a_time_are_the_keys_block_by_block():
+    root, tokens = root_key("flint-tiny@abc"), [(i * 7919) % 150_000 for i in range(83)]
+    expected = [block_key(root, tokens[:4])]
+    for i in range(1, 83 // 4):
+        expected.append(block_key(expected[-1], tokens[4 * i: 4 * i + 4]))
+    keys: list[bytes] = []
+    for end in (0, 3, 4, 13, 50, 83, 83):
+        assert extend_block_keys(keys, tokens[:end], 4, root) is keys and keys == expected[:end // 4]
+
+
 def test_a_freed_cached_block_stays_until_the_pool_needs_it():
     evicted = []
     pool = BlockPool(3, on_evict=evicted.append)

@@ -25,8 +25,12 @@ def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 def extend_block_keys(keys: list[bytes], token_ids: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
-    """Append the keys of the full blocks of token_ids not keyed yet; returns keys (grown in place)."""
-    for i in range(len(keys), len(token_ids) // block_size):
-        parent = keys[i - 1] if i else root
-        keys.append(block_key(parent, token_ids[i * block_size: (i + 1) * block_size]))
+    """Append the keys of the full blocks of token_ids not keyed yet; returns keys (grown in place).
+    block_key's keys, the ids made bytes once rather than block by block (on the event loop, when a
+    request is scheduled: a 5K-token prompt 1.05 -> 0.6 ms on the 2-core CPU machine)."""
+    data = array("q", token_ids[len(keys) * block_size: len(token_ids) // block_size * block_size]).tobytes()
+    parent, num_bytes = (keys[-1] if keys else root), block_size * 8
+    for start in range(0, len(data), num_bytes):
+        parent = hashlib.sha256(parent + data[start: start + num_bytes]).digest()
+        keys.append(parent)
     return keys

@@ -12,6 +12,9 @@ in the plan). It is used while no request of step N reads its own output history
 (penalties, min_tokens); a request that finishes in step N (eos, stop string) wastes its slot of
 N+1, whose token is dropped. Blocks freed by update(N) may be reallocated to step N+2, which runs
 after N+1 on the same stream, so N+1's writes never land in another request's blocks after it.
+The read-back (`collect`) runs on a second thread and reads only what its launch returned, so N's
+tokens never wait for launch(N+1) to return, which a launch that samples on the host (or the torch
+executor's) does only once its step has run (a prompt's first token waited a whole extra step).
 Watchdog: a step running past `step_timeout_s` kills the loop (a hung GPU never returns); a dead
 loop fails every request in flight, and `join()` tells its owner why, so the server can exit.
 """
@@ -86,6 +89,7 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self.step_timeout_s = step_timeout_s          # None or 0: no watchdog
         self._worker: StepWorker | None = None
+        self._collector: StepWorker | None = None      # async scheduling: runs executor.collect
         self._task: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
         self.num_preemptions = 0
@@ -97,6 +101,8 @@ class AsyncEngine:
         if self._task is None:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
             self._worker = StepWorker()
+            if self.async_scheduling:
+                self._collector = StepWorker("flint-collect")
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="flint-engine-loop")
 
     @property
@@ -129,11 +135,11 @@ class AsyncEngine:
                 pass
             self._task = None
         self._fail_all(EngineError("the engine was shut down"))
-        if self._worker is not None:
-            self._worker.shutdown()
-            if self.dead_error is None and not await asyncio.to_thread(self._worker.join, WORKER_JOIN_TIMEOUT_S):
+        for worker in (w for w in (self._worker, self._collector) if w is not None):
+            worker.shutdown()
+            if self.dead_error is None and not await asyncio.to_thread(worker.join, WORKER_JOIN_TIMEOUT_S):
                 logger.warning("a step was still running %.0f s after shutdown", WORKER_JOIN_TIMEOUT_S)
-            self._worker = None
+        self._worker = self._collector = None
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -288,7 +294,7 @@ class AsyncEngine:
         """The step's result, or StepTimeoutError once it has run past the watchdog's limit."""
         if self.async_scheduling:
             launched = await self._watch(future)
-            future = self._worker.submit(self.executor.collect, launched)
+            future = self._collector.submit(self.executor.collect, launched)
         return await self._watch(future)
 
     async def _watch(self, future: asyncio.Future):
