@@ -21,7 +21,11 @@ def root_key(extra_key: str) -> bytes:
 
 def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
     """The key of a full block holding token_ids, after the block whose key is parent_key."""
-    return hashlib.sha256(parent_key + array("q", token_ids).tobytes()).digest()
+    return _chain(parent_key, array("q", token_ids).tobytes())
+
+
+def _chain(parent_key: bytes, block_bytes: bytes) -> bytes:
+    return hashlib.sha256(parent_key + block_bytes).digest()
 
 
 def extend_block_keys(keys: list[bytes], token_ids: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
@@ -31,6 +35,6 @@ def extend_block_keys(keys: list[bytes], token_ids: Sequence[int], block_size: i
     data = array("q", token_ids[len(keys) * block_size: len(token_ids) // block_size * block_size]).tobytes()
     parent, num_bytes = (keys[-1] if keys else root), block_size * 8
     for start in range(0, len(data), num_bytes):
-        parent = hashlib.sha256(parent + data[start: start + num_bytes]).digest()
+        parent = _chain(parent, data[start: start + num_bytes])
         keys.append(parent)
     return keys

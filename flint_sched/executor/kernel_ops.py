@@ -175,11 +175,15 @@ class KernelOps:
         w = self.w[name]
         return w if self.k.copies is None else self.k.copies.weight(name, rows, w)
 
+    def _dense(self, x: torch.Tensor, name: str, out: torch.Tensor, residual: torch.Tensor | None = None):
+        """x @ W^T (+ residual) into out, on the GEMVs or the grouped GEMMs by the rows (`_gemv`)."""
+        rows, w = x.shape[0], self.w[name]
+        if self._gemv(rows, w):
+            return linear(x, w, residual=residual, out=out, pdl=self.pdl)
+        return grouped_linear(x, self._weight(name, rows), residual=residual, out=out, pdl=self.pdl)
+
     def linear(self, x: torch.Tensor, weight: str, residual: torch.Tensor | None = None) -> torch.Tensor:
-        rows, out = x.shape[0], self._other(residual)
-        if self._gemv(rows, self.w[weight]):
-            return linear(x, self.w[weight], residual=residual, out=out, pdl=self.pdl)
-        return grouped_linear(x, self._weight(weight, rows), residual=residual, out=out, pdl=self.pdl)
+        return self._dense(x, weight, self._other(residual), residual)
 
     def linear_norm(self, x: torch.Tensor, weight: str, residual: torch.Tensor, norm: str | None):
         if norm is None or self._gemv(x.shape[0], self.w[weight]) or not FUSE_NORMS:
@@ -227,10 +231,6 @@ class KernelOps:
         if rows == 0:
             return self.logits_out[:0]
         normed = self.rms_norm(h, "model.norm.weight")
-        name, out = "lm_head.weight", self.logits_out[:rows]
-        if self._gemv(rows, self.w[name]):
-            logits = linear(normed, self.w[name], out=out, pdl=self.pdl)
-        else:
-            logits = grouped_linear(normed, self._weight(name, rows), out=out, pdl=self.pdl)
+        logits = self._dense(normed, "lm_head.weight", self.logits_out[:rows])
         greedy(logits, out=self.next_tokens[:rows], workspace=self.ws.argmax, pdl=self.pdl)
         return logits
