@@ -5,7 +5,8 @@ the whole list runs `--rounds` times, interleaved, so drift shows. Run on the GP
     python3 benchmarks/ab_decode.py --batch-sizes 64,256 --contexts 1024 \
         --variant base: --variant ctas6:flint_sched.kernels.attention.CTAS_PER_SM=6
 
-With --kernel-breakdown, each variant's first round also prints GPU time per kernel (eager steps).
+With --kernel-breakdown, each variant's first round also prints GPU time per kernel (eager steps);
+with --mixed-chunks, each decode case is also timed beside a prompt chunk of that many rows.
 
 A variant is NAME:ASSIGNMENTS, assignments comma-separated `module.ATTR=value` (value a Python
 literal, commas inside its brackets allowed); constants not named keep the value they had before the script changed any.
@@ -68,24 +69,29 @@ def main() -> int:
     original = {(m, a): getattr(m, a) for _, sets in variants for m, a, _ in sets}
     print("| variant | batch | context | ms/step (each round) |")
     print("|---|---|---|---|")
-    results: dict[tuple[str, int, int], list[float]] = {}
+    results: dict[tuple[str, int | str, int], list[float]] = {}
     for round_ in range(args.rounds):
         for name, sets in variants:
             for (module, attr), value in original.items():
                 setattr(module, attr, value)
             for module, attr, value in sets:
                 setattr(module, attr, value)
-            executor.clear_graphs()
-            # sized from module constants (CTAS_PER_SM): made again for this variant
-            ws = executor.ws
-            ws.attention = attention_workspace(ws.hidden.device, ws.max_rows, executor.config.num_key_value_heads)
-            for batch, context, blocks in latency.decode_cases(args, num_blocks)[0]:
+            if hasattr(executor, "clear_graphs"):      # the CUDA executor (the torch one keeps no graphs)
+                executor.clear_graphs()
+                # sized from module constants (CTAS_PER_SM): made again for this variant
+                ws = executor.ws
+                ws.attention = attention_workspace(ws.hidden.device, ws.max_rows, executor.config.num_key_value_heads)
+            for batch, context, blocks in latency.decode_cases(args, num_blocks, bool(args.mixed_chunks))[0]:
                 r = latency.run_decode(executor, args, batch, context, bandwidth)
                 results.setdefault((name, batch, context), []).append(r.step_ms)
                 if args.kernel_breakdown and round_ == 0:
                     plan = latency.decode_plan(batch, context, blocks, fused_max_batch=executor.limits.fused_max_batch)
                     print(f"{name}, batch {batch}, context {context}:\n"
                           + latency.format_breakdown(latency._breakdown(executor, plan), r.step_ms), flush=True)
+                for chunk in (min(c, context) for c in latency._ints(args.mixed_chunks)):
+                    plan = latency.mixed_plan(batch, context, chunk, blocks, latency.sampling_params(args))
+                    step_ms = 1e3 * latency._step_seconds(executor, args, plan)
+                    results.setdefault((name, f"{batch} + {chunk} prompt rows", context), []).append(step_ms)
     for (name, batch, context), times in results.items():
         print(f"| {name} | {batch} | {context} | {' / '.join(f'{t:.2f}' for t in times)} |")
     for (module, attr), value in original.items():

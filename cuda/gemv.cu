@@ -8,8 +8,9 @@
 // Before waiting on the previous kernel (PDL), each CTA asks for its weight rows in L2 and issues
 // its first round of weight loads.
 // GEMV_WARPS (4, 8 or 16) is a compile-time define: few tiles want more warps splitting K, so
-// that each SM keeps enough loads in flight. GEMV_GROUPS (1 or 2): 8-token groups; with 2, tokens
-// 8..15 are a second mma column group fed by the same decoded weights.
+// that each SM keeps enough loads in flight. GEMV_GROUPS (1-4): 8-token groups; tokens 8g..8g+7
+// are mma column group g, every group fed by the same decoded weights (3-4 groups: at most 8
+// warps, kernels/linear.py gemv_warps).
 #include "gemv_tile.cuh"
 
 #ifndef GEMV_WARPS

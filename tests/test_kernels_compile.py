@@ -108,9 +108,10 @@ def test_every_launch_shape_of_flint_uses_a_compiled_variant():
     for fmt in ("bf16", "nvfp4"):
         for n, k in shapes + [(2 * 10240 // 2, 2048)]:                        # + dense gate/up (8-row tiles)
             tiles = n // 16
-            for tokens in (1, 8, 9, 16):
-                picked = {"GEMV_WARPS": linear_mod.gemv_warps(tiles, k, fmt), "X_BATCH": linear_mod.x_batch(fmt),
-                          "GEMV_GROUPS": linear_mod.groups(tokens)}
+            for tokens in (1, 8, 9, 16, 17, 24, 25, 32):
+                g = linear_mod.groups(tokens)
+                picked = {"GEMV_WARPS": linear_mod.gemv_warps(tiles, k, fmt, g), "X_BATCH": linear_mod.x_batch(fmt),
+                          "GEMV_GROUPS": g}
                 assert picked in VARIANTS["gemv.cu"], (fmt, n, k, picked)
         for tokens in range(1, 9):
             picked = {"MOE_GATE_UP_WARPS": moe_mod.gate_up_warps(fmt, tokens), "X_BATCH": linear_mod.x_batch(fmt)}

@@ -44,12 +44,14 @@ from flint_sched.kernels.sampling import greedy
 FUSE_NORMS = True
 
 # Grouped and prompt steps of up to this many rows run their dense GEMMs (q/k/v, o_proj, the dense
-# MLP, the LM head) on the GEMV kernels over the weights as stored (cuda/gemv.cu: up to 16 rows, the
-# weights decoded once for two 8-row groups), by the weight's format; larger steps on cuBLAS over
+# MLP, the LM head) on the GEMV kernels over the weights as stored (cuda/gemv.cu: the weights decoded
+# once for every 8-row group), by the weight's format; larger steps on cuBLAS over
 # bf16 weights (NVFP4: their bf16 copies, executor/dense_copies.py). The fused path always GEMVs.
 # Measured on the H200, full model at 1K (benchmarks/ab_decode.py, RESULTS.md session 13), ms a step
 # with GEMVs to 16 rows / cuBLAS from 9: NVFP4 at 9 / 12 / 16 requests 4.50 / 4.73 / 4.99 against
 # 5.03 / 5.25 / 5.55; BF16 at 16: 8.37 / 8.14 against 8.60 / 8.35 (24 rows: even, so cuBLAS above 16).
+# The GEMVs take up to 32 rows (four groups); NVFP4 at 24 / 32 requests with them: 6.16, 6.05 /
+# 7.14, 6.81 ms against 6.16, 6.25 / 6.81, 6.77 on cuBLAS (session 14): no gain, so 16.
 GEMV_MAX_ROWS = {"nvfp4": 16, "bf16": 16}
 
 

@@ -40,8 +40,10 @@ CONFIGS = {
     "g2w8t4d8": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_MIN_CTAS": 2},
     # staging x one chunk at a time (the rows' sources still read first; 4 at once by default)
     "g1t4s1": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_STAGE_LOADS": 1},
-    "g1t4a2": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_ACCS": 2},   # not measured yet
-    "g1t2a2": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_ACCS": 2},   # not measured yet
+    # two accumulators a group (ED_ACCS 2): g1t2a2, and g1t4d8 / g2w8t4 with it, gained nothing at 16-256
+    # requests in the full model (RESULTS.md, session 14)
+    "g1t4a2": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_ACCS": 2},
+    "g1t2a2": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_ACCS": 2},
 }
 # Measured on the H200, Flint's MoE layer (benchmarks/bench_grouped.py --pdl --paths swap-ab decode
 # --decode-configs ...), µs at 16 / 64 / 256 / 512 / 1024 tokens: swap-AB GEMMs 76 / 133 / 242 / 389

@@ -1,10 +1,10 @@
 """Skinny GEMMs for decode (cuda/gemv.cu): y = x @ W^T (+ residual) and silu(x @ Wg^T) * (x @ Wu^T).
 
-x [B, K] bf16 contiguous with B <= 16 (GEMV_MAX_TOKENS; the small-batch MoE and router take <= 8,
+x [B, K] bf16 contiguous with B <= 32 (GEMV_MAX_TOKENS; the small-batch MoE and router take <= 8,
 MAX_TOKENS); W bf16 [N, K] (K % 8 == 0) or an NVFP4Tensor (K % 64 == 0); outputs bf16. One CTA per
 16 output rows (8 for gate/up: Wg and Wu stay separate tensors, their rows share one tile), whole K
-per CTA, 4-16 warps splitting K (`gemv_warps`); tokens 9-16 are a second mma column group fed by
-the same decoded weights (GEMV_GROUPS 2). `out` may be
+per CTA, 4-16 warps splitting K (`gemv_warps`); every 8 tokens past the first 8 are one more mma
+column group fed by the same decoded weights (GEMV_GROUPS 1-4). `out` may be
 `residual` (in-place add). `concat_rows` stacks up to three weights for one GEMV (q, k and v);
 NVFP4 parts keep their own tensor scales.
 """
@@ -21,7 +21,7 @@ from flint_sched.kernels.hardware import sm_count
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 MAX_TOKENS = 8          # one 8-token mma column group: the small-batch MoE's and router's limit
-GEMV_MAX_TOKENS = 16    # the GEMVs: two groups
+GEMV_MAX_TOKENS = 32    # the GEMVs: four groups
 TILE_ROWS = 16
 K_STEP = {"bf16": 32, "nvfp4": 128}  # weights per row per warp k-step (cuda/gemv_tile.cuh)
 UNROLL = {"bf16": 8, "nvfp4": 4}     # k-steps a warp loads at once (cuda/gemv.cu)
@@ -29,6 +29,7 @@ UNROLL = {"bf16": 8, "nvfp4": 4}     # k-steps a warp loads at once (cuda/gemv.c
 # for ~16 resident warps per SM over the grid.
 WARPS_PER_SM = 16
 REGISTERS = {"bf16": 120, "nvfp4": 80}  # per thread, cuda/gemv.cu (cuobjdump --dump-resource-usage)
+REGISTERS_WIDE = 144    # either format with 3-4 groups (ptxas -v: 125-154); 16 warps would spill
 
 Weight = torch.Tensor | NVFP4Tensor
 
@@ -48,26 +49,28 @@ def _kernel(name: str, warps: int, batch_x: int, groups: int = 1) -> Kernel:
 
 def groups(tokens: int) -> int:
     """8-token mma column groups of a GEMV of `tokens` rows (GEMV_GROUPS)."""
-    return 1 if tokens <= MAX_TOKENS else 2
+    return cdiv(tokens, 8)
 
 
-def resident_ctas(warps: int, fmt: str) -> int:
+def resident_ctas(warps: int, fmt: str, num_groups: int = 1) -> int:
     """CTAs of `warps` warps that fit on the GPU at once, by registers (~REGISTERS[fmt] a thread)."""
-    return sm_count() * max(1, 65536 // (32 * warps * REGISTERS[fmt]))
+    registers = REGISTERS[fmt] if num_groups <= 2 else REGISTERS_WIDE
+    return sm_count() * max(1, 65536 // (32 * warps * registers))
 
 
-def gemv_warps(tiles: int, k: int, fmt: str) -> int:
-    """Warps per CTA (4, 8 or 16): more while the grid is small or a warp would need a second
-    round of loads, never more than the k-steps, and never so many that a grid fitting one wave
-    of CTAs would need two (measured on the H200: benchmarks/bench_kernels.py). The last rule
-    keeps BF16 q/k/v (320 tiles, K = 2048) at 4 warps: with 8 (2 CTAs per SM) it spanned 1.2
-    waves; batch 8 at 1K went from ~6.5 to ~6.35 ms per step, batch 1 did not move
-    (benchmarks/RESULTS.md)."""
+def gemv_warps(tiles: int, k: int, fmt: str, num_groups: int = 1) -> int:
+    """Warps per CTA (4, 8 or 16; at most 8 with 3-4 groups, whose registers would spill at 16):
+    more while the grid is small or a warp would need a second round of loads, never more than
+    the k-steps, and never so many that a grid fitting one wave of CTAs would need two (measured
+    on the H200: benchmarks/bench_kernels.py). The last rule keeps BF16 q/k/v (320 tiles, K = 2048)
+    at 4 warps: with 8 (2 CTAs per SM) it spanned 1.2 waves; batch 8 at 1K went from ~6.5 to
+    ~6.35 ms per step, batch 1 did not move (benchmarks/RESULTS.md)."""
     steps = cdiv(k, K_STEP[fmt])
+    most = 16 if num_groups <= 2 else 8
     warps = 4
-    while (warps < 16 and 2 * warps <= steps
+    while (warps < most and 2 * warps <= steps
            and (tiles * warps < WARPS_PER_SM * sm_count() or steps > warps * UNROLL[fmt])
-           and not resident_ctas(2 * warps, fmt) < tiles <= resident_ctas(warps, fmt)):
+           and not resident_ctas(2 * warps, fmt, num_groups) < tiles <= resident_ctas(warps, fmt, num_groups)):
         warps *= 2
     return warps
 
@@ -195,7 +198,7 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     y = output(out, "out", (b, n), x)
     fmt = weight_format(weight)
     tiles = cdiv(n, TILE_ROWS)
-    warps = gemv_warps(tiles, k, fmt)
+    warps = gemv_warps(tiles, k, fmt, groups(b))
     splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
     _kernel(f"gemv_{fmt}", warps, x_batch(fmt), groups(b)).launch(
         (tiles,), (32 * warps,), [y, x, *w_args, residual, I32(b), I32(n), I32(k), *splits], pdl=pdl,
@@ -221,7 +224,7 @@ def gate_up_silu(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor | 
     i, fmt, args = gate_up_args(gate, up, k, x.device)
     h = output(out, "out", (b, i), x)
     tiles = cdiv(i, TILE_ROWS // 2)
-    warps = gemv_warps(tiles, k, fmt)
+    warps = gemv_warps(tiles, k, fmt, groups(b))
     _kernel(f"gate_up_{fmt}", warps, x_batch(fmt), groups(b)).launch(
         (tiles,), (32 * warps,), [h, x, *args, I32(b), I32(i), I32(k)], pdl=pdl, device=x.device.index)
     return h

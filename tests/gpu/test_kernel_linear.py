@@ -48,7 +48,7 @@ def activations(b: int, k: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,k", BF16_SHAPES)
-@pytest.mark.parametrize("b", [1, 3, 8, 9, 13, 16])
+@pytest.mark.parametrize("b", [1, 3, 8, 9, 13, 16, 17, 24, 29, 32])
 def test_linear_bf16(b, n, k):
     w, x = bf16_weight(n, k, seed=n + k), activations(b, k, seed=b)
     y = linear(x, w, out=poisoned(b, n))
@@ -56,7 +56,7 @@ def test_linear_bf16(b, n, k):
 
 
 @pytest.mark.parametrize("n,k", NVFP4_SHAPES)
-@pytest.mark.parametrize("b", [1, 3, 8, 9, 13, 16])
+@pytest.mark.parametrize("b", [1, 3, 8, 9, 13, 16, 17, 24, 29, 32])
 def test_linear_nvfp4(b, n, k):
     w, x = nvfp4_weight(n, k, seed=n + k), activations(b, k, seed=b)
     y = linear(x, w, out=poisoned(b, n))
@@ -64,7 +64,7 @@ def test_linear_nvfp4(b, n, k):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("b", [1, 5, 8, 16])
+@pytest.mark.parametrize("b", [1, 5, 8, 16, 27])
 def test_concatenated_rows_keep_each_parts_tensor_scale(fmt, b):
     """q/k/v as one GEMV: three parts with very different NVFP4 tensor scales, split at a tile
     boundary (4096) and inside a tile (4104); each output row equals its own part's product."""
@@ -118,7 +118,7 @@ def test_one_hot_inputs_read_single_weights_exactly(fmt):
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("n,k", [(2048, 4096), (37, 192)])
-@pytest.mark.parametrize("b", [3, 12])
+@pytest.mark.parametrize("b", [3, 12, 30])
 def test_linear_with_residual_in_place(fmt, n, k, b):
     w = nvfp4_weight(n, k, seed=5) if fmt == "nvfp4" else bf16_weight(n, k, seed=5)
     x, residual = activations(b, k, seed=1), activations(b, n, seed=2)
@@ -130,7 +130,7 @@ def test_linear_with_residual_in_place(fmt, n, k, b):
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("i,k", [(10240, 2048), (512, 2048), (37, 192)])
-@pytest.mark.parametrize("b", [1, 3, 8, 9, 13, 16])
+@pytest.mark.parametrize("b", [1, 3, 8, 9, 13, 16, 21, 32])
 def test_gate_up_silu(fmt, b, i, k):
     make = nvfp4_weight if fmt == "nvfp4" else bf16_weight
     gate, up = make(i, k, seed=21), make(i, k, seed=22)
@@ -175,7 +175,7 @@ def test_cuda_graph_replay_and_pdl_chain():
 def test_rejects_bad_inputs():
     w = bf16_weight(64, 64, seed=0)
     with pytest.raises(ValueError):
-        linear(activations(17, 64, seed=0), w)                     # more than 16 tokens
+        linear(activations(33, 64, seed=0), w)                     # more than 32 tokens
     with pytest.raises(ValueError):
         linear(activations(2, 64, seed=0).float(), w)
     with pytest.raises(ValueError):
