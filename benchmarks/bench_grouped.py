@@ -6,7 +6,9 @@ Bytes = weights of the distinct experts touched (+ shared + router) + activation
 FLOPs = 2 * (routed + shared rows) * 3 * I * H + router. Peers: torch._grouped_mm (BF16, same
 routing, sorted rows prepared outside the timing) and cuBLAS (torch.matmul) for the dense shapes.
 --paths swap-ab decode tiled: the MoE layer on the swap-AB expert GEMMs (grouped_gemm.cu), the decode
-ones (expert_decode.cu, NVFP4) and the tiled ones (expert_gemm.cu).
+ones (expert_decode.cu, NVFP4) and the tiled ones (expert_gemm.cu). --decode-probes: also each
+--decode-configs entry built with expert_decode.cu's ED_PROBE 1 (no NVFP4 decode) and 2 (no weight
+loads after a warp's first two rounds): wrong results, the time each part costs by difference.
 Run on the GPU machine: python3 benchmarks/bench_grouped.py [--pdl] [--tokens ...] [--paths ...]
 """
 
@@ -181,10 +183,19 @@ def main() -> None:
                         help="tiled configs to compare (default: expert_gemm.DEFAULT_CONFIG)")
     parser.add_argument("--decode-configs", nargs="+", default=[], choices=sorted(expert_decode.CONFIGS),
                         help="decode configs to compare (default: expert_decode.pick_config)")
+    parser.add_argument("--decode-probes", action="store_true",
+                        help="also time the ED_PROBE builds of each --decode-configs entry (module docstring)")
     parser.add_argument("--define", action="append", default=[], metavar="SETS",
                         help="compare compile-time settings of the grouped GEMMs, e.g. "
                              "'NVFP4_UNROLL=8,GG_MIN_CTAS=2' (repeatable; the defaults are always run)")
     args = parser.parse_args()
+    if args.decode_probes:
+        if not args.decode_configs:
+            parser.error("--decode-probes needs --decode-configs")
+        for config in list(args.decode_configs):
+            for n in (1, 2):
+                expert_decode.CONFIGS[f"{config}-probe{n}"] = dict(expert_decode.CONFIGS[config], ED_PROBE=n)
+                args.decode_configs.append(f"{config}-probe{n}")
     global PEERS
     PEERS = not args.no_peers
     torch.manual_seed(0)

@@ -52,6 +52,11 @@
 #ifndef ED_WARPS
 #define ED_WARPS 4  // warps a CTA, sharing the item's staged x rows
 #endif
+#ifndef ED_PROBE
+#define ED_PROBE 0  // timing probes, wrong results (benchmarks/bench_grouped.py --decode-probes): 1 leaves out
+                    // the NVFP4 decode (code words straight into the MMAs), 2 the weight loads after a warp's
+                    // first two rounds (later rounds reuse their registers)
+#endif
 #define ED_KR 512            // weights of K per round: 4 lanes x 4 k-steps x 32
 #define ED_ROWS (ED_GROUPS * 8)
 static_assert(ED_GROUPS == 1 || ED_GROUPS == 2, "items of one or two 8-row groups");
@@ -116,9 +121,9 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
   };
 
   EdRound fa, fb;
-  int load_j = 0, load_kb = 0;  // the next round to load
+  int load_j = 0, load_kb = 0, loads = 0;  // the next round to load; rounds loaded (ED_PROBE 2)
   auto next_load = [&](EdRound& f) {
-    load_round(f, load_j, load_kb);
+    if (ED_PROBE != 2 || loads++ < 2) load_round(f, load_j, load_kb);
     load_kb += ED_KR;
     if (load_kb == K) load_kb = 0, ++load_j;
   };
@@ -177,10 +182,15 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int byte = (2 * u + (i >> 1)) & 3;
-        const u32 sc0 = table[(sw0 >> (8 * byte)) & 0xFFu], sc1 = table[(sw1 >> (8 * byte)) & 0xFFu];
         u32 p0[4], p1[4];
-        e2m1x8_to_bf16(words0[i], sc0, p0);
-        e2m1x8_to_bf16(words1[i], sc1, p1);
+        if (ED_PROBE == 1) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) p0[j] = words0[i], p1[j] = words1[i];
+        } else {
+          const u32 sc0 = table[(sw0 >> (8 * byte)) & 0xFFu], sc1 = table[(sw1 >> (8 * byte)) & 0xFFu];
+          e2m1x8_to_bf16(words0[i], sc0, p0);
+          e2m1x8_to_bf16(words1[i], sc1, p1);
+        }
 #pragma unroll
         for (int grp = 0; grp < G; ++grp) {
           const uint4 xv = lds_v4(xr + grp * 8 * row_bytes + (4 * u + i) * 16);

@@ -18,6 +18,14 @@ def test_compiles_for_sm90a(config, private_cache):
         assert entry.encode() in cubin, f"{config} lacks {entry}"
 
 
+@needs_nvrtc
+@pytest.mark.parametrize("probe", [1, 2])
+def test_timing_probes_compile(probe, private_cache):
+    """The ED_PROBE builds benchmarks/bench_grouped.py --decode-probes times."""
+    defines = dict(expert_decode.CONFIGS["g2w8t4"], ED_PROBE=probe)
+    assert _runtime.compile_only("expert_decode.cu", defines, arch="sm_90a")[:4] == b"\x7fELF"
+
+
 def test_launcher_constants_match_the_kernel_source():
     text = (_runtime.source_dir() / "expert_decode.cu").read_text()
     assert f"#define ED_WARPS {expert_decode.WARPS}" in text
