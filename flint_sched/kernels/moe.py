@@ -27,6 +27,10 @@ MAX_ROUTER_SPLITS = 8
 ROUTER_THREADS = 256
 CLUSTER_CTAS = 8                   # cuda/router.cu RC_CTAS: the cluster router's one cluster
 CLUSTER_MAX_SHARED = 200 * 1024    # its dynamic shared memory at most (the H200 allows 227 KiB)
+# route(cluster=None) takes the cluster router wherever it fits; False: the ticket router always
+# (an A/B switch for benchmarks/ab_decode.py: the cluster launch left the GPU idle around it when it
+# also sorted, at 9-16 rows, RESULTS.md session 14; here it won at batch 1 and 8 in session 3).
+CLUSTER_ROUTER = True
 DOWN_THREADS = 512
 
 
@@ -62,7 +66,7 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
     """(expert ids int32 [T, A], weights fp32 [T, A]) as `route()` in model/reference.py.
 
     cluster: use the one-cluster kernel (gate in shared memory, no workspace); None: whenever it
-    fits (`cluster_router_bytes`), as for Flint's 256 x 2048 gate.
+    fits (`cluster_router_bytes`) and CLUSTER_ROUTER is set, as for Flint's 256 x 2048 gate.
     """
     check_activations(x)
     t, k = x.shape
@@ -79,7 +83,7 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
     weights = _out(weights, "weights", torch.float32, (t, top_k), x)
     shared = cluster_router_bytes(e, k, t)
     if cluster is None:
-        cluster = shared is not None
+        cluster = CLUSTER_ROUTER and shared is not None
     if cluster:
         if shared is None:
             raise ValueError(f"the cluster router needs <= {8 * 32} experts, hidden % 16 == 0 and its gate in "

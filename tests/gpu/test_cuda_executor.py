@@ -3,6 +3,7 @@ steps, prompt steps), BF16 and NVFP4, graphs on and off, contexts past the 513 w
 1 to past the fused path's 8, mixed lengths in one batch."""
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -69,7 +70,11 @@ def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True, seqs=4, num_blocks
     return decode_logits, outputs, preemptions
 
 
-def test_decode_logits_match_the_reference(ckpt):
+@pytest.mark.parametrize("cluster_router", [True, False], ids=["cluster-router", "ticket-router"])
+def test_decode_logits_match_the_reference(ckpt, cluster_router, monkeypatch):
+    """Fused decode steps (both routers of kernels/moe.py: CLUSTER_ROUTER) against the reference."""
+    moe_kernels = importlib.import_module("flint_sched.kernels.moe")   # the package exports a function `moe`
+    monkeypatch.setattr(moe_kernels, "CLUSTER_ROUTER", cluster_router)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (5, 600, 37)]
     decode_logits, outputs, _ = run(ckpt, prompts, max_tokens=6)
