@@ -9,7 +9,7 @@ on a timeline the engine's async scheduling launches ahead into (as bench_host's
 measures is the scheduling: how many steps, and which, a turn waits for its first token.
 
     python3 -m flint_sched.benchmarks.bench_agent_sim [--sessions 16 --turns 8 --step-ms 5.4 --us-per-prompt-token 16]
-        [--prompt-host-ms 45 --prompt-graph-rows 2048] [--max-num-batched-tokens 8192]
+        [--prompt-host-ms 45 --prompt-graph-rows 2048] [--prompt-floor-ms 20] [--max-num-batched-tokens 8192]
 
 The defaults follow the H200 at 16 streams (NVFP4 decode step 5.4 ms, prefill ~62,000 tokens/s:
 benchmarks/RESULTS.md session 10; prompt steps of up to 2,048 rows replay graphs, and an eager one
@@ -46,14 +46,17 @@ class CostExecutor(FakeExecutor):
     step launched eagerly takes the host that long, whatever the GPU needs)."""
 
     def __init__(self, vocab: int, step_ms: float, us_per_prompt_token: float, prompt_host_ms: float = 0.0,
-                 prompt_graph_rows: int = 0):
+                 prompt_graph_rows: int = 0, prompt_floor_ms: float = 0.0):
         super().__init__(vocab, step_ms)
         self.per_token_s = us_per_prompt_token / 1e6
         self.prompt_host_s, self.prompt_graph_rows = prompt_host_ms / 1e3, prompt_graph_rows
+        self.prompt_floor_s = prompt_floor_ms / 1e3
 
     def step_cost_s(self, plan: StepPlan) -> float:
         prompt_tokens = sum(e.num_tokens for e in plan.scheduled_requests if e.num_tokens > 1)
         cost = self.gpu_s + self.per_token_s * prompt_tokens
+        if prompt_tokens:
+            cost = max(cost, self.prompt_floor_s)
         if prompt_tokens and plan.num_tokens > self.prompt_graph_rows:
             cost = max(cost, self.prompt_host_s)
         return cost
@@ -64,7 +67,7 @@ async def run_case(args: argparse.Namespace, caching: bool) -> dict:
     vocab = model.vocab_size
     tokenizer = dummy_checkpoint(model, "bf16", 0, "cpu").tokenizer
     executor = CostExecutor(vocab, args.step_ms, args.us_per_prompt_token, args.prompt_host_ms,
-                            args.prompt_graph_rows)
+                            args.prompt_graph_rows, args.prompt_floor_ms)
     longest = args.system_tokens + args.first_tokens + args.turns * args.grow + args.output_tokens
     snapshots = args.max_num_seqs if args.num_ring_snapshots is None else args.num_ring_snapshots
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -117,6 +120,9 @@ def main() -> int:
                    help="host time of an eager prompt step, the least it takes (H200 machine, ~800 launches)")
     p.add_argument("--prompt-graph-rows", type=int, default=max(PROMPT_GRAPH_TOKENS),
                    help="prompt steps of up to this many rows replay a graph: no host floor (0: none do)")
+    p.add_argument("--prompt-floor-ms", type=float, default=0.0,
+                   help="least GPU time of a step with prompt tokens: a short prompt still reads every expert "
+                        "(16 decodes + 512 prompt rows at 5K: 20.3 ms on the H200, RESULTS.md session 14)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-ring-snapshots", type=int, default=None, help="default: --max-num-seqs, as the server")
