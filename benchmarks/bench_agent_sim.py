@@ -75,7 +75,8 @@ async def run_case(args: argparse.Namespace, caching: bool) -> dict:
                              block_size=16, fused_max_seqs=executor.limits.fused_max_batch,
                              sliding_window=513, enable_prefix_caching=caching,
                              num_ring_snapshots=snapshots if caching else 0)
-    engine = AsyncEngine(Scheduler(config), executor, tokenizer, vocab, async_scheduling=True)
+    engine = AsyncEngine(Scheduler(config), executor, tokenizer, vocab, async_scheduling=True,
+                         launch_margin_s=args.launch_margin_ms / 1e3)
     engine.start()
     rng = random.Random(0)
     system = [rng.randrange(300, vocab) for _ in range(args.system_tokens)]
@@ -92,6 +93,8 @@ async def run_case(args: argparse.Namespace, caching: bool) -> dict:
                 first = first or time.perf_counter()
             ttft[turn].append(first - start)
             prompt = prompt + [own.randrange(300, vocab) for _ in range(args.grow)]
+            if args.think_ms:                     # the tool runs, the next request travels
+                await asyncio.sleep(own.uniform(0.5, 1.5) * args.think_ms / 1e3)
 
     start = time.perf_counter()
     await asyncio.gather(*(session(s) for s in range(args.sessions)))
@@ -114,6 +117,9 @@ def main() -> int:
     p.add_argument("--grow", type=int, default=450, help="new prompt tokens per turn")
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--stagger-ms", type=float, default=0.0, help="session s starts s times this late (0: together)")
+    p.add_argument("--think-ms", type=float, default=0.0,
+                   help="mean pause before a session's next turn (uniform 0.5-1.5x: a tool's run, the network); "
+                        "0: the next turn is sent as the last token arrives")
     p.add_argument("--step-ms", type=float, default=5.4)
     p.add_argument("--us-per-prompt-token", type=float, default=16.0)
     p.add_argument("--prompt-host-ms", type=float, default=45.0,
@@ -123,6 +129,9 @@ def main() -> int:
     p.add_argument("--prompt-floor-ms", type=float, default=0.0,
                    help="least GPU time of a step with prompt tokens: a short prompt still reads every expert "
                         "(16 decodes + 512 prompt rows at 5K: 20.3 ms on the H200, RESULTS.md session 14)")
+    p.add_argument("--launch-margin-ms", type=float, default=0.0,
+                   help="late launch-ahead (engine/async_engine.py): plan the next step this long before the "
+                        "running decode step's expected end (0: as soon as it starts)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-ring-snapshots", type=int, default=None, help="default: --max-num-seqs, as the server")

@@ -37,6 +37,10 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each step before the previous step's tokens reach the host, so "
                         "the GPU never waits for the host between steps (default: on with the CUDA executor)")
+    p.add_argument("--launch-margin-ms", type=float, default=0.0,
+                   help="with async scheduling, plan each step this long before the running decode step is "
+                        "expected to end (or when a request arrives) instead of as soon as it starts, so a new "
+                        "request joins the next step; 0 (default): off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
 
@@ -49,7 +53,8 @@ def _engine_args(args: argparse.Namespace) -> dict:
     return dict(load_format=args.load_format, weight_format=args.weight_format, hf_config_path=args.hf_config_path,
                 tokenizer=args.tokenizer, revision=args.revision, download_dir=args.download_dir,
                 device=args.device, executor=args.executor, dtype=dtype, enforce_eager=args.enforce_eager,
-                async_scheduling=args.async_scheduling, seed=args.seed, max_model_len=args.max_model_len)
+                async_scheduling=args.async_scheduling, launch_margin_ms=args.launch_margin_ms, seed=args.seed,
+                max_model_len=args.max_model_len)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

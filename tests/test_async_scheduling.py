@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -241,3 +242,78 @@ async def test_a_step_is_read_back_while_the_next_launch_still_runs(ckpt):
     finally:
         executor.release.set()
         await engine.shutdown()
+
+
+class Timeline:
+    """A GPU of one stream: a launched step starts when the one before it ends (or at once) and
+    takes `step_s`; collect waits for its end. Records each step's requests and interval."""
+
+    limits = ExecutorLimits(fused_max_batch=8)
+
+    def __init__(self, step_s: float):
+        self.step_s, self.last = step_s, {}
+        self.steps: list[tuple[set[str], float, float]] = []     # (request ids, start, end)
+
+    def launch(self, plan):
+        fill_placeholders(plan.scheduled_requests, self.last)
+        now = time.perf_counter()
+        start = max(now, self.steps[-1][2]) if self.steps else now
+        self.steps.append(({e.request_id for e in plan.scheduled_requests}, start, start + self.step_s))
+        self.last = {e.request_id: 7 for e in plan.scheduled_requests if e.samples}
+        return start + self.step_s, StepResult({rid: [t] for rid, t in self.last.items()})
+
+    def collect(self, launched):
+        end, result = launched
+        time.sleep(max(0.0, end - time.perf_counter()))
+        return result
+
+
+async def first_step_of_a_request_arriving_mid_step(ckpt, margin_s: float) -> int:
+    """Steps between the one running when a request arrives (15 ms into a 60 ms decode step) and its
+    first: the engine launches a step ahead, `margin_s` the late launch-ahead."""
+    executor = Timeline(step_s=0.06)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, num_blocks=40, max_model_len=64,
+                             block_size=4, sliding_window=5)
+    engine = AsyncEngine(Scheduler(config), executor, ckpt.tokenizer, ckpt.config.vocab_size,
+                         async_scheduling=True, launch_margin_s=margin_s)
+    engine.start()
+    try:
+        long = engine.add_request([5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True))
+        consume = asyncio.ensure_future(asyncio.wait_for(asyncio.gather(*[_drain(long)]), 30))
+        while len(executor.steps) < 5:                         # decode steps timed back to back
+            await asyncio.sleep(0.002)
+        _, start, end = next(s for s in executor.steps if s[1] <= time.perf_counter() < s[2])
+        target = start + 0.015 if time.perf_counter() < start + 0.010 else end + 0.015   # (decode steps run back to back)
+        await asyncio.sleep(max(0.0, target - time.perf_counter()))
+        arrival = time.perf_counter()
+        assert any(s + 0.005 <= arrival < s + 0.040 for _, s, _ in executor.steps[-2:]), "the arrival missed mid-step"
+        running = next(i for i, (_, s, e) in enumerate(executor.steps) if s <= arrival < e)
+        await asyncio.wait_for(anext(engine.add_request([8, 9], SamplingParams(max_tokens=1, ignore_eos=True),
+                                                        request_id="new")), 30)
+        first = next(i for i, (ids, _, _) in enumerate(executor.steps) if "new" in ids)
+        await consume
+        return first - running
+    finally:
+        await engine.shutdown()
+
+
+async def _drain(stream):
+    async for _ in stream:
+        pass
+
+
+async def test_late_launch_ahead_lets_a_new_request_join_the_next_step(ckpt):
+    """With a step launched ahead, a request arriving mid-step waits for the step after the next;
+    with the late launch-ahead (the next step planned 10 ms before the running one ends, or on an
+    arrival) it joins the next one."""
+    assert await first_step_of_a_request_arriving_mid_step(ckpt, 0.0) == 2
+    assert await first_step_of_a_request_arriving_mid_step(ckpt, 0.010) == 1
+
+
+def test_launch_margin_must_not_be_negative(ckpt):
+    with pytest.raises(ValueError, match="launch margin"):
+        AsyncEngine(Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, num_blocks=8, max_model_len=16,
+                                              block_size=4)), Timeline(0.01), ckpt.tokenizer, ckpt.config.vocab_size,
+                    async_scheduling=True, launch_margin_s=-1.0)
+    with pytest.raises(ValueError, match="launch_margin_ms"):
+        EngineConfig(launch_margin_ms=-0.5)

@@ -15,6 +15,11 @@ after N+1 on the same stream, so N+1's writes never land in another request's bl
 The read-back (`collect`) runs on a second thread and reads only what its launch returned, so N's
 tokens never wait for launch(N+1) to return, which a launch that samples on the host (or the torch
 executor's) does only once its step has run (a prompt's first token waited a whole extra step).
+Late launch-ahead (`launch_margin_s` > 0): the step after the one running is planned not as soon
+as that one starts but `launch_margin_s` before its expected end (the shortest of the last decode
+steps), or at once when a request arrives: a request that arrives while a decode step runs then
+joins the next step instead of the one after it (one decode step off its time to first token),
+as long as the margin covers planning and launching. Only while the running step is decode-only.
 Watchdog: a step running past `step_timeout_s` kills the loop (a hung GPU never returns); a dead
 loop fails every request in flight, and `join()` tells its owner why, so the server can exit.
 """
@@ -26,6 +31,7 @@ import dataclasses
 import itertools
 import logging
 import sys
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -73,12 +79,17 @@ class AsyncEngine:
 
     def __init__(self, scheduler: Scheduler, executor, tokenizer: FlintTokenizer, vocab_size: int,
                  step_timeout_s: float | None = None, async_scheduling: bool = False,
-                 grammar_compiler: GrammarCompiler | None = None):
+                 grammar_compiler: GrammarCompiler | None = None, launch_margin_s: float = 0.0):
         self.scheduler = scheduler
         self.executor = executor
         if async_scheduling and not (hasattr(executor, "launch") and hasattr(executor, "collect")):
             raise ValueError(f"async scheduling needs an executor with launch/collect, not {type(executor).__name__}")
         self.async_scheduling = async_scheduling
+        if not launch_margin_s >= 0:
+            raise ValueError(f"launch margin must be >= 0 seconds, got {launch_margin_s}")
+        self.launch_margin_s = launch_margin_s       # 0: plan the next step as soon as one starts
+        self._decode_s: deque[float] = deque(maxlen=4)  # recent decode-only steps' GPU time, back to back
+        self._last_done = 0.0                       # when the last step's result came back
         self.tokenizer = tokenizer
         self.grammar_compiler = grammar_compiler or GrammarCompiler(tokenizer)
         self.vocab_size = vocab_size
@@ -242,7 +253,7 @@ class AsyncEngine:
     # -- the loop ------------------------------------------------------------------------------
 
     async def _loop(self) -> None:
-        in_flight: deque[tuple[StepPlan, asyncio.Future]] = deque()
+        in_flight: deque[tuple[StepPlan, asyncio.Future, float]] = deque()
         try:
             while True:
                 if not in_flight:
@@ -252,8 +263,9 @@ class AsyncEngine:
                         await self._wakeup.wait()
                         continue
                     in_flight.append(started)
-                plan, future = in_flight[0]
+                plan, future, launched_at = in_flight[0]
                 if len(in_flight) == 1 and self._may_run_ahead(plan):
+                    await self._hold_ahead(plan, launched_at)
                     if (ahead := self._start_step()) is not None:
                         in_flight.append(ahead)
                 try:
@@ -266,6 +278,7 @@ class AsyncEngine:
                     in_flight.popleft()
                     continue
                 in_flight.popleft()
+                self._step_done(plan, launched_at)
                 outputs = self.scheduler.update(plan, result)
                 if result.prompt_logprobs:
                     self._collect_prompt_logprobs(result.prompt_logprobs)
@@ -283,6 +296,29 @@ class AsyncEngine:
             self.dead_error = e
             self._fail_all(e if isinstance(e, StepTimeoutError) else EngineError(f"the engine loop died: {e!r}"))
             raise
+
+    async def _hold_ahead(self, running: StepPlan, launched_at: float) -> None:
+        """Late launch-ahead (module docstring): wait until `launch_margin_s` before the running
+        decode step's expected end, or until a request arrives."""
+        margin = self.launch_margin_s
+        if not margin or not self._decode_s or running.num_tokens != len(running.scheduled_requests):
+            return
+        expected = min(self._decode_s)
+        if expected < 2 * margin or self._wakeup.is_set():
+            return
+        delay = max(launched_at, self._last_done) + expected - margin - time.perf_counter()
+        if delay > 0:
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), delay)
+            except TimeoutError:
+                pass
+
+    def _step_done(self, plan: StepPlan, launched_at: float) -> None:
+        """A step's result is back: its GPU time when it ran right after the previous one."""
+        now = time.perf_counter()
+        if self.launch_margin_s and launched_at <= self._last_done and plan.num_tokens == len(plan.scheduled_requests):
+            self._decode_s.append(now - self._last_done)
+        self._last_done = now
 
     def _may_run_ahead(self, plan: StepPlan) -> bool:
         """Whether the next step may be scheduled before `plan`'s tokens are known: async scheduling
@@ -306,9 +342,10 @@ class AsyncEngine:
             raise StepTimeoutError(f"a step has not returned after {self.step_timeout_s:g} s (the engine "
                                    "iteration timeout); the executor is hung") from None
 
-    def _start_step(self) -> tuple[StepPlan, asyncio.Future] | None:
+    def _start_step(self) -> tuple[StepPlan, asyncio.Future, float] | None:
         if not self.scheduler.has_unfinished_requests():
             return None
+        self._wakeup.clear()            # arrivals from here on are not in this plan (_hold_ahead)
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted_request_ids)
         if plan.is_empty:   # not executed: the next plan tells the executor what to drop
@@ -317,7 +354,7 @@ class AsyncEngine:
         if self._unsent_drops:
             plan.finished_request_ids[:0], self._unsent_drops = self._unsent_drops, []
         run = self.executor.launch if self.async_scheduling else self.executor.execute
-        return plan, self._worker.submit(run, plan)
+        return plan, self._worker.submit(run, plan), time.perf_counter()
 
     def _collect_prompt_logprobs(self, chunks: dict[str, PromptLogprobs]) -> None:
         """Store each chunk's prompt logprobs by position (a chunk recomputed after preemption rewrites

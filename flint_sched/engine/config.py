@@ -39,6 +39,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True       # as vLLM v1: on unless turned off
     num_ring_snapshots: int | None = None    # prefix-cache ring snapshots; None: max_num_seqs
     async_scheduling: bool | None = None     # None: on with the CUDA executor (engine/async_engine.py)
+    launch_margin_ms: float = 0.0            # async scheduling: late launch-ahead (engine/async_engine.py); 0: off
     long_prefill_token_threshold: int = 0    # > 0: prompt tokens a request may take per step (vLLM's flag)
 
     def __post_init__(self) -> None:
@@ -51,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_ring_snapshots is not None and self.num_ring_snapshots < 1:
             raise ValueError(f"num_ring_snapshots must be >= 1, got {self.num_ring_snapshots}")
+        if not self.launch_margin_ms >= 0:
+            raise ValueError(f"launch_margin_ms must be >= 0, got {self.launch_margin_ms}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
