@@ -77,7 +77,8 @@ def test_bench_agent_sim_smoke():
     from flint_sched.llm import run_async
     args = argparse.Namespace(sessions=2, turns=3, system_tokens=600, first_tokens=20, grow=40, output_tokens=4,
                               step_ms=0.5, us_per_prompt_token=0.1, max_num_batched_tokens=2048, max_num_seqs=4,
-                              num_ring_snapshots=2, stagger_ms=0.0, prompt_host_ms=1.0, prompt_graph_rows=0)
+                              num_ring_snapshots=2, stagger_ms=0.0, prompt_host_ms=1.0, prompt_graph_rows=0,
+                              prompt_floor_ms=1.0, think_ms=1.0, launch_margin_ms=0.1)
     cached, cold = run_async(run_case(args, True)), run_async(run_case(args, False))
     assert cached["steps"] > 0 and cached["ttft_turn0_ms"] > 0 and cached["ttft_later_ms"] > 0
     assert cached["hit_rate"] > 0.5 and cold["hit_rate"] == 0
@@ -115,6 +116,10 @@ def test_agent_sim_eager_prompt_steps_take_the_host_floor():
     assert cost(executor, 32) == pytest.approx(1.32e-3)         # a prompt step from a graph
     assert cost(executor, 33) == pytest.approx(40e-3)           # eager: the host's launches bound it
     assert cost(executor, 5000) == pytest.approx(51e-3)         # ... until the GPU needs longer
+    floored = CostExecutor(1000, step_ms=1.0, us_per_prompt_token=10.0, prompt_floor_ms=20.0)
+    assert cost(floored, 1) == pytest.approx(1e-3)              # decodes: no floor
+    assert cost(floored, 100) == pytest.approx(20e-3)           # a short prompt still reads every expert
+    assert cost(floored, 5000) == pytest.approx(51e-3)
 
 
 def test_decode_configs_refuses_unknown_configs_and_a_machine_without_a_gpu(monkeypatch, capsys):
