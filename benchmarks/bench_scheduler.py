@@ -51,7 +51,7 @@ def run(num_requests: int, prompt_len: int, num_steps: int, block_size: int,
     step_index = 0
     while True:
         plan = scheduler.schedule()
-        is_decode_only = plan.num_tokens == len(plan.scheduled_requests) == num_requests
+        is_decode_only = plan.is_decode_only and plan.num_tokens == num_requests
         scheduler.update(plan, fake_execute(plan, step_index))
         step_index += 1
         if is_decode_only and step_index > num_warmup_steps:

@@ -68,6 +68,11 @@ class StepPlan:
         """Nothing to run: no entries and no ring copies."""
         return not self.scheduled_requests and not self.ring_copies
 
+    @property
+    def is_decode_only(self) -> bool:
+        """Every entry is one token (no prompt chunk in the step)."""
+        return self.num_tokens == len(self.scheduled_requests)
+
 
 @dataclass(slots=True)
 class TokenLogprobs:

@@ -301,7 +301,7 @@ class AsyncEngine:
         """Late launch-ahead (module docstring): wait until `launch_margin_s` before the running
         decode step's expected end, or until a request arrives."""
         margin = self.launch_margin_s
-        if not margin or not self._decode_s or running.num_tokens != len(running.scheduled_requests):
+        if not margin or not self._decode_s or not running.is_decode_only:
             return
         expected = min(self._decode_s)
         if expected < 2 * margin or self._wakeup.is_set():
@@ -316,7 +316,7 @@ class AsyncEngine:
     def _step_done(self, plan: StepPlan, launched_at: float) -> None:
         """A step's result is back: its GPU time when it ran right after the previous one."""
         now = time.perf_counter()
-        if self.launch_margin_s and launched_at <= self._last_done and plan.num_tokens == len(plan.scheduled_requests):
+        if self.launch_margin_s and launched_at <= self._last_done and plan.is_decode_only:
             self._decode_s.append(now - self._last_done)
         self._last_done = now
 

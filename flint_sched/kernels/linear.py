@@ -49,7 +49,7 @@ def _kernel(name: str, warps: int, batch_x: int, groups: int = 1) -> Kernel:
 
 def groups(tokens: int) -> int:
     """8-token mma column groups of a GEMV of `tokens` rows (GEMV_GROUPS)."""
-    return cdiv(tokens, 8)
+    return cdiv(tokens, MAX_TOKENS)
 
 
 def resident_ctas(warps: int, fmt: str, num_groups: int = 1) -> int:
@@ -197,10 +197,10 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
         check_tensor(residual, "residual", torch.bfloat16, (b, n), x.device, 2)
     y = output(out, "out", (b, n), x)
     fmt = weight_format(weight)
-    tiles = cdiv(n, TILE_ROWS)
-    warps = gemv_warps(tiles, k, fmt, groups(b))
+    tiles, num_groups = cdiv(n, TILE_ROWS), groups(b)
+    warps = gemv_warps(tiles, k, fmt, num_groups)
     splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
-    _kernel(f"gemv_{fmt}", warps, x_batch(fmt), groups(b)).launch(
+    _kernel(f"gemv_{fmt}", warps, x_batch(fmt), num_groups).launch(
         (tiles,), (32 * warps,), [y, x, *w_args, residual, I32(b), I32(n), I32(k), *splits], pdl=pdl,
         device=x.device.index)
     return y
@@ -223,9 +223,9 @@ def gate_up_silu(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor | 
     b, k = x.shape
     i, fmt, args = gate_up_args(gate, up, k, x.device)
     h = output(out, "out", (b, i), x)
-    tiles = cdiv(i, TILE_ROWS // 2)
-    warps = gemv_warps(tiles, k, fmt, groups(b))
-    _kernel(f"gate_up_{fmt}", warps, x_batch(fmt), groups(b)).launch(
+    tiles, num_groups = cdiv(i, TILE_ROWS // 2), groups(b)
+    warps = gemv_warps(tiles, k, fmt, num_groups)
+    _kernel(f"gate_up_{fmt}", warps, x_batch(fmt), num_groups).launch(
         (tiles,), (32 * warps,), [h, x, *args, I32(b), I32(i), I32(k)], pdl=pdl, device=x.device.index)
     return h
 

@@ -60,7 +60,7 @@ def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True, seqs=4, num_blocks
         preemptions += len(plan.preempted_request_ids)
         result = ex.execute(plan)
         sampling = [e for e in plan.scheduled_requests if e.samples]
-        paths.add(plan.path if plan.num_tokens == len(plan.scheduled_requests) else "prompt")
+        paths.add(plan.path if plan.is_decode_only else "prompt")
         assert ex.last_logits.shape[0] == len(sampling)
         for e, row in zip(sampling, ex.last_logits, strict=True):
             decode_logits.append((e.request_id, e.end_position - 1, row.float().clone()))
