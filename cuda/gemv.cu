@@ -1,6 +1,6 @@
 // Dense skinny GEMMs for B <= 8 * GEMV_GROUPS tokens: y[B, N] = x[B, K] . W[N, K]^T (+ residual),
 // and the SwiGLU front half h[B, I] = silu(x . Wg^T) * (x . Wu^T). x, y, h, residual: bf16
-// row-major, contiguous; W: bf16 or NVFP4 (gemv_tile.cuh). One CTA of GEMV_WARPS warps per 16
+// row-major, contiguous (gemv_bf16_f32: y fp32, no residual: the router's logits); W: bf16 or NVFP4 (gemv_tile.cuh). One CTA of GEMV_WARPS warps per 16
 // output rows (8 for gate/up: tile rows 0-7 read Wg, rows 8-15 read Wu), whole K per CTA, no
 // atomics. y may alias residual (each element is read and written by the same thread). NVFP4 W may
 // be up to three weights stacked by rows, each with its tensor scale: rows [split1, split2) use
@@ -39,8 +39,8 @@ __device__ __forceinline__ void gemv_partials(float* red, const typename Wt::Row
   __syncthreads();
 }
 
-template <class Wt, int U>
-__device__ __forceinline__ void gemv(u16* y, const u16* x, const Wt& wt, const u16* residual,
+template <class Wt, int U, class Out = u16>
+__device__ __forceinline__ void gemv(Out* y, const u16* x, const Wt& wt, const u16* residual,
                                      int B, int N, int K, int split1, int split2) {
   __shared__ float red[GEMV_GROUPS * GEMV_RED];
   __shared__ typename Wt::Shared sh;
@@ -60,7 +60,11 @@ __device__ __forceinline__ void gemv(u16* y, const u16* x, const Wt& wt, const u
     if (b >= B) break;
     float v = tile_sum<GEMV_WARPS>(red + grp * GEMV_RED, r, j) * wt.sum_scale((n >= split1) + (n >= split2));
     if (residual) v += bf16_to_f32(residual[(size_t)b * N + n]);
-    y[(size_t)b * N + n] = f32_to_bf16(v);
+    if constexpr (sizeof(Out) == 4) {
+      y[(size_t)b * N + n] = v;
+    } else {
+      y[(size_t)b * N + n] = f32_to_bf16(v);
+    }
   }
 }
 
@@ -93,6 +97,11 @@ __device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, cons
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_bf16(u16* y, const u16* x, const u16* w, const u16* residual, int B, int N, int K) {
   gemv<Bf16Weights, BF16_UNROLL>(y, x, Bf16Weights{w}, residual, B, N, K, N, N);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_bf16_f32(float* y, const u16* x, const u16* w, int B, int N, int K) {
+  gemv<Bf16Weights, BF16_UNROLL>(y, x, Bf16Weights{w}, nullptr, B, N, K, N, N);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)

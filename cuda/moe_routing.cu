@@ -9,10 +9,14 @@
 //     sorted_token [P]          token of each sorted row (P = num_tokens * (A + 1) rows used)
 //     pair_row     [M, A + 1]   sorted row of each pair; -1 for padded tokens
 //     work list    items of <= chunk rows of one expert, an expert's items adjacent:
-//                  work_expert[i], work_row[i] (first sorted row), num_work[0] items
+//                  work_expert[i], work_row[i] (first sorted row), num_work[0] items; with
+//                  heavy_first, experts of more than chunk / 2 rows first (sort_pairs)
 //
 //   moe_route: both in one launch: every CTA selects for its tokens, the last CTA to take the
-//              ticket sorts and resets the ticket (so a CUDA graph replays it).
+//              ticket sorts and resets the ticket (so a CUDA graph replays it); a grid of one
+//              CTA (<= 16 tokens) sorts its ids from shared memory, no ticket or fences, and the
+//              last CTA stages up to STAGED_IDS ids there first. The bias (a weight) is read
+//              before waiting on the logits.
 //   moe_finalize: out[t] = bf16(residual[t] + sum_{a<A} w[t,a] y[pair_row[t,a]] + y[pair_row[t,A]])
 //              in fp32, slots in order then the shared expert; padded tokens copy residual.
 //   moe_finalize_norm: the same, one CTA per token, and norm_out[t] = rms_norm(out[t]) * norm_weight
@@ -20,23 +24,27 @@
 #include "norm.cuh"
 #include "topk.cuh"
 
-#define ROUTING_WARPS 16  // kernels/grouped.py ROUTING_THREADS / 32
+#define ROUTING_WARPS 16  // kernels/grouped_moe.py ROUTING_THREADS / 32
+#define MAX_TOP_K 32      // kernels/grouped_moe.py MAX_TOP_K
+#define STAGED_IDS 2048   // kernels/grouped_moe.py STAGED_IDS: moe_route's last CTA stages this many ids
 
 __device__ __forceinline__ int num_real(const int* num_tokens, int M) {
   return num_tokens ? min(M, *num_tokens) : M;
 }
 
-// Warp `warp` of this CTA: token blockIdx.x * ROUTING_WARPS + warp. scores: [ROUTING_WARPS][E].
+// Warp `warp` of this CTA: token blockIdx.x * ROUTING_WARPS + warp; bias: lane_values of the
+// bias; ids_copy: [ROUTING_WARPS][A] of this CTA's tokens, or null.
 __device__ __forceinline__ void topk_tokens(int* ids, float* weights, const float* logits,
-                                            const float* bias, float* scores, int ntok, int E,
-                                            int A, float scaling) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+                                            const float (&bias)[ROUTER_PER_LANE], int ntok, int E, int A,
+                                            float scaling, int* ids_copy) {
+  const int warp = threadIdx.x >> 5;
   const int t = blockIdx.x * ROUTING_WARPS + warp;
   if (t >= ntok) return;
-  float* sc = scores + warp * E;
-  for (int e = lane; e < E; e += 32) sc[e] = 1.0f / (1.0f + expf(-logits[(size_t)t * E + e]));
-  __syncwarp();
-  router_select(ids + t * A, weights + t * A, sc, bias, E, A, scaling);
+  float s[ROUTER_PER_LANE];
+  lane_values(s, logits + (size_t)t * E, E);
+#pragma unroll
+  for (int i = 0; i < ROUTER_PER_LANE; ++i) s[i] = 1.0f / (1.0f + expf(-s[i]));
+  router_select(ids + t * A, weights + t * A, s, bias, E, A, scaling, ids_copy ? ids_copy + warp * A : nullptr);
 }
 
 // In-place exclusive scan of v[0..n) (v[n] <- total) by the whole CTA; n + 1 <= blockDim * 4.
@@ -76,26 +84,39 @@ struct Sorted {
   int* num_work;
 };
 
-// The whole CTA (ROUTING_WARPS warps). ids were written by another CTA or kernel: read from L2.
-// smem: hist [ROUTING_WARPS][E + 1] int, then scan [E + 2] u64, then warp totals [32] u64.
+// Shared memory of sort_pairs (a multiple of 16 bytes); moe_route stages up to STAGED_IDS ids after it.
+__device__ __forceinline__ int sort_smem_bytes(int E) {
+  return ((ROUTING_WARPS * (E + 1) * 4 + 15) & ~15) + (E + 2) * 8 + 32 * 8;
+}
+
+// The whole CTA (ROUTING_WARPS warps). ids: in this CTA's shared memory (SMEM_IDS), or written by
+// another CTA or kernel: read from L2. smem: hist [ROUTING_WARPS][E + 1] int, then scan [E + 2] u64, then
+// warp totals [32] u64.
+template <bool SMEM_IDS>
 __device__ __forceinline__ void sort_pairs(const Sorted& out, const int* ids, int ntok, int M,
-                                           int A, int E, int chunk, unsigned char* smem) {
+                                           int A, int E, int chunk, bool heavy_first, unsigned char* smem) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, bins = E + 1;
   int* hist = reinterpret_cast<int*>(smem);
   u64* scan = reinterpret_cast<u64*>(smem + ((ROUTING_WARPS * bins * 4 + 15) & ~15));
   u64* warp_total = scan + bins + 1;
   const int slots = A + 1, P = ntok * slots;
-  // Warp w owns pairs [p_begin, p_end), in order.
+  // Warp w owns pairs [p_begin, p_end), in order: at 16 tokens, 7 each. (One warp per 64 pairs,
+  // its atomics and scatter iterations one after another, measured slower: 13.5 µs at 16 tokens.)
   const int p_begin = (int)((long long)P * warp / ROUTING_WARPS);
   const int p_end = (int)((long long)P * (warp + 1) / ROUTING_WARPS);
+  auto expert_of = [&](int p) {
+    const int t = p / slots, a = p - t * slots;
+    return a < A ? (SMEM_IDS ? ids[t * A + a] : __ldcg(ids + t * A + a)) : E;
+  };
   for (int i = tid; i < ROUTING_WARPS * bins; i += blockDim.x) hist[i] = 0;
   __syncthreads();
-  for (int p = p_begin + lane; p < p_end; p += 32) {
-    const int t = p / slots, a = p - t * slots;
-    atomicAdd(&hist[warp * bins + (a < A ? __ldcg(ids + t * A + a) : E)], 1);
-  }
+  for (int p = p_begin + lane; p < p_end; p += 32) atomicAdd(&hist[warp * bins + expert_of(p)], 1);
   __syncthreads();
-  // Per expert: counts of warps -> exclusive prefix over warps; scan value = items << 32 | count.
+  // Per expert: counts of warps -> exclusive prefix over warps; scan value = heavy items << 48 |
+  // light items << 32 | count, where an expert is heavy (heavy_first) if it has more than chunk / 2
+  // rows: the work list holds the heavy experts' items first, so the longest items start in the
+  // first waves of CTAs and the last wave is of short ones. Either way an expert's items are
+  // adjacent and in row order.
   for (int e = tid; e < bins; e += blockDim.x) {
     int count = 0;
     for (int w = 0; w < ROUTING_WARPS; ++w) {
@@ -103,15 +124,20 @@ __device__ __forceinline__ void sort_pairs(const Sorted& out, const int* ids, in
       hist[w * bins + e] = count;
       count += c;
     }
-    scan[e] = ((u64)((count + chunk - 1) / chunk) << 32) | (u64)count;
+    const u64 items = (count + chunk - 1) / chunk;
+    scan[e] = (heavy_first && 2 * count > chunk ? items << 48 : items << 32) | (u64)count;
   }
   __syncthreads();
   block_exclusive_scan(scan, bins, warp_total);
+  const int heavy_total = (int)(scan[bins] >> 48);
   for (int e = tid; e <= bins; e += blockDim.x) out.offsets[e] = (int)(u32)scan[e];
-  if (tid == 0) *out.num_work = (int)(scan[bins] >> 32);
+  if (tid == 0) *out.num_work = heavy_total + (int)((scan[bins] >> 32) & 0xFFFFu);
   for (int e = tid; e < bins; e += blockDim.x) {
-    const int row = (int)(u32)scan[e], item = (int)(scan[e] >> 32);
-    const int items = (int)(scan[e + 1] >> 32) - item;
+    const int row = (int)(u32)scan[e];
+    const int heavy = (int)(scan[e] >> 48), light = (int)((scan[e] >> 32) & 0xFFFFu);
+    const int heavy_items = (int)(scan[e + 1] >> 48) - heavy;
+    const int items = heavy_items ? heavy_items : (int)((scan[e + 1] >> 32) & 0xFFFFu) - light;
+    const int item = heavy_items ? heavy : heavy_total + light;
     for (int w = 0; w < ROUTING_WARPS; ++w) hist[w * bins + e] += row;
     for (int j = 0; j < items; ++j) {
       out.work_expert[item + j] = e;
@@ -121,9 +147,8 @@ __device__ __forceinline__ void sort_pairs(const Sorted& out, const int* ids, in
   __syncthreads();
   // Stable scatter: lanes naming the same expert take consecutive rows in lane order.
   for (int p0 = p_begin; p0 < p_end; p0 += 32) {
-    const int p = p0 + lane;
-    const int t = p / slots, a = p - t * slots;
-    const int e = p < p_end ? (a < A ? __ldcg(ids + t * A + a) : E) : -1;
+    const int p = p0 + lane, t = p / slots;
+    const int e = p < p_end ? expert_of(p) : -1;
     const u32 same = __match_any_sync(0xFFFFFFFFu, e);
     const int rank = __popc(same & ((1u << lane) - 1u));
     int row = 0;
@@ -144,39 +169,48 @@ __device__ __forceinline__ Sorted sorted_of(int* offsets, int* sorted_token, int
   return {offsets, sorted_token, pair_row, work_expert, work_row, num_work};
 }
 
-// Dynamic shared memory: max(ROUTING_WARPS * E * 4, sort's) bytes (kernels/grouped.py).
+// moe_sort and moe_route: dynamic shared memory of the sort's size (kernels/grouped_moe.py
+// routing_shared_bytes); moe_topk takes none.
 extern "C" __global__ void __launch_bounds__(ROUTING_WARPS * 32)
 moe_topk(int* ids, float* weights, const float* logits, const float* bias,
          const int* num_tokens, int M, int E, int A, float scaling) {
-  extern __shared__ __align__(16) unsigned char smem[];
+  float b[ROUTER_PER_LANE];
+  lane_values(b, bias, E);  // a weight: before the wait
   pdl_launch_dependents();
   pdl_wait();
-  topk_tokens(ids, weights, logits, bias, reinterpret_cast<float*>(smem), num_real(num_tokens, M), E,
-              A, scaling);
+  topk_tokens(ids, weights, logits, b, num_real(num_tokens, M), E, A, scaling, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(ROUTING_WARPS * 32)
 moe_sort(int* offsets, int* sorted_token, int* pair_row, int* work_expert, int* work_row,
-         int* num_work, const int* ids, const int* num_tokens, int M, int E, int A, int chunk) {
+         int* num_work, const int* ids, const int* num_tokens, int M, int E, int A, int chunk,
+         int heavy_first) {
   extern __shared__ __align__(16) unsigned char smem[];
   pdl_launch_dependents();
   pdl_wait();
-  sort_pairs(sorted_of(offsets, sorted_token, pair_row, work_expert, work_row, num_work), ids,
-             num_real(num_tokens, M), M, A, E, chunk, smem);
+  sort_pairs<false>(sorted_of(offsets, sorted_token, pair_row, work_expert, work_row, num_work), ids,
+                    num_real(num_tokens, M), M, A, E, chunk, heavy_first, smem);
 }
 
-extern "C" __global__ void __launch_bounds__(ROUTING_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(ROUTING_WARPS * 32, 1)
 moe_route(int* ids, float* weights, int* offsets, int* sorted_token, int* pair_row,
           int* work_expert, int* work_row, int* num_work, u32* ticket, const float* logits,
-          const float* bias, const int* num_tokens, int M, int E, int A, float scaling, int chunk) {
+          const float* bias, const int* num_tokens, int M, int E, int A, float scaling, int chunk,
+          int heavy_first) {
   extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int ids_s[ROUTING_WARPS * MAX_TOP_K];  // one CTA: the ids the sort reads
   __shared__ u32 is_last;
+  float b[ROUTER_PER_LANE];
+  lane_values(b, bias, E);  // a weight: before the wait
   pdl_launch_dependents();
   pdl_wait();
   const int ntok = num_real(num_tokens, M);
-  topk_tokens(ids, weights, logits, bias, reinterpret_cast<float*>(smem), ntok, E, A, scaling);
-  // Last-block pattern (router.cu): barrier, fence, ticket; the last CTA fences before reading.
+  const Sorted sorted = sorted_of(offsets, sorted_token, pair_row, work_expert, work_row, num_work);
+  const bool one_cta = gridDim.x == 1;  // <= ROUTING_WARPS tokens: no ticket, ids stay in shared memory
+  topk_tokens(ids, weights, logits, b, ntok, E, A, scaling, one_cta ? ids_s : nullptr);
   __syncthreads();
+  if (one_cta) return sort_pairs<true>(sorted, ids_s, ntok, M, A, E, chunk, heavy_first, smem);
+  // Last-block pattern (router.cu): barrier, fence, ticket; the last CTA fences before reading.
   if (threadIdx.x == 0) {
     __threadfence();
     is_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
@@ -184,9 +218,15 @@ moe_route(int* ids, float* weights, int* offsets, int* sorted_token, int* pair_r
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  sort_pairs(sorted_of(offsets, sorted_token, pair_row, work_expert, work_row, num_work), ids, ntok,
-             M, A, E, chunk, smem);
   if (threadIdx.x == 0) *ticket = 0u;
+  const int n_ids = ntok * A;
+  if (n_ids > STAGED_IDS) return sort_pairs<false>(sorted, ids, ntok, M, A, E, chunk, heavy_first, smem);
+  // The other CTAs' ids into shared memory, all loads in flight at once: the sort reads each twice.
+  int* staged = reinterpret_cast<int*>(smem + sort_smem_bytes(E));
+#pragma unroll 4
+  for (int i = threadIdx.x; i < n_ids; i += blockDim.x) staged[i] = __ldcg(ids + i);
+  __syncthreads();
+  sort_pairs<true>(sorted, staged, ntok, M, A, E, chunk, heavy_first, smem);
 }
 
 // out[t, c..c+7] as bf16 words: residual + the weighted expert rows + the shared expert's row.

@@ -33,16 +33,24 @@ __device__ __forceinline__ u32 warp_min_u32(u32 v) {
 // lane + 32 i, held in registers (unrolled loops: no local memory). Each round takes the warp's
 // largest key, then the lowest expert id holding it (two redux.sync instead of a shuffle tree);
 // taken ones become -inf.
-__device__ __forceinline__ void router_select(int* ids, float* weights, const float* scores,
-                                              const float* bias, int E, int A, float scaling) {
+// The lane's values of experts lane + 32 i (0 past E): bias (a weight: read it before pdl_wait
+// where the caller can), scores. All loads issued before the first use.
+__device__ __forceinline__ void lane_values(float (&v)[ROUTER_PER_LANE], const float* p, int E) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < ROUTER_PER_LANE; ++i) v[i] = lane + 32 * i < E ? p[lane + 32 * i] : 0.0f;
+}
+
+// score: sigmoid of the lane's logits (lane_values), bias: the lane's bias. ids_copy: the ids
+// also written there (the sort's shared-memory copy), or null.
+__device__ __forceinline__ void router_select(int* ids, float* weights, const float (&score)[ROUTER_PER_LANE],
+                                              const float (&bias)[ROUTER_PER_LANE], int E, int A,
+                                              float scaling, int* ids_copy = nullptr) {
   const float neg_inf = -__int_as_float(0x7F800000);
   const int lane = threadIdx.x & 31;
   float sel[ROUTER_PER_LANE];
 #pragma unroll
-  for (int i = 0; i < ROUTER_PER_LANE; ++i) {
-    const int e = lane + 32 * i;
-    sel[i] = e < E ? scores[e] + bias[e] : neg_inf;
-  }
+  for (int i = 0; i < ROUTER_PER_LANE; ++i) sel[i] = lane + 32 * i < E ? score[i] + bias[i] : neg_inf;
   int my_id = 0;
   float my_weight = 0.0f;
   for (int j = 0; j < A; ++j) {
@@ -57,19 +65,34 @@ __device__ __forceinline__ void router_select(int* ids, float* weights, const fl
     const u32 key = best > neg_inf ? order_key(best) : 0u;
     const u32 top = warp_max_u32(key);
     const int best_e = (int)warp_min_u32(key == top && best > neg_inf ? (u32)(lane + 32 * best_i) : 0xFFFFFFFFu);
-    if ((best_e & 31) == lane) {
+    // The winner leaves the race; its owner lane holds its score. Compared by expert id, not by
+    // register index (sel[best_e >> 5] would become a local-memory array).
+    float chosen = 0.0f;
 #pragma unroll
-      for (int i = 0; i < ROUTER_PER_LANE; ++i)
-        if (i == (best_e >> 5)) sel[i] = neg_inf;
+    for (int i = 0; i < ROUTER_PER_LANE; ++i) {
+      const bool won = lane + 32 * i == best_e;
+      sel[i] = won ? neg_inf : sel[i];
+      chosen = won ? score[i] : chosen;
     }
+    chosen = __shfl_sync(0xFFFFFFFFu, chosen, best_e & 31);
     if (lane == j) {
       my_id = best_e;
-      my_weight = scores[best_e];
+      my_weight = chosen;
     }
   }
   const float total = warp_sum(lane < A ? my_weight : 0.0f);
   if (lane < A) {
     ids[lane] = my_id;
     weights[lane] = my_weight / total * scaling;
+    if (ids_copy) ids_copy[lane] = my_id;
   }
+}
+
+// scores, bias: [E] in memory (scores in shared memory, written by this warp).
+__device__ __forceinline__ void router_select(int* ids, float* weights, const float* scores,
+                                              const float* bias, int E, int A, float scaling) {
+  float s[ROUTER_PER_LANE], b[ROUTER_PER_LANE];
+  lane_values(s, scores, E);
+  lane_values(b, bias, E);
+  router_select(ids, weights, s, b, E, A, scaling);
 }

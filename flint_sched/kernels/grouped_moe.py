@@ -1,7 +1,7 @@
 """Grouped MoE for any number of tokens (cuda/moe_routing.cu, cuda/grouped_gemm.cu; from
 EXPERT_GEMM_MIN_TOKENS on, the tiled expert GEMMs of cuda/expert_gemm.cu), five launches:
 
-    logits [M, E] fp32 = x @ router_gate^T                         grouped_linear
+    logits [M, E] fp32 = x @ router_gate^T                         linear (GEMV) / grouped_linear
     ids, weights, sorted rows, work list                           route_and_sort (one launch)
     h_sorted [P, I]  = silu(x[tok] @ Wg_e^T) * (x[tok] @ Wu_e^T)   moe_gate_up_sorted
     y_sorted [P, H]  = h_sorted @ Wd_e^T                           moe_down_sorted
@@ -26,14 +26,18 @@ from flint_sched.kernels import expert_decode, expert_gemm
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.grouped import (CHUNKS, TILE_ROWS, TILES_PER_CTA, WARPS, check_rows, gemm_kernel, grid,
                                          grouped_linear, moe_chunk, out_buffer, work_bound)
-from flint_sched.kernels.linear import Weight, cdiv, check_tensor, expert_args, moe_gate_up_args, weight_format
+from flint_sched.kernels.linear import (Weight, cdiv, check_tensor, expert_args, linear, moe_gate_up_args,
+                                        weight_format)
 from flint_sched.kernels.norm import MAX_HIDDEN, norm_threads
 
 ROUTING_THREADS = 512       # cuda/moe_routing.cu ROUTING_WARPS * 32
 ROUTING_WARPS = ROUTING_THREADS // 32
 MAX_EXPERTS = 1024          # router_select: 32 experts per lane
 MAX_TOP_K = 32
+STAGED_IDS = 2048           # cuda/moe_routing.cu: ids moe_route's last CTA reads into shared memory
 FINALIZE_THREADS = 256
+MAX_ITEMS = 65535           # the sort counts each class of work items in 16 bits
+HEAVY_FIRST = True          # route_and_sort's heavy_first default: 16.77 -> 16.52 ms at 256 requests
 
 
 @functools.cache
@@ -46,11 +50,11 @@ def routing_kernel(name: str, num_experts: int) -> Kernel:
 
 
 def routing_shared_bytes(num_experts: int) -> int:
-    """Dynamic shared memory of the routing kernels: the top-k scores [warps][E] fp32, or the
-    sort's histograms [warps][E + 1] int32 + scan [E + 2] u64 + warp totals [32] u64."""
-    scores = ROUTING_WARPS * num_experts * 4
+    """Dynamic shared memory of moe_sort and moe_route: the sort's histograms [warps][E + 1] int32 +
+    scan [E + 2] u64 + warp totals [32] u64 (the top-k keeps its scores in registers), then the ids
+    moe_route's last CTA stages (STAGED_IDS int32)."""
     sort = -(-ROUTING_WARPS * (num_experts + 1) * 4 // 16) * 16 + (num_experts + 2) * 8 + 32 * 8
-    return max(scores, sort)
+    return sort + 4 * STAGED_IDS
 
 
 @dataclass
@@ -123,9 +127,10 @@ class Routing:
 
 def route_and_sort(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
                    workspace: MoeRoutingWorkspace, num_tokens: torch.Tensor | None = None, pdl: bool = False,
-                   chunk: int | None = None, fused: bool = True) -> Routing:
+                   chunk: int | None = None, fused: bool = True, heavy_first: bool | None = None) -> Routing:
     """Sigmoid top-k of fp32 logits [M, E] (as route() in model/reference.py), then the counting sort
-    by expert; fused: one launch (the last CTA sorts), else moe_topk + moe_sort."""
+    by expert; fused: one launch (the last CTA sorts), else moe_topk + moe_sort. heavy_first (None:
+    HEAVY_FIRST): the work list holds the items of experts with more than chunk / 2 rows first."""
     ws = workspace
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError("logits must be fp32 [tokens, experts]")
@@ -141,6 +146,9 @@ def route_and_sort(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling
     if chunk not in (*CHUNKS, expert_gemm.TILE_M):
         raise ValueError(f"chunk must be one of {(*CHUNKS, expert_gemm.TILE_M)}, got {chunk}")
     pairs = m * (top_k + 1)
+    if work_bound(m, top_k, e, chunk) > MAX_ITEMS:
+        raise ValueError(f"{m} tokens in items of {chunk} rows make more than {MAX_ITEMS} work items")
+    heavy = I32(int(HEAVY_FIRST if heavy_first is None else heavy_first))
     r = Routing(ws.ids[:m], ws.weights[:m], ws.offsets, ws.sorted_token[:pairs], ws.pair_row[:m],
                 ws.work_expert, ws.work_row, ws.num_work, e, chunk, work_bound(m, top_k, e, chunk))
     shared = routing_shared_bytes(e)
@@ -150,14 +158,15 @@ def route_and_sort(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling
         routing_kernel("moe_route", e).launch(
             (cdiv(m, ROUTING_WARPS),), (ROUTING_THREADS,),
             [r.ids, r.weights, *sort_args, ws.ticket, logits, bias, num_tokens, I32(m), I32(e), I32(top_k),
-             F32(scaling), I32(chunk)], shared_bytes=shared, pdl=pdl, device=dev)
+             F32(scaling), I32(chunk), heavy], shared_bytes=shared, pdl=pdl, device=dev)
     else:
         routing_kernel("moe_topk", e).launch(
             (cdiv(m, ROUTING_WARPS),), (ROUTING_THREADS,),
             [r.ids, r.weights, logits, bias, num_tokens, I32(m), I32(e), I32(top_k), F32(scaling)],
-            shared_bytes=shared, pdl=pdl, device=dev)
+            pdl=pdl, device=dev)
         routing_kernel("moe_sort", e).launch(
-            (1,), (ROUTING_THREADS,), [*sort_args, r.ids, num_tokens, I32(m), I32(e), I32(top_k), I32(chunk)],
+            (1,), (ROUTING_THREADS,), [*sort_args, r.ids, num_tokens, I32(m), I32(e), I32(top_k), I32(chunk),
+                                           heavy],
             shared_bytes=shared, pdl=pdl, device=dev)
     return r
 
@@ -255,6 +264,13 @@ def moe_finalize(y_sorted: torch.Tensor, routing: Routing, residual: torch.Tenso
 # decodes + 512 prompt rows took 26.1 ms on them against 23.1 on the tiled ones: more experts
 # touched than this benchmark's router picks, so more 8-row items, each decoding its weights.)
 EXPERT_GEMM_MIN_TOKENS = {"bf16": 256, "nvfp4": 512}
+# The router's logits on the GEMV (cuda/gemv.cu gemv_bf16_f32: it loads the gate before waiting on
+# the previous launch) up to this many tokens, on cuBLAS / grouped_linear above. Off: alone the GEMV
+# takes 4.6 µs against cuBLAS's 6.4 (16 tokens, ncu), but in the full model at 16 requests (16
+# warps a CTA) the step took 5.76 ms against 4.97 with cuBLAS (RESULTS.md, session 15); 4 warps
+# (ROUTER_GEMV_WARPS) not yet measured.
+ROUTER_GEMV_MAX_ROWS = 0
+ROUTER_GEMV_WARPS = 4
 GEMMS = ("swap-ab", "decode", "tiled")
 
 
@@ -289,7 +305,10 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
                          "moe_routing_workspace(..., hidden_size=, intermediate_size=)")
     check_tensor(router_gate, "router_gate", torch.bfloat16, (ws.num_experts, hidden), x.device)
     pairs = m * (top_k + 1)
-    logits = grouped_linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl)
+    if m <= ROUTER_GEMV_MAX_ROWS:
+        logits = linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl, warps=ROUTER_GEMV_WARPS)
+    else:
+        logits = grouped_linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl)
     path = expert_gemms(m, weight_format(gate), hidden, inter, gemms)
     if path == "tiled":
         chunk, gate_up_gemm, down_gemm = expert_gemm.TILE_M, expert_gemm.expert_gate_up, expert_gemm.expert_down

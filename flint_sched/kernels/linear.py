@@ -4,7 +4,8 @@ x [B, K] bf16 contiguous with B <= 32 (GEMV_MAX_TOKENS; the small-batch MoE and 
 MAX_TOKENS); W bf16 [N, K] (K % 8 == 0) or an NVFP4Tensor (K % 64 == 0); outputs bf16. One CTA per
 16 output rows (8 for gate/up: Wg and Wu stay separate tensors, their rows share one tile), whole K
 per CTA, 4-16 warps splitting K (`gemv_warps`); every 8 tokens past the first 8 are one more mma
-column group fed by the same decoded weights (GEMV_GROUPS 1-4). `out` may be
+column group fed by the same decoded weights (GEMV_GROUPS 1-4); with out_dtype fp32 (bf16 W, no
+residual) y is fp32: the router's logits. `out` may be
 `residual` (in-place add). `concat_rows` stacks up to three weights for one GEMV (q, k and v);
 NVFP4 parts keep their own tensor scales.
 """
@@ -145,10 +146,11 @@ def weight_format(*weights: Weight | None) -> str:
     return "nvfp4" if kinds == {True} else "bf16"
 
 
-def output(out: torch.Tensor | None, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+def output(out: torch.Tensor | None, name: str, shape: tuple[int, ...], like: torch.Tensor,
+           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     if out is None:
-        return torch.empty(shape, dtype=torch.bfloat16, device=like.device)
-    check_tensor(out, name, torch.bfloat16, shape, like.device, 2)
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    check_tensor(out, name, dtype, shape, like.device, dtype.itemsize)
     return out
 
 
@@ -184,8 +186,11 @@ def check_row_splits(row_splits: tuple[int, ...], n: int) -> None:
 
 
 def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, pdl: bool = False, row_splits: tuple[int, ...] = ()) -> torch.Tensor:
-    """y[B, N] = x @ W^T (+ residual), fp32 sums, one bf16 rounding. `row_splits`: from `concat_rows`."""
+           out: torch.Tensor | None = None, pdl: bool = False, row_splits: tuple[int, ...] = (),
+           out_dtype: torch.dtype = torch.bfloat16, warps: int | None = None) -> torch.Tensor:
+    """y[B, N] = x @ W^T (+ residual), fp32 sums, one bf16 rounding. `row_splits`: from `concat_rows`.
+    out_dtype fp32 (bf16 W, no residual): y unrounded, the router's logits. `warps`: per CTA (4, 8
+    or 16), else `gemv_warps`."""
     check_activations(x, max_tokens=GEMV_MAX_TOKENS)
     b, k = x.shape
     n = weight.shape[0]
@@ -195,14 +200,20 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     w_args = weight_args(weight, "weight", (n, k), x.device, len(row_splits) + 1)
     if residual is not None:
         check_tensor(residual, "residual", torch.bfloat16, (b, n), x.device, 2)
-    y = output(out, "out", (b, n), x)
     fmt = weight_format(weight)
+    f32 = out_dtype == torch.float32
+    if out_dtype not in (torch.bfloat16, torch.float32) or f32 and (fmt != "bf16" or residual is not None
+                                                                      or row_splits):
+        raise ValueError("linear writes bf16, or fp32 from one bf16 weight without a residual")
+    y = output(out, "out", (b, n), x, out_dtype)
     tiles, num_groups = cdiv(n, TILE_ROWS), groups(b)
-    warps = gemv_warps(tiles, k, fmt, num_groups)
+    if warps not in (None, 4, 8, 16) or warps == 16 and num_groups > 2:
+        raise ValueError(f"warps must be 4, 8 or 16 (at most 8 past 16 tokens), got {warps}")
+    warps = warps or gemv_warps(tiles, k, fmt, num_groups)
     splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
-    _kernel(f"gemv_{fmt}", warps, x_batch(fmt), num_groups).launch(
-        (tiles,), (32 * warps,), [y, x, *w_args, residual, I32(b), I32(n), I32(k), *splits], pdl=pdl,
-        device=x.device.index)
+    args = [y, x, *w_args, I32(b), I32(n), I32(k)] if f32 else [y, x, *w_args, residual, I32(b), I32(n), I32(k), *splits]
+    _kernel("gemv_bf16_f32" if f32 else f"gemv_{fmt}", warps, x_batch(fmt), num_groups).launch(
+        (tiles,), (32 * warps,), args, pdl=pdl, device=x.device.index)
     return y
 
 

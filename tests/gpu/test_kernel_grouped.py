@@ -29,9 +29,10 @@ def reference_topk(logits, bias, top_k):
     return chosen.int(), w / w.sum(dim=-1, keepdim=True) * SCALING
 
 
-def check_metadata(r, ids, ntok, m, top_k, experts):
+def check_metadata(r, ids, ntok, m, top_k, experts, heavy_first=False):
     """Every real pair once, counts and offsets, pair_row <-> sorted_token, stable order, and the
-    work list covering every sorted row exactly once in items of one expert."""
+    work list covering every sorted row exactly once in items of one expert, in expert order (with
+    heavy_first: the experts of more than chunk / 2 rows first, each part in expert order)."""
     a1, big = top_k + 1, experts
     offsets, st, pr = r.offsets.cpu().long(), r.sorted_token.cpu().long(), r.pair_row.cpu().long()
     ids = ids[:ntok].cpu().long()
@@ -52,7 +53,11 @@ def check_metadata(r, ids, ntok, m, top_k, experts):
     n = int(r.num_work)
     assert n <= r.max_items, f"{n} items > bound {r.max_items}"
     we, wr = r.work_expert[:n].cpu().long(), r.work_row[:n].cpu().long()
-    assert (we.diff() >= 0).all(), "an expert's items are not adjacent"
+    heavy = (counts * 2 > r.chunk)[we] if heavy_first else torch.zeros(n, dtype=torch.bool)
+    assert (heavy.int().diff() <= 0).all(), "a light expert's item before a heavy one's"
+    key = we * (pairs + 1) + wr   # expert, then first row
+    for part in (key[heavy], key[~heavy]):
+        assert (part.diff() > 0).all(), "items out of expert or row order (an expert's items not adjacent)"
     covered = torch.zeros(pairs, dtype=torch.int64)
     for e, row in zip(we.tolist(), wr.tolist()):
         end = min(row + r.chunk, int(offsets[e + 1]))
@@ -61,10 +66,11 @@ def check_metadata(r, ids, ntok, m, top_k, experts):
     assert (covered == 1).all(), "work items do not cover every row exactly once"
 
 
+@pytest.mark.parametrize("heavy_first", [False, True], ids=["by-expert", "heavy-first"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernels"])
 @pytest.mark.parametrize("experts", [32, 256])
-@pytest.mark.parametrize("tokens", TOKENS)
-def test_route_and_sort(tokens, experts, fused):
+@pytest.mark.parametrize("tokens", TOKENS + [16, 17])  # moe_route: one CTA to 16 tokens (ids in shared memory)
+def test_route_and_sort(tokens, experts, fused, heavy_first):
     top_k = 6
     g = gen(tokens + experts)
     logits = 2 * torch.randn(tokens, experts, device="cuda", generator=g)
@@ -73,12 +79,13 @@ def test_route_and_sort(tokens, experts, fused):
     for ntok in sorted({tokens, max(0, tokens - 5)}):
         num_tokens = torch.tensor([ntok], dtype=torch.int32, device="cuda")
         ws.ids.fill_(-7)
-        r = route_and_sort(logits, bias, top_k, SCALING, ws, num_tokens=num_tokens, fused=fused)
+        r = route_and_sort(logits, bias, top_k, SCALING, ws, num_tokens=num_tokens, fused=fused,
+                           heavy_first=heavy_first)
         ref_ids, ref_w = reference_topk(logits, bias, top_k)
         assert torch.equal(r.ids[:ntok], ref_ids[:ntok]), "ids differ from route()"
         torch.testing.assert_close(r.weights[:ntok], ref_w[:ntok], rtol=2e-6, atol=1e-7)
         assert (r.ids[ntok:] == -7).all(), "padded tokens were routed"
-        check_metadata(r, r.ids, ntok, tokens, top_k, experts)
+        check_metadata(r, r.ids, ntok, tokens, top_k, experts, heavy_first)
         assert int(ws.ticket) == 0, "ticket not reset"
 
 
@@ -159,6 +166,15 @@ def test_every_decode_gemm_config(flint_nvfp4_moe, config, tokens, monkeypatch):
     check_moe("nvfp4", flint_nvfp4_moe, FLINT, tokens, f"decode {config}", gemms="decode")
 
 
+@pytest.mark.parametrize("gemms,tokens", [("decode", 100), ("decode", 256), ("tiled", 600), (None, 40)])
+def test_moe_grouped_work_list_in_expert_order(flint_moe, gemms, tokens, monkeypatch):
+    """The work list in expert order (grouped_moe.HEAVY_FIRST off; on by default) gives the same
+    result through every expert GEMM."""
+    monkeypatch.setattr(grouped_moe, "HEAVY_FIRST", False)
+    fmt, p = flint_moe
+    check_moe(fmt, p, FLINT, tokens, f"expert order, {gemms}", gemms=gemms)
+
+
 def test_moe_grouped_decode_gemms_one_expert_and_graph(flint_nvfp4_moe):
     """The decode GEMMs with every token on one expert (40 items of 8 rows of one expert's weights,
     and of the shared expert's), then captured in a graph with PDL and replayed with fewer tokens."""
@@ -218,9 +234,12 @@ def test_grouped_linear_with_the_next_norm(fmt, m):
         grouped_linear(x, w, residual=residual, norm_weight=weight)
 
 
-def test_moe_grouped_cuda_graph_with_pdl(small_moe):
-    """Captured with PDL and a device token count; replayed on new inputs it equals eager runs."""
-    check_graph_replay(small_moe[1], SMALL, tokens=100, partial=37)
+@pytest.mark.parametrize("tokens,partial,router_gemv", [(12, 5, 16), (12, 5, 0), (100, 37, 16)])
+def test_moe_grouped_cuda_graph_with_pdl(small_moe, tokens, partial, router_gemv, monkeypatch):
+    """Captured with PDL and a device token count; replayed on new inputs it equals eager runs
+    (the router's logits on the GEMV up to router_gemv tokens)."""
+    monkeypatch.setattr(grouped_moe, "ROUTER_GEMV_MAX_ROWS", router_gemv)
+    check_graph_replay(small_moe[1], SMALL, tokens=tokens, partial=partial)
 
 
 # ---- dense -----------------------------------------------------------------------------------

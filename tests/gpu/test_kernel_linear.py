@@ -55,6 +55,17 @@ def test_linear_bf16(b, n, k):
     assert_close_bf16(y, x.float() @ w.float().t(), f"bf16 linear B={b} N={n} K={k}")
 
 
+@pytest.mark.parametrize("n,k", [(256, 2048), (37, 200), (16, 8)])
+@pytest.mark.parametrize("b", [1, 9, 16, 32])
+def test_linear_fp32_out(b, n, k):
+    """The router's logits: fp32 sums written unrounded (within fp32 summation-order error)."""
+    w, x = bf16_weight(n, k, seed=n + k), activations(b, k, seed=b)
+    out = torch.full((b, n), float("nan"), device="cuda")
+    y = linear(x, w, out=out, out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and y.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(y, x.float() @ w.float().t(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("n,k", NVFP4_SHAPES)
 @pytest.mark.parametrize("b", [1, 3, 8, 9, 13, 16, 17, 24, 29, 32])
 def test_linear_nvfp4(b, n, k):
@@ -174,6 +185,15 @@ def test_cuda_graph_replay_and_pdl_chain():
 
 def test_rejects_bad_inputs():
     w = bf16_weight(64, 64, seed=0)
+    x = activations(2, 64, seed=0)
+    with pytest.raises(ValueError):
+        linear(x, w, residual=torch.zeros(2, 64, device="cuda").bfloat16(), out_dtype=torch.float32)
+    with pytest.raises(ValueError):
+        linear(x, nvfp4_weight(64, 64, seed=0), out_dtype=torch.float32)    # fp32 out: bf16 weights only
+    with pytest.raises(ValueError):
+        linear(x, w, out_dtype=torch.float16)
+    with pytest.raises(ValueError):
+        linear(x, w, out=torch.empty(2, 64, device="cuda").bfloat16(), out_dtype=torch.float32)
     with pytest.raises(ValueError):
         linear(activations(33, 64, seed=0), w)                     # more than 32 tokens
     with pytest.raises(ValueError):
