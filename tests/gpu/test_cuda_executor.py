@@ -17,6 +17,7 @@ from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.dense_copies import copies_bytes
 from flint_sched.executor.graphs import PROMPT_GRAPH_TOKENS
 from flint_sched.executor.kv_cache import KVCache
+from flint_sched.kernels import grouped_moe
 from flint_sched.kernels.grouped import CUBLAS_MIN_ROWS_NVFP4
 from flint_sched.model.reference import FlintReference
 from flint_sched.sampling_params import SamplingParams
@@ -92,6 +93,21 @@ def test_grouped_decode_batches_match_the_reference(ckpt):
     decode_logits, outputs, _ = run(ckpt, prompts, limits, seqs=40, num_blocks=2048, budget=4096)
     assert {"grouped", "fused", "prompt"} <= run.paths
     assert len(decode_logits) == sum(limits)
+    check_against_reference(ckpt, prompts, decode_logits, outputs)
+
+
+@pytest.mark.parametrize("router_gemv", [16, 0], ids=["gemv-router", "cublas-router"])
+def test_grouped_decode_of_9_to_16_requests(ckpt, router_gemv, monkeypatch):
+    """16 requests decoding in the graph of 16, then fewer (9-15 real rows), the router's logits on
+    the GEMV (grouped_moe.ROUTER_GEMV_MAX_ROWS; off by default: slower in the full model at 16
+    requests, session 15) or on cuBLAS."""
+    monkeypatch.setattr(grouped_moe, "ROUTER_GEMV_MAX_ROWS", router_gemv)
+    gen = torch.Generator().manual_seed(6)
+    lengths = [int(n) for n in torch.randint(1, 300, (16,), generator=gen)]
+    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in lengths]
+    limits = [2 + n % 3 for n in range(16)]
+    decode_logits, outputs, _ = run(ckpt, prompts, limits, seqs=16, num_blocks=1024, budget=4096)
+    assert "grouped" in run.paths
     check_against_reference(ckpt, prompts, decode_logits, outputs)
 
 
