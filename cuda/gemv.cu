@@ -1,8 +1,8 @@
 // Dense skinny GEMMs for B <= 8 * GEMV_GROUPS tokens: y[B, N] = x[B, K] . W[N, K]^T (+ residual),
 // and the SwiGLU front half h[B, I] = silu(x . Wg^T) * (x . Wu^T). x, y, h, residual: bf16
-// row-major, contiguous (gemv_bf16_f32: y fp32, no residual: the router's logits); W: bf16 or NVFP4 (gemv_tile.cuh). One CTA of GEMV_WARPS warps per 16
-// output rows (8 for gate/up: tile rows 0-7 read Wg, rows 8-15 read Wu), whole K per CTA, no
-// atomics. y may alias residual (each element is read and written by the same thread). NVFP4 W may
+// row-major, contiguous (gemv_bf16_f32: y fp32, no residual: the router's logits); W: bf16 or
+// NVFP4 (gemv_tile.cuh). One CTA of GEMV_WARPS warps per 16 output rows (8 for gate/up: tile rows
+// 0-7 read Wg, rows 8-15 read Wu), whole K per CTA, no atomics. y may alias residual (each element is read and written by the same thread). NVFP4 W may
 // be up to three weights stacked by rows, each with its tensor scale: rows [split1, split2) use
 // tensor_scale[1], rows from split2 on tensor_scale[2] (q/k/v as one GEMV).
 // Before waiting on the previous kernel (PDL), each CTA asks for its weight rows in L2 and issues

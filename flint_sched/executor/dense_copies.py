@@ -22,10 +22,9 @@ from flint_sched.quant.nvfp4 import NVFP4Tensor
 # weights. Since session 13 the GEMVs take steps of up to kernel_ops.GEMV_MAX_ROWS (16) rows first,
 # so the copies serve steps of 17 rows and more. 9: every grouped decode batch. Measured on the H200
 # (benchmarks/RESULTS.md, session 10), full model at 1K, from 17 rows (our grouped NVFP4 GEMMs at
-# 9-16 rows) against from 9: batch 9
-# 5.75 -> 4.90 ms, batch 16 6.38 -> 5.28 (cuBLAS reads 4x the bytes of q/k/v and o_proj, ~2 GB a
-# step, but our 16-row GEMMs took ~9 µs a launch for ~1.4 µs of bytes, and the residual epilogue
-# now carries the RMSNorm after it).
+# 9-16 rows) against from 9: batch 9 5.75 -> 4.90 ms, batch 16 6.38 -> 5.28 (cuBLAS reads 4x the
+# bytes of q/k/v and o_proj, ~2 GB a step, but our 16-row GEMMs took ~9 µs a launch for ~1.4 µs of
+# bytes, and the residual epilogue now carries the RMSNorm after it).
 COPY_MIN_ROWS = 9
 
 

@@ -211,7 +211,8 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
         raise ValueError(f"warps must be 4, 8 or 16 (at most 8 past 16 tokens), got {warps}")
     warps = warps or gemv_warps(tiles, k, fmt, num_groups)
     splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
-    args = [y, x, *w_args, I32(b), I32(n), I32(k)] if f32 else [y, x, *w_args, residual, I32(b), I32(n), I32(k), *splits]
+    args = ([y, x, *w_args, I32(b), I32(n), I32(k)] if f32 else
+            [y, x, *w_args, residual, I32(b), I32(n), I32(k), *splits])
     _kernel("gemv_bf16_f32" if f32 else f"gemv_{fmt}", warps, x_batch(fmt), num_groups).launch(
         (tiles,), (32 * warps,), args, pdl=pdl, device=x.device.index)
     return y
