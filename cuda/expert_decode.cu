@@ -79,15 +79,25 @@ struct EdWeights {  // NVFP4 [rows, K] of one expert (or the shared one)
   const float* tensor_scale;
 };
 
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 struct EdRound {  // one round of a lane: 128 weights of tile rows g and g + 8
   uint4 c0[4], c1[4];  // code words, k-step u
   uint2 s0, s1;        // block scale bytes, block j = byte j
 };
 
 // One item of G 8-row groups (rows <= 8 G), after the scale table is in shared memory.
+// tile_group: which ED_WARPS * TILES tiles (blockIdx.y of the two-kernel grid). ready (the fused
+// kernel's down units): x is written during this launch, ready once *ready reaches ready_count;
+// the first weights are loaded before that wait and x is staged from L2, not through L1.
 template <bool GATE_UP, int G>
 __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const int* gather, const EdWeights (&w)[4],
-                                                   int expert, int row0, int rows, int N, int K, int E) {
+                                                   int expert, int row0, int rows, int N, int K, int E,
+                                                   int tile_group, const int* ready, int ready_count) {
   extern __shared__ __align__(16) unsigned char smem[];
   const u32* table = reinterpret_cast<const u32*>(smem);
   const u32 x_base = (u32)__cvta_generic_to_shared(smem) + ED_TABLE_BYTES;
@@ -106,7 +116,7 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
 
   // This warp's tiles: first + ED_WARPS * j, j < tiles; `per_tile` rounds each.
   constexpr int TILES = GATE_UP ? ED_TILES : ED_TILES_DOWN;
-  const int first = blockIdx.y * ED_WARPS * TILES + warp;
+  const int first = tile_group * ED_WARPS * TILES + warp;
   const int tiles = max(0, min(TILES, (N / R - first + ED_WARPS - 1) / ED_WARPS));  // warp-uniform
   const int per_tile = K / ED_KR, rounds = tiles * per_tile;
   auto load_round = [&](EdRound& f, int j, int kb) {
@@ -129,6 +139,8 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
   };
   if (rounds > 0) next_load(fa);  // in flight while x is staged
   if (!GATE_UP) pdl_wait();       // h comes from the gate/up launch
+  if (ready && threadIdx.x == 0)  // or from this one (the __syncthreads below releases the CTA)
+    while (ld_acquire_gpu(ready) < ready_count) __nanosleep(100);
 
   // Stage x: 8 G rows of K, pair order, zero past `rows`. The rows' sources first, then a thread's
   // chunks ED_STAGE_LOADS at a time, all in flight together (one L2 round trip per batch, not two
@@ -144,7 +156,8 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
     for (int j = 0; j < ED_STAGE_LOADS; ++j) {
       const int idx = base + j * blockDim.x, r = idx / chunks;
       const int src = idx < total ? src_row[r] : -1;
-      v[j] = src >= 0 ? ld_act_v4(x + (size_t)src * K + 8 * (idx - r * chunks)) : make_uint4(0, 0, 0, 0);
+      const u16* p = x + (size_t)src * K + 8 * (idx - r * chunks);
+      v[j] = src < 0 ? make_uint4(0, 0, 0, 0) : ready ? __ldcg(reinterpret_cast<const uint4*>(p)) : ld_act_v4(p);
     }
 #pragma unroll
     for (int j = 0; j < ED_STAGE_LOADS; ++j) {
@@ -246,6 +259,20 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
 #endif
 }
 
+// One item's tiles of one tile group.
+template <bool GATE_UP>
+__device__ __forceinline__ void expert_decode_unit(u16* out, const u16* x, const int* gather, const EdWeights (&w)[4],
+                                                   int expert, int row0, int rows, int N, int K, int E,
+                                                   int tile_group, const int* ready = nullptr, int ready_count = 0) {
+#if ED_GROUPS == 2
+  // Items of up to 16 rows (routing chunk 16): one of 8 or fewer decodes for one group only.
+  if (rows > 8)
+    return expert_decode_item<GATE_UP, 2>(out, x, gather, w, expert, row0, rows, N, K, E, tile_group, ready,
+                                          ready_count);
+#endif
+  expert_decode_item<GATE_UP, 1>(out, x, gather, w, expert, row0, rows, N, K, E, tile_group, ready, ready_count);
+}
+
 template <bool GATE_UP>
 __device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int* gather, const EdWeights (&w)[4],
                                               const int* offsets, const int* work_expert, const int* work_row,
@@ -260,11 +287,7 @@ __device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int*
   if (item >= __ldcg(num_work)) return;
   const int expert = __ldcg(work_expert + item), row0 = __ldcg(work_row + item);
   const int rows = min(ED_ROWS, __ldcg(offsets + expert + 1) - row0);
-#if ED_GROUPS == 2
-  // Items of up to 16 rows (routing chunk 16): one of 8 or fewer decodes for one group only.
-  if (rows > 8) return expert_decode_item<GATE_UP, 2>(out, x, gather, w, expert, row0, rows, N, K, E);
-#endif
-  expert_decode_item<GATE_UP, 1>(out, x, gather, w, expert, row0, rows, N, K, E);
+  expert_decode_unit<GATE_UP>(out, x, gather, w, expert, row0, rows, N, K, E, blockIdx.y);
 }
 
 #define ED_KERNEL extern "C" __global__ void __launch_bounds__(ED_WARPS * 32, ED_MIN_CTAS)
@@ -283,4 +306,48 @@ ED_KERNEL expert_decode_gate_up_nvfp4(u16* h, const u16* x, const int* sorted_to
 ED_KERNEL expert_decode_down_nvfp4(u16* y, const u16* h, Q_ARGS(d), Q_ARGS(sd), WORK_ARGS, int N, int K, int E) {
   const EdWeights w[4] = {Q(d), Q(d), Q(sd), Q(sd)};
   expert_decode<false>(y, h, nullptr, w, WORK, N, K, E);
+}
+
+// ---- gate/up and down in one launch (kernels/expert_decode.py expert_decode_moe) ----------------
+// Each CTA takes its unit from a queue as it starts (queue[0]; queue[1 + i] counts the gate/up
+// units of item i done; the routing launch zeroes both): units are first every item's gate/up tile
+// groups, then every item's down tile groups. A down unit loads its first weights, waits until its
+// item's gate/up units are done, then stages its h rows from L2. Units are numbered in the order CTAs start, not by
+// blockIdx, so every gate/up unit a down unit waits for belongs to a CTA already running, which
+// waits on nothing: no deadlock, whatever order the hardware starts CTAs in. Down units thus run
+// in the gate/up GEMM's last partial wave, and no launch boundary separates the two GEMMs. One unit
+// a CTA (a loop over units would hold its state across both GEMMs' bodies: spills at G = 2).
+
+ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorted_token, Q_ARGS(g), Q_ARGS(u),
+                                  Q_ARGS(sg), Q_ARGS(su), Q_ARGS(d), Q_ARGS(sd), WORK_ARGS, int* queue,
+                                  int I, int H, int E) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int unit_s;
+  u32* table = reinterpret_cast<u32*>(smem);
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) table[i] = ue4m3_scale_bf16x2(i);
+  pdl_wait();  // the work list and the queue come from the routing launch
+  pdl_launch_dependents();
+  const int items = __ldcg(num_work);
+  const int gate_up_groups = (I / 8 + ED_WARPS * ED_TILES - 1) / (ED_WARPS * ED_TILES);
+  const int down_groups = (H / 16 + ED_WARPS * ED_TILES_DOWN - 1) / (ED_WARPS * ED_TILES_DOWN);
+  const int gate_up_units = items * gate_up_groups;
+  if (blockIdx.x >= items * (gate_up_groups + down_groups)) return;  // the grid is sized for the most items
+  if (threadIdx.x == 0) unit_s = atomicAdd(queue, 1);  // the CTAs left take units 0, 1, ... as they start
+  __syncthreads();
+  const int unit = unit_s;
+  const bool is_gate_up = unit < gate_up_units;
+  const int rel = is_gate_up ? unit : unit - gate_up_units, groups = is_gate_up ? gate_up_groups : down_groups;
+  const int item = rel / groups, tile_group = rel - item * groups;
+  const int expert = __ldcg(work_expert + item), row0 = __ldcg(work_row + item);
+  const int rows = min(ED_ROWS, __ldcg(offsets + expert + 1) - row0);
+  if (is_gate_up) {
+    const EdWeights w[4] = {Q(g), Q(u), Q(sg), Q(su)};
+    expert_decode_unit<true>(h, x, sorted_token, w, expert, row0, rows, I, H, E, tile_group);
+    __threadfence();  // this thread's h stores, before the item's count
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(queue + 1 + item, 1);
+    return;
+  }
+  const EdWeights w[4] = {Q(d), Q(d), Q(sd), Q(sd)};
+  expert_decode_unit<false>(y, h, nullptr, w, expert, row0, rows, H, I, E, tile_group, queue + 1 + item, gate_up_groups);
 }

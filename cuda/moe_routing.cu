@@ -8,6 +8,7 @@
 //     offsets      [E + 2]      rows of expert e: offsets[e] .. offsets[e + 1] - 1
 //     sorted_token [P]          token of each sorted row (P = num_tokens * (A + 1) rows used)
 //     pair_row     [M, A + 1]   sorted row of each pair; -1 for padded tokens
+//     queue        [num_work + 1] zeroed: expert_decode_moe's unit counters (expert_decode.cu)
 //     work list    items of <= chunk rows of one expert, an expert's items adjacent:
 //                  work_expert[i], work_row[i] (first sorted row), num_work[0] items; with
 //                  heavy_first, experts of more than chunk / 2 rows first (sort_pairs)
@@ -76,6 +77,7 @@ __device__ __forceinline__ void block_exclusive_scan(u64* v, int n, u64* warp_to
 }
 
 struct Sorted {
+  int* queue;  // expert_decode_moe's unit queue: num_work + 1 counters, zeroed here
   int* offsets;
   int* sorted_token;
   int* pair_row;
@@ -131,7 +133,9 @@ __device__ __forceinline__ void sort_pairs(const Sorted& out, const int* ids, in
   block_exclusive_scan(scan, bins, warp_total);
   const int heavy_total = (int)(scan[bins] >> 48);
   for (int e = tid; e <= bins; e += blockDim.x) out.offsets[e] = (int)(u32)scan[e];
-  if (tid == 0) *out.num_work = heavy_total + (int)((scan[bins] >> 32) & 0xFFFFu);
+  const int num_work = heavy_total + (int)((scan[bins] >> 32) & 0xFFFFu);
+  if (tid == 0) *out.num_work = num_work;
+  for (int i = tid; i <= num_work; i += blockDim.x) out.queue[i] = 0;
   for (int e = tid; e < bins; e += blockDim.x) {
     const int row = (int)(u32)scan[e];
     const int heavy = (int)(scan[e] >> 48), light = (int)((scan[e] >> 32) & 0xFFFFu);
@@ -164,9 +168,9 @@ __device__ __forceinline__ void sort_pairs(const Sorted& out, const int* ids, in
   for (int i = P + tid; i < M * slots; i += blockDim.x) out.pair_row[i] = -1;
 }
 
-__device__ __forceinline__ Sorted sorted_of(int* offsets, int* sorted_token, int* pair_row,
+__device__ __forceinline__ Sorted sorted_of(int* queue, int* offsets, int* sorted_token, int* pair_row,
                                             int* work_expert, int* work_row, int* num_work) {
-  return {offsets, sorted_token, pair_row, work_expert, work_row, num_work};
+  return {queue, offsets, sorted_token, pair_row, work_expert, work_row, num_work};
 }
 
 // moe_sort and moe_route: dynamic shared memory of the sort's size (kernels/grouped_moe.py
@@ -182,18 +186,18 @@ moe_topk(int* ids, float* weights, const float* logits, const float* bias,
 }
 
 extern "C" __global__ void __launch_bounds__(ROUTING_WARPS * 32)
-moe_sort(int* offsets, int* sorted_token, int* pair_row, int* work_expert, int* work_row,
+moe_sort(int* queue, int* offsets, int* sorted_token, int* pair_row, int* work_expert, int* work_row,
          int* num_work, const int* ids, const int* num_tokens, int M, int E, int A, int chunk,
          int heavy_first) {
   extern __shared__ __align__(16) unsigned char smem[];
   pdl_launch_dependents();
   pdl_wait();
-  sort_pairs<false>(sorted_of(offsets, sorted_token, pair_row, work_expert, work_row, num_work), ids,
+  sort_pairs<false>(sorted_of(queue, offsets, sorted_token, pair_row, work_expert, work_row, num_work), ids,
                     num_real(num_tokens, M), M, A, E, chunk, heavy_first, smem);
 }
 
 extern "C" __global__ void __launch_bounds__(ROUTING_WARPS * 32, 1)
-moe_route(int* ids, float* weights, int* offsets, int* sorted_token, int* pair_row,
+moe_route(int* ids, float* weights, int* queue, int* offsets, int* sorted_token, int* pair_row,
           int* work_expert, int* work_row, int* num_work, u32* ticket, const float* logits,
           const float* bias, const int* num_tokens, int M, int E, int A, float scaling, int chunk,
           int heavy_first) {
@@ -205,7 +209,7 @@ moe_route(int* ids, float* weights, int* offsets, int* sorted_token, int* pair_r
   pdl_launch_dependents();
   pdl_wait();
   const int ntok = num_real(num_tokens, M);
-  const Sorted sorted = sorted_of(offsets, sorted_token, pair_row, work_expert, work_row, num_work);
+  const Sorted sorted = sorted_of(queue, offsets, sorted_token, pair_row, work_expert, work_row, num_work);
   const bool one_cta = gridDim.x == 1;  // <= ROUTING_WARPS tokens: no ticket, ids stay in shared memory
   topk_tokens(ids, weights, logits, b, ntok, E, A, scaling, one_cta ? ids_s : nullptr);
   __syncthreads();

@@ -14,7 +14,7 @@ needs_nvrtc = pytest.mark.skipif(not available, reason=f"NVRTC cannot be importe
 def test_compiles_for_sm90a(config, private_cache):
     cubin = _runtime.compile_only("expert_decode.cu", expert_decode.CONFIGS[config], arch="sm_90a")
     assert cubin[:4] == b"\x7fELF"
-    for entry in ("expert_decode_gate_up_nvfp4", "expert_decode_down_nvfp4"):
+    for entry in ("expert_decode_gate_up_nvfp4", "expert_decode_down_nvfp4", "expert_decode_moe_nvfp4"):
         assert entry.encode() in cubin, f"{config} lacks {entry}"
 
 

@@ -1,7 +1,8 @@
 """NVFP4 expert GEMMs for decode-sized steps (cuda/expert_decode.cu): the grouped MoE's gate/up and
 down over rows sorted by expert, in items of `rows_per_item(config)` rows from a routing work list
 built with that chunk (`route_and_sort(..., chunk=...)`). Same inputs and outputs as
-moe_gate_up_sorted / moe_down_sorted (grouped_moe.py), fewer instructions per weight.
+moe_gate_up_sorted / moe_down_sorted (grouped_moe.py), fewer instructions per weight;
+`expert_decode_moe`: both in one launch.
 
 CONFIGS: compile-time settings (8-row groups per item, 16-row tiles per warp, whether a warp loads
 its next round during this one); `pick_config` chooses by token count (CONFIG overrides it).
@@ -156,4 +157,40 @@ def expert_decode_down(h: torch.Tensor, routing, down: Weight, shared_down: Weig
         _grid(routing, n // TILE_ROWS, config, down=True), (32 * warps(config),),
         [y, h, *args, *routing.work_args, I32(n), I32(k), I32(e)],
         shared_bytes=shared_bytes(config, k), pdl=pdl, device=h.device.index)
+    return y
+
+
+def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weight, up: Weight,
+                      shared_gate: Weight, shared_up: Weight, down: Weight, shared_down: Weight,
+                      h_out: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False,
+                      config: str | None = None) -> torch.Tensor:
+    """expert_decode_gate_up then expert_decode_down in one launch (cuda/expert_decode.cu
+    expert_decode_moe_nvfp4): CTAs take gate/up units, then down units, each down unit starting
+    once its item's gate/up units are done. h_out: the h_sorted buffer [P, I]; queue: the routing
+    workspace's (route_and_sort zeroes it). Returns y_sorted [P, N]."""
+    m, k = x.shape
+    config = config or pick_config(m)
+    e, i, n = gate.shape[0], gate.shape[1], down.shape[1]
+    p = routing.sorted_token.numel()
+    check_tensor(x, "x", torch.bfloat16, (m, k), x.device)
+    check_tensor(h_out, "h_out", torch.bfloat16, (p, i), x.device)
+    _check_routing(routing, p, e, config)
+    if routing.pair_row.shape[0] != m:
+        raise ValueError(f"x has {m} tokens, routing {routing.pair_row.shape[0]}")
+    if n != k or tuple(down.shape) != (e, k, i):
+        raise ValueError(f"down must be [{e}, {k}, {i}], got {tuple(down.shape)}")
+    check_tensor(queue, "queue", torch.int32, (queue.numel(),), x.device, 4)
+    if queue.numel() < routing.max_items + 1:
+        raise ValueError(f"the queue needs {routing.max_items + 1} counters, has {queue.numel()}")
+    fmt = weight_format(gate, up, shared_gate, shared_up, down, shared_down)
+    _check(fmt, k, i, config, gate, up, shared_gate, shared_up, down, shared_down)
+    y = output(out, "out", (p, n), x)
+    gate_up_units = _grid(routing, i // (TILE_ROWS // 2), config)[1]
+    down_units = _grid(routing, n // TILE_ROWS, config, down=True)[1]
+    _kernel("expert_decode_moe_nvfp4", config).launch(
+        (routing.max_items * (gate_up_units + down_units),), (32 * warps(config),),
+        [y, h_out, x, routing.sorted_token, *moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device),
+         *expert_args(down, shared_down, ("down", "shared_down"), n, i, e, x.device), *routing.work_args, queue,
+         I32(i), I32(k), I32(e)],
+        shared_bytes=shared_bytes(config, k), pdl=pdl, device=x.device.index)
     return y

@@ -74,6 +74,7 @@ class MoeRoutingWorkspace:
     work_row: torch.Tensor      # int32 [same]
     num_work: torch.Tensor      # int32 [1]
     ticket: torch.Tensor        # int32 [1], zero between calls
+    queue: torch.Tensor         # int32 [1 + max items]: expert_decode_moe's unit counters, zeroed by the routing
     h_sorted: torch.Tensor | None = None  # bf16 [P_max, I]
     y_sorted: torch.Tensor | None = None  # bf16 [P_max, H]
 
@@ -100,7 +101,7 @@ def moe_routing_workspace(max_tokens: int, num_experts: int, top_k: int, device:
         logits=torch.empty(max_tokens, num_experts, dtype=torch.float32, device=device),
         ids=ints(max_tokens, top_k), weights=torch.zeros(max_tokens, top_k, dtype=torch.float32, device=device),
         offsets=ints(num_experts + 2), sorted_token=ints(pairs), pair_row=ints(max_tokens, top_k + 1),
-        work_expert=ints(items), work_row=ints(items), num_work=ints(1), ticket=ints(1),
+        work_expert=ints(items), work_row=ints(items), num_work=ints(1), ticket=ints(1), queue=ints(1 + items),
         h_sorted=rows(intermediate_size), y_sorted=rows(hidden_size))
 
 
@@ -152,7 +153,7 @@ def route_and_sort(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling
     r = Routing(ws.ids[:m], ws.weights[:m], ws.offsets, ws.sorted_token[:pairs], ws.pair_row[:m],
                 ws.work_expert, ws.work_row, ws.num_work, e, chunk, work_bound(m, top_k, e, chunk))
     shared = routing_shared_bytes(e)
-    sort_args = [r.offsets, r.sorted_token, r.pair_row, r.work_expert, r.work_row, r.num_work]
+    sort_args = [ws.queue, r.offsets, r.sorted_token, r.pair_row, r.work_expert, r.work_row, r.num_work]
     dev = logits.device.index
     if fused:
         routing_kernel("moe_route", e).launch(
@@ -270,6 +271,8 @@ EXPERT_GEMM_MIN_TOKENS = {"bf16": 256, "nvfp4": 512}
 # warps a CTA) the step took 5.76 ms against 4.97 with cuBLAS (RESULTS.md, session 15); 4 warps
 # (ROUTER_GEMV_WARPS) not yet measured.
 ROUTER_GEMV_MAX_ROWS = 0
+# The decode expert GEMMs in one launch (expert_decode.expert_decode_moe): not yet run on the GPU.
+FUSED_DECODE = False
 ROUTER_GEMV_WARPS = 4
 GEMMS = ("swap-ab", "decode", "tiled")
 
@@ -318,7 +321,11 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
     else:
         chunk, gate_up_gemm, down_gemm = None, moe_gate_up_sorted, moe_down_sorted
     routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl, chunk=chunk)
-    h = gate_up_gemm(x, routing, gate, up, shared_gate, shared_up, out=ws.h_sorted[:pairs], pdl=pdl)
-    y = down_gemm(h, routing, down, shared_down, out=ws.y_sorted[:pairs], pdl=pdl)
+    if path == "decode" and FUSED_DECODE:
+        y = expert_decode.expert_decode_moe(x, routing, ws.queue, gate, up, shared_gate, shared_up, down, shared_down,
+                                            ws.h_sorted[:pairs], out=ws.y_sorted[:pairs], pdl=pdl)
+    else:
+        h = gate_up_gemm(x, routing, gate, up, shared_gate, shared_up, out=ws.h_sorted[:pairs], pdl=pdl)
+        y = down_gemm(h, routing, down, shared_down, out=ws.y_sorted[:pairs], pdl=pdl)
     return moe_finalize(y, routing, residual, num_tokens=num_tokens, out=out, pdl=pdl, norm_weight=norm_weight,
                         norm_out=norm_out, norm_eps=norm_eps)

@@ -79,6 +79,7 @@ def test_route_and_sort(tokens, experts, fused, heavy_first):
     for ntok in sorted({tokens, max(0, tokens - 5)}):
         num_tokens = torch.tensor([ntok], dtype=torch.int32, device="cuda")
         ws.ids.fill_(-7)
+        ws.queue.fill_(5)
         r = route_and_sort(logits, bias, top_k, SCALING, ws, num_tokens=num_tokens, fused=fused,
                            heavy_first=heavy_first)
         ref_ids, ref_w = reference_topk(logits, bias, top_k)
@@ -86,6 +87,7 @@ def test_route_and_sort(tokens, experts, fused, heavy_first):
         torch.testing.assert_close(r.weights[:ntok], ref_w[:ntok], rtol=2e-6, atol=1e-7)
         assert (r.ids[ntok:] == -7).all(), "padded tokens were routed"
         check_metadata(r, r.ids, ntok, tokens, top_k, experts, heavy_first)
+        assert (ws.queue[:int(r.num_work) + 1] == 0).all(), "expert_decode_moe's queue not zeroed"
         assert int(ws.ticket) == 0, "ticket not reset"
 
 
@@ -173,6 +175,20 @@ def test_moe_grouped_work_list_in_expert_order(flint_moe, gemms, tokens, monkeyp
     monkeypatch.setattr(grouped_moe, "HEAVY_FIRST", False)
     fmt, p = flint_moe
     check_moe(fmt, p, FLINT, tokens, f"expert order, {gemms}", gemms=gemms)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 100, 256, 600])
+@pytest.mark.parametrize("config", ["g1t2", "g1t4d8", "g2w8t4"])
+def test_decode_gemms_in_one_launch(flint_nvfp4_moe, config, tokens, monkeypatch):
+    """expert_decode_moe (gate/up and down in one launch, down units waiting on their item's
+    gate/up units) equals the per-expert loop, then replays from a graph with PDL."""
+    monkeypatch.setattr(grouped_moe, "FUSED_DECODE", True)
+    monkeypatch.setattr(expert_decode, "CONFIG", config)
+    ws = check_moe("nvfp4", flint_nvfp4_moe, FLINT, tokens, f"one launch, {config}", gemms="decode")
+    units = int(ws.num_work) * {"g1t2": 8 + 16, "g1t4d8": 4 + 4, "g2w8t4": 2 + 4}[config]
+    assert int(ws.queue[0]) == units, "not every unit taken once"
+    if tokens == 100:
+        check_graph_replay(flint_nvfp4_moe, FLINT, tokens=100, partial=37, gemms="decode")
 
 
 def test_moe_grouped_decode_gemms_one_expert_and_graph(flint_nvfp4_moe):
