@@ -271,8 +271,13 @@ EXPERT_GEMM_MIN_TOKENS = {"bf16": 256, "nvfp4": 512}
 # warps a CTA) the step took 5.76 ms against 4.97 with cuBLAS (RESULTS.md, session 15); 4 warps
 # (ROUTER_GEMV_WARPS) not yet measured.
 ROUTER_GEMV_MAX_ROWS = 0
-# The decode expert GEMMs in one launch (expert_decode.expert_decode_moe): not yet run on the GPU.
-FUSED_DECODE = False
+# The decode configs (expert_decode.pick_config) whose gate/up and down GEMMs run as one launch
+# (expert_decode.expert_decode_moe: down units fill the gate/up GEMM's last partial wave and start as
+# their item's gate/up units finish). Full model, NVFP4, 1K context, ms a step two launches / one
+# (benchmarks/ab_decode.py, RESULTS.md session 16): g1t2 16: 5.05 / 5.00, 32: 7.03 / 6.72; g1t4d8
+# 48: 7.69 / 7.63, 64: 7.80 / 7.92, 96: 9.85 / 9.67, 128: 11.27 / 11.43; g2w8t4 192: 13.44 / 12.84,
+# 256: 15.70 / 14.87.
+FUSED_DECODE_CONFIGS = frozenset({"g1t2", "g2w8t4"})
 ROUTER_GEMV_WARPS = 4
 GEMMS = ("swap-ab", "decode", "tiled")
 
@@ -316,12 +321,13 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
     if path == "tiled":
         chunk, gate_up_gemm, down_gemm = expert_gemm.TILE_M, expert_gemm.expert_gate_up, expert_gemm.expert_down
     elif path == "decode":
-        chunk = expert_decode.rows_per_item(expert_decode.pick_config(m))
+        config = expert_decode.pick_config(m)
+        chunk = expert_decode.rows_per_item(config)
         gate_up_gemm, down_gemm = expert_decode.expert_decode_gate_up, expert_decode.expert_decode_down
     else:
         chunk, gate_up_gemm, down_gemm = None, moe_gate_up_sorted, moe_down_sorted
     routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl, chunk=chunk)
-    if path == "decode" and FUSED_DECODE:
+    if path == "decode" and config in FUSED_DECODE_CONFIGS:
         y = expert_decode.expert_decode_moe(x, routing, ws.queue, gate, up, shared_gate, shared_up, down, shared_down,
                                             ws.h_sorted[:pairs], out=ws.y_sorted[:pairs], pdl=pdl)
     else:

@@ -158,14 +158,17 @@ def test_moe_grouped_nvfp4_decode_and_swap_ab_gemms(flint_nvfp4_moe, gemms, toke
     check_moe("nvfp4", flint_nvfp4_moe, FLINT, tokens, gemms, ntok=ntok, gemms=gemms)
 
 
+@pytest.mark.parametrize("launches", [1, 2])
 @pytest.mark.parametrize("tokens", [100, 600])
 @pytest.mark.parametrize("config", sorted(expert_decode.CONFIGS))
-def test_every_decode_gemm_config(flint_nvfp4_moe, config, tokens, monkeypatch):
-    """Each compile-time config of the decode GEMMs (the ones benchmarks compare) against the
-    per-expert loop: at 100 tokens most experts hold 1-4 rows, at 600 about 14 (16-row configs:
-    items of 9-16 rows run both groups, the shared expert's too, an expert's last item often one)."""
+def test_every_decode_gemm_config(flint_nvfp4_moe, config, tokens, launches, monkeypatch):
+    """Each compile-time config of the decode GEMMs (the ones benchmarks compare), in two launches and
+    in one, against the per-expert loop: at 100 tokens most experts hold 1-4 rows, at 600 about 14
+    (16-row configs: items of 9-16 rows run both groups, the shared expert's too, an expert's last item
+    often one)."""
     monkeypatch.setattr(expert_decode, "CONFIG", config)
-    check_moe("nvfp4", flint_nvfp4_moe, FLINT, tokens, f"decode {config}", gemms="decode")
+    monkeypatch.setattr(grouped_moe, "FUSED_DECODE_CONFIGS", {config} if launches == 1 else set())
+    check_moe("nvfp4", flint_nvfp4_moe, FLINT, tokens, f"decode {config}, {launches} launches", gemms="decode")
 
 
 @pytest.mark.parametrize("gemms,tokens", [("decode", 100), ("decode", 256), ("tiled", 600), (None, 40)])
@@ -182,7 +185,7 @@ def test_moe_grouped_work_list_in_expert_order(flint_moe, gemms, tokens, monkeyp
 def test_decode_gemms_in_one_launch(flint_nvfp4_moe, config, tokens, monkeypatch):
     """expert_decode_moe (gate/up and down in one launch, down units waiting on their item's
     gate/up units) equals the per-expert loop, then replays from a graph with PDL."""
-    monkeypatch.setattr(grouped_moe, "FUSED_DECODE", True)
+    monkeypatch.setattr(grouped_moe, "FUSED_DECODE_CONFIGS", {config})
     monkeypatch.setattr(expert_decode, "CONFIG", config)
     ws = check_moe("nvfp4", flint_nvfp4_moe, FLINT, tokens, f"one launch, {config}", gemms="decode")
     units = int(ws.num_work) * {"g1t2": 8 + 16, "g1t4d8": 4 + 4, "g2w8t4": 2 + 4}[config]
