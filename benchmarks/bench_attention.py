@@ -1,10 +1,11 @@
-"""Decode-attention microbenchmarks at Flint's shapes (32 q heads, 4 KV heads, dim 128), batch 1 and 8.
+"""Decode-attention microbenchmarks at Flint's shapes (32 q heads, 4 KV heads, dim 128), batch 1 and 8 by default.
 
 Each case is captured in a CUDA graph that replays the kernel over rotating KV pools totalling
 > 4x the 60 MB L2 where the working set allows (the 513-row rings of all sets at batch 1 are
 ~256 MB; the 100K pools are 200 MB each), so KV comes from HBM as in a real step. µs per launch
 include the graph's inter-kernel gap (shorter with --pdl). GB/s counts the K and V bytes read.
-Run on the GPU machine: python benchmarks/bench_attention.py [--pdl]
+Run on the GPU machine: python benchmarks/bench_attention.py [--pdl] [--batches 64,256 --contexts 1024
+--num-splits 0,1,2,3] (0: the splits `decode_splits` picks; others forced, to see whether the choice is right).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Result:
 
 
 
-def bench_full(batch: int, context: int) -> Result:
+def bench_full(batch: int, context: int, num_splits: int | None = None) -> Result:
     blocks_per = -(-context // BLOCK)
     sets = _num_sets(batch * context * KV_BYTES_PER_TOKEN)
     pools = []
@@ -67,27 +68,31 @@ def bench_full(batch: int, context: int) -> Result:
     q = torch.randn(batch, H, D, device="cuda").bfloat16()
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     sinks = torch.zeros(H, device="cuda").bfloat16()
-    out, ws = torch.empty_like(q), attention_workspace("cuda")
-    launches = [lambda k=k, v=v, t=t: decode_attention_full(q, k, v, t, seq_lens, sinks, ws, context, out=out, **PDL)
+    out = torch.empty_like(q)
+    splits = num_splits or decode_splits(batch, context)
+    ws = attention_workspace("cuda", max_splits=splits)
+    launches = [lambda k=k, v=v, t=t: decode_attention_full(q, k, v, t, seq_lens, sinks, ws, context, out=out,
+                                                            num_splits=splits, **PDL)
                 for k, v, t in pools]
     us = time_graph(launches, reps_for(sets))
-    return Result("attention full (paged, bs 16)", batch, context, decode_splits(batch, context), us,
-                  batch * context * KV_BYTES_PER_TOKEN)
+    return Result("attention full (paged, bs 16)", batch, context, splits, us, batch * context * KV_BYTES_PER_TOKEN)
 
 
-def bench_sliding(batch: int, position: int = 5000) -> Result:
+def bench_sliding(batch: int, position: int = 5000, num_splits: int | None = None) -> Result:
     sets = _num_sets(batch * WINDOW * KV_BYTES_PER_TOKEN)
     rings = [torch.randn(batch, WINDOW, G, D, device="cuda").bfloat16() for _ in range(2 * sets)]
     slots = torch.arange(batch, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, H, D, device="cuda").bfloat16()
     seq_lens = torch.full((batch,), position + 1, dtype=torch.int32, device="cuda")
     sinks = torch.zeros(H, device="cuda").bfloat16()
-    out, ws = torch.empty_like(q), attention_workspace("cuda")
-    launches = [lambda k=k, v=v: decode_attention_sliding(q, k, v, slots, seq_lens, sinks, ws, out=out, **PDL)
+    out = torch.empty_like(q)
+    splits = num_splits or decode_splits(batch, WINDOW)
+    ws = attention_workspace("cuda", max_splits=splits)
+    launches = [lambda k=k, v=v: decode_attention_sliding(q, k, v, slots, seq_lens, sinks, ws, out=out,
+                                                          num_splits=splits, **PDL)
                 for k, v in zip(rings[::2], rings[1::2])]
     us = time_graph(launches, reps_for(sets))
-    return Result("attention sliding (ring 513)", batch, WINDOW, decode_splits(batch, WINDOW), us,
-                  batch * WINDOW * KV_BYTES_PER_TOKEN)
+    return Result("attention sliding (ring 513)", batch, WINDOW, splits, us, batch * WINDOW * KV_BYTES_PER_TOKEN)
 
 
 def bench_norm_rope_kv(batch: int, sliding: bool) -> Result:
@@ -113,16 +118,21 @@ def bench_norm_rope_kv(batch: int, sliding: bool) -> Result:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch for every kernel")
+    parser.add_argument("--batches", default="1,8", help="requests a launch (%(default)s)")
+    parser.add_argument("--contexts", default="1024,32768,100000", help="full layers' keys a request (%(default)s)")
+    parser.add_argument("--num-splits", default="0", help="splits a (request, KV head): 0 = decode_splits' choice, "
+                        "or a comma list to force each (%(default)s)")
     args = parser.parse_args()
     PDL["pdl"] = args.pdl
     results = []
-    for batch in (1, 8):
+    for batch in (int(b) for b in args.batches.split(",")):
         results.append(bench_norm_rope_kv(batch, sliding=True))
         results.append(bench_norm_rope_kv(batch, sliding=False))
-        results.append(bench_sliding(batch))
-        for context in (1024, 32768, 100_000):
-            results.append(bench_full(batch, context))
-            torch.cuda.empty_cache()
+        for splits in (int(s) for s in args.num_splits.split(",")):
+            results.append(bench_sliding(batch, num_splits=splits))
+            for context in (int(c) for c in args.contexts.split(",")):
+                results.append(bench_full(batch, context, num_splits=splits))
+                torch.cuda.empty_cache()
     print(f"{'kernel':36} {'batch':>5} {'context':>8} {'splits':>6} {'CTAs':>5} {'µs':>8} {'GB/s':>7}")
     for r in results:
         ctas = r.batch * G * r.splits if r.kernel.startswith("attention") else r.batch * 5
