@@ -312,11 +312,12 @@ ED_KERNEL expert_decode_down_nvfp4(u16* y, const u16* h, Q_ARGS(d), Q_ARGS(sd), 
 // Each CTA takes its unit from a queue as it starts (queue[0]; queue[1 + i] counts the gate/up
 // units of item i done; the routing launch zeroes both): units are first every item's gate/up tile
 // groups, then every item's down tile groups. A down unit loads its first weights, waits until its
-// item's gate/up units are done, then stages its h rows from L2. Units are numbered in the order CTAs start, not by
-// blockIdx, so every gate/up unit a down unit waits for belongs to a CTA already running, which
-// waits on nothing: no deadlock, whatever order the hardware starts CTAs in. Down units thus run
-// in the gate/up GEMM's last partial wave, and no launch boundary separates the two GEMMs. One unit
-// a CTA (a loop over units would hold its state across both GEMMs' bodies: spills at G = 2).
+// item's gate/up units are done, then stages its h rows from L2. Units are numbered in the order
+// CTAs start, not by blockIdx, so every gate/up unit a down unit waits for belongs to a CTA already
+// running, which waits on nothing: no deadlock, whatever order the hardware starts CTAs in. Down
+// units thus run in the gate/up GEMM's last partial wave, and no launch boundary separates the two
+// GEMMs. One unit a CTA (a loop over units would hold its state across both GEMMs' bodies: spills
+// at G = 2).
 
 ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorted_token, Q_ARGS(g), Q_ARGS(u),
                                   Q_ARGS(sg), Q_ARGS(su), Q_ARGS(d), Q_ARGS(sd), WORK_ARGS, int* queue,
@@ -349,5 +350,6 @@ ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorte
     return;
   }
   const EdWeights w[4] = {Q(d), Q(d), Q(sd), Q(sd)};
-  expert_decode_unit<false>(y, h, nullptr, w, expert, row0, rows, H, I, E, tile_group, queue + 1 + item, gate_up_groups);
+  expert_decode_unit<false>(y, h, nullptr, w, expert, row0, rows, H, I, E, tile_group, queue + 1 + item,
+                            gate_up_groups);
 }
