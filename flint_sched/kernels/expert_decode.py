@@ -110,6 +110,16 @@ def _check_routing(routing, rows_needed: int, num_experts: int, config: str) -> 
     check_work_list(routing, rows_per_item(config), rows_needed, num_experts, f"expert_decode ({config})")
 
 
+def _check_x(x: torch.Tensor, routing, num_experts: int, config: str) -> tuple[int, int]:
+    """x bf16 [M, K] of the routing's M tokens, and the routing's work list; (M, K)."""
+    m, k = x.shape
+    check_tensor(x, "x", torch.bfloat16, (m, k), x.device)
+    _check_routing(routing, routing.sorted_token.numel(), num_experts, config)
+    if routing.pair_row.shape[0] != m:
+        raise ValueError(f"x has {m} tokens, routing {routing.pair_row.shape[0]}")
+    return m, k
+
+
 def _check(fmt: str, hidden: int, inter: int, config: str, *weights: Weight) -> None:
     if any(w.block_scales.data_ptr() % 8 for w in weights):   # 8 scale bytes per lane and round
         raise ValueError("NVFP4 block scales must be 8-byte aligned for expert_decode")
@@ -124,13 +134,9 @@ def expert_decode_gate_up(x: torch.Tensor, routing, gate: Weight, up: Weight, sh
     """h_sorted [P, I]: row r = silu(x[t] @ Wg_e^T) * (x[t] @ Wu_e^T), t = sorted_token[r], e the
     expert of row r (E: shared_gate / shared_up); rows past the routed count are not written.
     config: a CONFIGS key (None: pick_config of x's rows)."""
-    m, k = x.shape
-    config = config or pick_config(m)
+    config = config or pick_config(x.shape[0])
     e, i = gate.shape[0], gate.shape[1]
-    check_tensor(x, "x", torch.bfloat16, (m, k), x.device)
-    _check_routing(routing, routing.sorted_token.numel(), e, config)
-    if routing.pair_row.shape[0] != m:
-        raise ValueError(f"x has {m} tokens, routing {routing.pair_row.shape[0]}")
+    _, k = _check_x(x, routing, e, config)
     _check(weight_format(gate, up, shared_gate, shared_up), k, i, config, gate, up, shared_gate, shared_up)
     args = moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device)
     h = output(out, "out", (routing.sorted_token.numel(), i), x)
@@ -168,15 +174,11 @@ def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weigh
     expert_decode_moe_nvfp4): CTAs take gate/up units, then down units, each down unit starting
     once its item's gate/up units are done. h_out: the h_sorted buffer [P, I]; queue: the routing
     workspace's (route_and_sort zeroes it). Returns y_sorted [P, N]."""
-    m, k = x.shape
-    config = config or pick_config(m)
+    config = config or pick_config(x.shape[0])
     e, i, n = gate.shape[0], gate.shape[1], down.shape[1]
     p = routing.sorted_token.numel()
-    check_tensor(x, "x", torch.bfloat16, (m, k), x.device)
+    _, k = _check_x(x, routing, e, config)
     check_tensor(h_out, "h_out", torch.bfloat16, (p, i), x.device)
-    _check_routing(routing, p, e, config)
-    if routing.pair_row.shape[0] != m:
-        raise ValueError(f"x has {m} tokens, routing {routing.pair_row.shape[0]}")
     if n != k or tuple(down.shape) != (e, k, i):
         raise ValueError(f"down must be [{e}, {k}, {i}], got {tuple(down.shape)}")
     check_tensor(queue, "queue", torch.int32, (queue.numel(),), x.device, 4)

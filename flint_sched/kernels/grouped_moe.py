@@ -1,5 +1,6 @@
 """Grouped MoE for any number of tokens (cuda/moe_routing.cu, cuda/grouped_gemm.cu; from
-EXPERT_GEMM_MIN_TOKENS on, the tiled expert GEMMs of cuda/expert_gemm.cu), five launches:
+EXPERT_GEMM_MIN_TOKENS on, the tiled expert GEMMs of cuda/expert_gemm.cu), five launches (four where
+the decode GEMMs run gate/up and down as one, FUSED_DECODE_CONFIGS):
 
     logits [M, E] fp32 = x @ router_gate^T                         linear (GEMV) / grouped_linear
     ids, weights, sorted rows, work list                           route_and_sort (one launch)
@@ -268,9 +269,10 @@ EXPERT_GEMM_MIN_TOKENS = {"bf16": 256, "nvfp4": 512}
 # The router's logits on the GEMV (cuda/gemv.cu gemv_bf16_f32: it loads the gate before waiting on
 # the previous launch) up to this many tokens, on cuBLAS / grouped_linear above. Off: alone the GEMV
 # takes 4.6 µs against cuBLAS's 6.4 (16 tokens, ncu), but in the full model at 16 requests (16
-# warps a CTA) the step took 5.76 ms against 4.97 with cuBLAS (RESULTS.md, session 15); 4 warps
-# (ROUTER_GEMV_WARPS) not yet measured.
+# warps a CTA) the step took 5.76 ms against 4.97 with cuBLAS (RESULTS.md, session 15), and with
+# 4 warps (ROUTER_GEMV_WARPS) 5.8 against 5.0 (session 16).
 ROUTER_GEMV_MAX_ROWS = 0
+ROUTER_GEMV_WARPS = 4
 # The decode configs (expert_decode.pick_config) whose gate/up and down GEMMs run as one launch
 # (expert_decode.expert_decode_moe: down units fill the gate/up GEMM's last partial wave and start as
 # their item's gate/up units finish). Full model, NVFP4, 1K context, ms a step two launches / one
@@ -278,7 +280,6 @@ ROUTER_GEMV_MAX_ROWS = 0
 # 48: 7.69 / 7.63, 64: 7.80 / 7.92, 96: 9.85 / 9.67, 128: 11.27 / 11.43; g2w8t4 192: 13.44 / 12.84,
 # 256: 15.70 / 14.87.
 FUSED_DECODE_CONFIGS = frozenset({"g1t2", "g2w8t4"})
-ROUTER_GEMV_WARPS = 4
 GEMMS = ("swap-ab", "decode", "tiled")
 
 
@@ -318,16 +319,17 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
     else:
         logits = grouped_linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl)
     path = expert_gemms(m, weight_format(gate), hidden, inter, gemms)
+    one_launch = False
     if path == "tiled":
         chunk, gate_up_gemm, down_gemm = expert_gemm.TILE_M, expert_gemm.expert_gate_up, expert_gemm.expert_down
     elif path == "decode":
         config = expert_decode.pick_config(m)
-        chunk = expert_decode.rows_per_item(config)
+        chunk, one_launch = expert_decode.rows_per_item(config), config in FUSED_DECODE_CONFIGS
         gate_up_gemm, down_gemm = expert_decode.expert_decode_gate_up, expert_decode.expert_decode_down
     else:
         chunk, gate_up_gemm, down_gemm = None, moe_gate_up_sorted, moe_down_sorted
     routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl, chunk=chunk)
-    if path == "decode" and config in FUSED_DECODE_CONFIGS:
+    if one_launch:
         y = expert_decode.expert_decode_moe(x, routing, ws.queue, gate, up, shared_gate, shared_up, down, shared_down,
                                             ws.h_sorted[:pairs], out=ws.y_sorted[:pairs], pdl=pdl)
     else:
