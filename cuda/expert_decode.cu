@@ -52,6 +52,9 @@
 #ifndef ED_WARPS
 #define ED_WARPS 4  // warps a CTA, sharing the item's staged x rows
 #endif
+#ifndef ED_DOWN_PAIRS
+#define ED_DOWN_PAIRS 0  // 1: the one-launch kernel's down units take two items of an expert at once (below)
+#endif
 #ifndef ED_PROBE
 #define ED_PROBE 0  // timing probes, wrong results (benchmarks/bench_grouped.py --decode-probes): 1 leaves out
                     // the NVFP4 decode (code words straight into the MMAs), 2 the weight loads after a warp's
@@ -92,12 +95,14 @@ struct EdRound {  // one round of a lane: 128 weights of tile rows g and g + 8
 
 // One item of G 8-row groups (rows <= 8 G), after the scale table is in shared memory.
 // tile_group: which ED_WARPS * TILES tiles (blockIdx.y of the two-kernel grid). ready (the fused
-// kernel's down units): x is written during this launch, ready once *ready reaches ready_count;
-// the first weights are loaded before that wait and x is staged from L2, not through L1.
+// kernel's down units): x is written during this launch, ready once ready[0 .. ready_items) all
+// reach ready_count; the first weights are loaded before that wait and x is staged from L2, not
+// through L1.
 template <bool GATE_UP, int G>
 __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const int* gather, const EdWeights (&w)[4],
                                                    int expert, int row0, int rows, int N, int K, int E,
-                                                   int tile_group, const int* ready, int ready_count) {
+                                                   int tile_group, const int* ready, int ready_count,
+                                                   int ready_items) {
   extern __shared__ __align__(16) unsigned char smem[];
   const u32* table = reinterpret_cast<const u32*>(smem);
   const u32 x_base = (u32)__cvta_generic_to_shared(smem) + ED_TABLE_BYTES;
@@ -140,7 +145,8 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
   if (rounds > 0) next_load(fa);  // in flight while x is staged
   if (!GATE_UP) pdl_wait();       // h comes from the gate/up launch
   if (ready && threadIdx.x == 0)  // or from this one (the __syncthreads below releases the CTA)
-    while (ld_acquire_gpu(ready) < ready_count) __nanosleep(100);
+    for (int i = 0; i < ready_items; ++i)
+      while (ld_acquire_gpu(ready + i) < ready_count) __nanosleep(100);
 
   // Stage x: 8 G rows of K, pair order, zero past `rows`. The rows' sources first, then a thread's
   // chunks ED_STAGE_LOADS at a time, all in flight together (one L2 round trip per batch, not two
@@ -259,18 +265,26 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
 #endif
 }
 
-// One item's tiles of one tile group.
+// One item's tiles of one tile group (or with ED_DOWN_PAIRS, a down unit's two items: rows up to
+// 2 ED_ROWS).
 template <bool GATE_UP>
 __device__ __forceinline__ void expert_decode_unit(u16* out, const u16* x, const int* gather, const EdWeights (&w)[4],
                                                    int expert, int row0, int rows, int N, int K, int E,
-                                                   int tile_group, const int* ready = nullptr, int ready_count = 0) {
+                                                   int tile_group, const int* ready = nullptr, int ready_count = 0,
+                                                   int ready_items = 1) {
+#if ED_DOWN_PAIRS
+  if (!GATE_UP && rows > ED_ROWS)
+    return expert_decode_item<false, 2 * ED_GROUPS>(out, x, gather, w, expert, row0, rows, N, K, E, tile_group,
+                                                    ready, ready_count, ready_items);
+#endif
 #if ED_GROUPS == 2
   // Items of up to 16 rows (routing chunk 16): one of 8 or fewer decodes for one group only.
   if (rows > 8)
     return expert_decode_item<GATE_UP, 2>(out, x, gather, w, expert, row0, rows, N, K, E, tile_group, ready,
-                                          ready_count);
+                                          ready_count, ready_items);
 #endif
-  expert_decode_item<GATE_UP, 1>(out, x, gather, w, expert, row0, rows, N, K, E, tile_group, ready, ready_count);
+  expert_decode_item<GATE_UP, 1>(out, x, gather, w, expert, row0, rows, N, K, E, tile_group, ready, ready_count,
+                                 ready_items);
 }
 
 template <bool GATE_UP>
@@ -318,6 +332,11 @@ ED_KERNEL expert_decode_down_nvfp4(u16* y, const u16* h, Q_ARGS(d), Q_ARGS(sd), 
 // units thus run in the gate/up GEMM's last partial wave, and no launch boundary separates the two
 // GEMMs. One unit a CTA (a loop over units would hold its state across both GEMMs' bodies: spills
 // at G = 2).
+// ED_DOWN_PAIRS: the down units of an item at an even chunk of its expert also take the next item's
+// rows (the same expert's next ED_ROWS rows: the next item of the work list, whose counter sits
+// next to this one's), decoding each down weight once for up to 2 ED_ROWS rows (at 256 tokens the
+// shared expert's 256 rows are 16 items, a heavy expert's 55-77 rows 4-5); the odd item's down
+// units exit at once. The x rows of a pair (K = I) take less shared memory than gate/up's (K = H).
 
 ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorted_token, Q_ARGS(g), Q_ARGS(u),
                                   Q_ARGS(sg), Q_ARGS(su), Q_ARGS(d), Q_ARGS(sd), WORK_ARGS, int* queue,
@@ -350,6 +369,14 @@ ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorte
     return;
   }
   const EdWeights w[4] = {Q(d), Q(d), Q(sd), Q(sd)};
+#if ED_DOWN_PAIRS
+  const int first_row = __ldcg(offsets + expert), end = __ldcg(offsets + expert + 1);
+  if (((row0 - first_row) / ED_ROWS) & 1) return;  // the pair's first item takes these rows
+  const int pair_rows = min(2 * ED_ROWS, end - row0);
+  expert_decode_unit<false>(y, h, nullptr, w, expert, row0, pair_rows, H, I, E, tile_group, queue + 1 + item,
+                            gate_up_groups, pair_rows > ED_ROWS ? 2 : 1);
+#else
   expert_decode_unit<false>(y, h, nullptr, w, expert, row0, rows, H, I, E, tile_group, queue + 1 + item,
                             gate_up_groups);
+#endif
 }

@@ -45,6 +45,9 @@ CONFIGS = {
     # requests in the full model (RESULTS.md, session 14)
     "g1t4a2": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_ACCS": 2},
     "g1t2a2": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_ACCS": 2},
+    # one launch only (expert_decode_moe): down units taking two items of an expert (ED_DOWN_PAIRS)
+    "g1t2p": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_DOWN_PAIRS": 1},
+    "g2w8t4p": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1},
 }
 # Measured on the H200, Flint's MoE layer (benchmarks/bench_grouped.py --pdl --paths swap-ab decode
 # --decode-configs ...), µs at 16 / 64 / 256 / 512 / 1024 tokens: swap-AB GEMMs 76 / 133 / 242 / 389
@@ -58,13 +61,15 @@ CONFIGS = {
 # rows each at the median and the shared expert 256); g2t4 (16-row items, 4 warps: three CTAs a
 # SM for gate/up's 72 KB of x) 11.21 at 64.
 CONFIG: str | None = None   # a CONFIGS key for every call (benchmarks), or None: pick_config
+# pick_config's choice: the first config whose token bound the call's tokens do not pass
+PICKS: tuple[tuple[int, str], ...] = ((32, "g1t2"), (160, "g1t4d8"), (1 << 30, "g2w8t4"))
 
 
 def pick_config(num_tokens: int) -> str:
     """The config for a call of num_tokens tokens (routed rows: num_tokens * top_k): measured above."""
     if CONFIG is not None:
         return CONFIG
-    return "g1t2" if num_tokens <= 32 else "g1t4d8" if num_tokens <= 160 else "g2w8t4"
+    return next(config for bound, config in PICKS if num_tokens <= bound)
 
 
 def rows_per_item(config: str) -> int:
@@ -87,6 +92,13 @@ def x_row_bytes(k: int) -> int:
 def shared_bytes(config: str, k: int) -> int:
     """The scale table and the item's x rows."""
     return TABLE_BYTES + rows_per_item(config) * x_row_bytes(k)
+
+
+def moe_shared_bytes(config: str, hidden: int, inter: int) -> int:
+    """expert_decode_moe's: the larger of a gate/up item's x rows (K = hidden) and a down unit's h
+    rows (K = inter; two items' with ED_DOWN_PAIRS)."""
+    down_rows = rows_per_item(config) * (2 if CONFIGS[config].get("ED_DOWN_PAIRS") else 1)
+    return TABLE_BYTES + max(rows_per_item(config) * x_row_bytes(hidden), down_rows * x_row_bytes(inter))
 
 
 def supported(fmt: str, hidden: int, inter: int, config: str = "g1t4") -> bool:
@@ -194,5 +206,5 @@ def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weigh
         [y, h_out, x, routing.sorted_token, *moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device),
          *expert_args(down, shared_down, ("down", "shared_down"), n, i, e, x.device), *routing.work_args, queue,
          I32(i), I32(k), I32(e)],
-        shared_bytes=shared_bytes(config, k), pdl=pdl, device=x.device.index)
+        shared_bytes=moe_shared_bytes(config, k, i), pdl=pdl, device=x.device.index)
     return y
