@@ -45,6 +45,9 @@ CONFIGS = {
     # requests in the full model (RESULTS.md, session 14)
     "g1t4a2": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_ACCS": 2},
     "g1t2a2": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_ACCS": 2},
+    # g1t2 with longer down units (at 16 tokens a g1t2 down unit is 2 rounds a warp)
+    "g1t2d4": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 4},
+    "g1t2d8": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 8},
     # one launch only (expert_decode_moe): down units taking two items of an expert (ED_DOWN_PAIRS)
     "g1t2p": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_DOWN_PAIRS": 1},
     "g2w8t4p": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1},
