@@ -50,6 +50,7 @@ CONFIGS = {
     "g1t2d8": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 8},
     # one launch only (expert_decode_moe): down units taking two items of an expert (ED_DOWN_PAIRS)
     "g1t2p": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_DOWN_PAIRS": 1},
+    "g1t4d8p": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_DOWN_PAIRS": 1},
     "g2w8t4p": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1},
 }
 # Measured on the H200, Flint's MoE layer (benchmarks/bench_grouped.py --pdl --paths swap-ab decode

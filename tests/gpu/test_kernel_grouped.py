@@ -181,7 +181,7 @@ def test_moe_grouped_work_list_in_expert_order(flint_moe, gemms, tokens, monkeyp
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 100, 256, 600])
-@pytest.mark.parametrize("config", ["g1t2", "g1t4d8", "g2w8t4", "g1t2p", "g2w8t4p", "g1t2d8"])
+@pytest.mark.parametrize("config", ["g1t2", "g1t4d8", "g2w8t4", "g1t2p", "g1t4d8p", "g2w8t4p", "g1t2d8"])
 def test_decode_gemms_in_one_launch(flint_nvfp4_moe, config, tokens, monkeypatch):
     """expert_decode_moe (gate/up and down in one launch, down units waiting on their item's
     gate/up units) equals the per-expert loop, then replays from a graph with PDL."""
