@@ -71,6 +71,18 @@ class EngineCollector:
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(value))
             yield family
+        timeline = engine.gpu_timeline
+        if timeline is None:
+            return
+        for name, doc, value in (
+            ("gpu_busy_seconds", "GPU time of the engine's steps (CUDA events; async scheduling).",
+             timeline.busy_s),
+            ("gpu_idle_seconds", "Time the GPU waited for the host between consecutive steps while the "
+             "engine had work.", timeline.idle_s),
+        ):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(value))
+            yield family
 
 
 class ServerMetrics:
@@ -168,6 +180,11 @@ class MeteredExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         self.on_plan(plan)
         return self.executor.execute(plan)
+
+    @property
+    def timeline(self):
+        """The executor's GPU timeline (executor/gpu_timeline.py), or None."""
+        return getattr(self.executor, "timeline", None)
 
     # async scheduling (engine/async_engine.py): the engine uses these only when the executor has them
     def launch(self, plan: StepPlan):

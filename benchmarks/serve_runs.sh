@@ -10,7 +10,8 @@
 # The server's log goes to ${SERVE_LOG:-/tmp/flint-serve.log}; after each run the script prints the
 # lines of /metrics that say what is still running or waiting and how full the KV cache is (all should
 # be back to 0), the prefix cache's counters, the server's mean time to first token and queue time,
-# and how many garbage-collector pauses of 50 ms or more its log reports.
+# the GPU's busy time and its idle time between steps during the run (/metrics' flint:gpu_*_seconds,
+# the CUDA executor's), and how many garbage-collector pauses of 50 ms or more its log reports.
 set -euo pipefail
 port=${PORT:-8000}
 log=${SERVE_LOG:-/tmp/flint-serve.log}
@@ -32,11 +33,22 @@ done
 echo "== server ready in $(( $(date +%s) - start )) s: flint-sched serve $server_flags"
 grep -i "kv\|tokens of\|warm" "$log" | tail -5 || true
 
+gpu_seconds() {  # "busy idle" GPU seconds so far (CUDA executor with async scheduling; else "0 0")
+    awk '/^flint:gpu_busy_seconds_total/ {b = $2} /^flint:gpu_idle_seconds_total/ {i = $2}
+         END {print b + 0, i + 0}' <<<"$1"
+}
+
 for bench_flags in "$@"; do
     echo "== flint-sched bench serve $bench_flags"
+    read -r busy0 idle0 < <(gpu_seconds "$(curl -s "http://127.0.0.1:$port/metrics")")
     # shellcheck disable=SC2086
     flint-sched bench serve --base-url "http://127.0.0.1:$port" --disable-tqdm $bench_flags
     metrics=$(curl -s "http://127.0.0.1:$port/metrics")
+    read -r busy1 idle1 < <(gpu_seconds "$metrics")
+    awk -v b="$busy1" -v b0="$busy0" -v i="$idle1" -v i0="$idle0" 'BEGIN {
+        if (b - b0 + i - i0 > 0)
+            printf "GPU during the run: busy %.2f s, idle between steps %.2f s (%.1f %%)\n",
+                   b - b0, i - i0, 100 * (i - i0) / (b - b0 + i - i0) }'
     grep -E "^flint:(num_requests_running|num_requests_waiting|kv_cache_usage_perc|ring_slot_usage_perc|prefix_cache_(queries|hits)_total|num_preemptions_total)" \
         <<<"$metrics" || true
     # the server's own means so far (all runs of this server): time to first token, and of it the queue

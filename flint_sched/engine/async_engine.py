@@ -259,6 +259,8 @@ class AsyncEngine:
                 if not in_flight:
                     started = self._start_step()
                     if started is None:
+                        if (timeline := self.gpu_timeline) is not None:
+                            timeline.break_chain()     # out of work: the next gap is not the host's
                         self._wakeup.clear()
                         await self._wakeup.wait()
                         continue
@@ -296,6 +298,11 @@ class AsyncEngine:
             self.dead_error = e
             self._fail_all(e if isinstance(e, StepTimeoutError) else EngineError(f"the engine loop died: {e!r}"))
             raise
+
+    @property
+    def gpu_timeline(self):
+        """The executor's GPU busy / idle accounting (executor/gpu_timeline.py), or None."""
+        return getattr(self.executor, "timeline", None)
 
     async def _hold_ahead(self, running: StepPlan, launched_at: float) -> None:
         """Late launch-ahead (module docstring): wait until `launch_margin_s` before the running

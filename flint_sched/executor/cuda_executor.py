@@ -34,6 +34,7 @@ from flint_sched.executor.dense_copies import make_copies
 from flint_sched.executor.forward import forward
 from flint_sched.executor.grammar_masks import GrammarMasks
 from flint_sched.executor.graph_sampler import GraphSampler, plain
+from flint_sched.executor.gpu_timeline import GpuTimeline
 from flint_sched.executor.graphs import (
     FIRST_GRAPH_LAYERS,
     GROUPED_BATCH_SIZES,
@@ -125,6 +126,7 @@ class CudaExecutor:
                                      make_copies(self.w, qkv, self.device) if dense_copies else None)
         # Every sampling row of a step holds a ring slot: room for one token per slot.
         self.sampled = SampledTokens(max(kv_cache.ring.shape[2], max_rows), self.device)
+        self.timeline = GpuTimeline() if self.device.type == "cuda" else None   # /metrics: GPU busy and idle
         self.inputs = DecodeInputs(max_rows, max_model_len, kv_cache.block_size, self.device, self.sampled.values)
         self.graphs = StepGraphs(self.device, graph_segments(config.num_hidden_layers, first_graph_layers))
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -221,10 +223,22 @@ class CudaExecutor:
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """The launched step's tokens on the host (waits for the GPU to reach them)."""
-        return launched.collect()
+        result = launched.collect()
+        if self.timeline is not None:
+            if launched.start is not None and launched.done is not None:
+                self.timeline.collected(launched.start, launched.done)
+            else:                                     # sampled on the host: the launch waited for the GPU
+                self.timeline.break_chain()
+        return result
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Run the step on the GPU without waiting for it (unless its sampling needs the host)."""
+        start = self.timeline.begin() if self.timeline is not None and plan.scheduled_requests else None
+        launched = self._launch(plan)
+        launched.start = start
+        return launched
+
+    def _launch(self, plan: StepPlan) -> LaunchedStep:
         entries = plan.scheduled_requests
         self.inputs.forget(plan)
         if self.grammars is not None:

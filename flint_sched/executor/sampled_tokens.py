@@ -29,6 +29,7 @@ class LaunchedStep:
     request_ids: list[str] | None = None
     host: torch.Tensor | None = None
     done: torch.cuda.Event | None = None
+    start: torch.cuda.Event | None = None    # before the step's first GPU work (executor/gpu_timeline.py)
 
     def collect(self) -> StepResult:
         if self.result is not None:
@@ -83,6 +84,6 @@ class SampledTokens:
         host = self._host[self._turn][:n]
         self._turn ^= 1
         host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=True)   # timed: the GPU timeline's end of the step
         done.record()
         return LaunchedStep(request_ids=[e.request_id for e in entries], host=host, done=done)

@@ -52,6 +52,28 @@ async def test_concurrent_requests_through_the_cuda_executor(parts):
         await engine.shutdown()
 
 
+async def test_the_gpu_timeline_counts_the_served_steps(parts):
+    """/metrics' GPU busy and idle seconds: every step the engine collects adds its GPU time (CUDA
+    events) and the gap before it; steps of a busy engine are counted, a quiet one adds nothing.
+    NOTE: written without a GPU at hand."""
+    engine = build_engine(parts)
+    timeline = engine.gpu_timeline
+    assert timeline is parts.executor.timeline
+    steps, busy = timeline.steps, timeline.busy_s
+    engine.start()
+    try:
+        streams = [engine.add_request([5 + n] * 40, SamplingParams(max_tokens=12, ignore_eos=True)) for n in range(9)]
+        for stream in streams:
+            async for _ in stream:
+                pass
+        assert timeline.steps >= steps + 12 and timeline.busy_s > busy and timeline.idle_s >= 0.0
+        counted = timeline.steps
+        await asyncio.sleep(0.2)                                # a quiet engine
+        assert timeline.steps == counted
+    finally:
+        await engine.shutdown()
+
+
 async def test_json_schemas_hold_through_the_cuda_executor(parts):
     """Constrained rows (grammar masks on the GPU logits) beside plain ones, fused and grouped steps.
     NOTE: written without a GPU at hand (structured-output branch)."""

@@ -1,0 +1,106 @@
+"""The GPU timeline behind /metrics' flint:gpu_busy_seconds / flint:gpu_idle_seconds: busy is each
+step's start -> end, idle the gap from one step's end to the next one's start while the engine had
+work; a quiet engine breaks the chain."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from flint_sched.api.metrics import EngineCollector, MeteredExecutor
+from flint_sched.checkpoint.make import dummy_checkpoint
+from flint_sched.core import Scheduler, SchedulerConfig, StepResult
+from flint_sched.core.plan import fill_placeholders
+from flint_sched.engine.async_engine import AsyncEngine
+from flint_sched.executor.gpu_timeline import GpuTimeline
+from flint_sched.executor.limits import ExecutorLimits
+from flint_sched.sampling_params import SamplingParams
+
+CONFIG = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, num_blocks=20, max_model_len=32, block_size=4,
+                         sliding_window=8)
+
+
+class Event:
+    """A completed CUDA event at `ms` on the GPU's clock."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def elapsed_time(self, end: "Event") -> float:
+        return end.ms - self.ms
+
+
+def test_busy_is_each_step_and_idle_the_gaps_between_steps_with_work():
+    timeline = GpuTimeline()
+    for start, end in ((0, 10), (10, 18), (21, 30)):           # back to back, then 3 ms waiting for the host
+        timeline.collected(Event(start), Event(end))
+    assert timeline.busy_s == pytest.approx(0.027) and timeline.idle_s == pytest.approx(0.003)
+    timeline.break_chain()                                     # the engine ran out of work
+    timeline.collected(Event(500), Event(505))
+    assert timeline.busy_s == pytest.approx(0.032) and timeline.idle_s == pytest.approx(0.003)
+    assert timeline.steps == 4 and timeline.idle_share == pytest.approx(3 / 35)
+    assert GpuTimeline().idle_share == 0.0
+
+
+def test_metrics_show_the_timeline_when_the_executor_has_one():
+    timeline = GpuTimeline()
+    timeline.collected(Event(0), Event(250))
+    timeline.collected(Event(300), Event(400))
+    text = {}
+    for engine_timeline in (timeline, None):
+        registry = CollectorRegistry()
+        engine = SimpleNamespace(scheduler=Scheduler(CONFIG), num_preemptions=0, gpu_timeline=engine_timeline)
+        registry.register(EngineCollector(lambda engine=engine: engine, "m"))
+        text[engine_timeline is not None] = generate_latest(registry).decode()
+    assert 'flint:gpu_busy_seconds_total{model_name="m"} 0.35' in text[True]
+    assert 'flint:gpu_idle_seconds_total{model_name="m"} 0.05' in text[True]
+    assert "gpu_busy" not in text[False]                      # the torch executor has no timeline
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_short_window):
+    return dummy_checkpoint(tiny_short_window, "bf16", seed=11, device="cpu")
+
+
+class TimedSteps:
+    """Steps that take no time, and a timeline that counts the engine's chain breaks."""
+
+    limits = ExecutorLimits(fused_max_batch=8)
+
+    def __init__(self):
+        self.last, self.breaks = {}, 0
+        self.timeline = SimpleNamespace(break_chain=self._break)
+
+    def _break(self):
+        self.breaks += 1
+
+    def launch(self, plan):
+        fill_placeholders(plan.scheduled_requests, self.last)
+        self.last = {e.request_id: 7 for e in plan.scheduled_requests if e.samples}
+        return StepResult({rid: [t] for rid, t in self.last.items()})
+
+    def collect(self, launched):
+        return launched
+
+
+async def test_the_engine_breaks_the_chain_when_it_runs_out_of_work(ckpt):
+    executor = TimedSteps()
+    metered = MeteredExecutor(executor, lambda plan: None)
+    engine = AsyncEngine(Scheduler(CONFIG), metered, ckpt.tokenizer, ckpt.config.vocab_size, async_scheduling=True)
+    assert engine.gpu_timeline is executor.timeline
+    engine.start()
+    try:
+        for _ in range(2):
+            before = executor.breaks
+            async for _ in engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)):
+                assert executor.breaks == before             # busy: no break while the request runs
+            for _ in range(100):                               # the loop reaches its wait (a hang guard)
+                if executor.breaks > before:
+                    break
+                await asyncio.sleep(0.01)
+            assert executor.breaks == before + 1
+    finally:
+        await engine.shutdown()
