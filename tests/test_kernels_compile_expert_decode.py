@@ -57,9 +57,9 @@ def test_shapes_and_shared_memory():
 
 
 def test_config_by_token_count(monkeypatch):
-    assert expert_decode.pick_config(1) == expert_decode.pick_config(32) == "g1t2"
+    assert expert_decode.pick_config(1) == expert_decode.pick_config(32) == "g1t2d4"
     assert expert_decode.pick_config(33) == expert_decode.pick_config(160) == "g1t4d8"
-    assert expert_decode.pick_config(161) == expert_decode.pick_config(1023) == "g2w8t4"
-    assert expert_decode.rows_per_item("g2w8t4") == 16 and expert_decode.warps("g2w8t4") == 8
+    assert expert_decode.pick_config(161) == expert_decode.pick_config(1023) == "g2w8t4p"
+    assert expert_decode.rows_per_item("g2w8t4p") == 16 and expert_decode.warps("g2w8t4p") == 8
     monkeypatch.setattr(expert_decode, "CONFIG", "g2t4")
     assert expert_decode.pick_config(64) == "g2t4" and expert_decode.rows_per_item("g2t4") == 16

@@ -66,7 +66,9 @@ CONFIGS = {
 # SM for gate/up's 72 KB of x) 11.21 at 64.
 CONFIG: str | None = None   # a CONFIGS key for every call (benchmarks), or None: pick_config
 # pick_config's choice: the first config whose token bound the call's tokens do not pass
-PICKS: tuple[tuple[int, str], ...] = ((32, "g1t2"), (160, "g1t4d8"), (1 << 30, "g2w8t4"))
+# (session 17, ab_decode.py: g1t2d4 16: 4.97 / 4.98 against g1t2 5.07 / 5.04, 32: a tie; g2w8t4p 192:
+# 12.44 / 12.41 against 12.58 / 12.49, 256: 14.78 / 14.83 against 15.01 / 14.96)
+PICKS: tuple[tuple[int, str], ...] = ((32, "g1t2d4"), (160, "g1t4d8"), (1 << 30, "g2w8t4p"))
 
 
 def pick_config(num_tokens: int) -> str:

@@ -278,8 +278,9 @@ ROUTER_GEMV_WARPS = 4
 # their item's gate/up units finish). Full model, NVFP4, 1K context, ms a step two launches / one
 # (benchmarks/ab_decode.py, RESULTS.md session 16): g1t2 16: 5.05 / 5.00, 32: 7.03 / 6.72; g1t4d8
 # 48: 7.69 / 7.63, 64: 7.80 / 7.92, 96: 9.85 / 9.67, 128: 11.27 / 11.43; g2w8t4 192: 13.44 / 12.84,
-# 256: 15.70 / 14.87.
-FUSED_DECODE_CONFIGS = frozenset({"g1t2", "g2w8t4"})
+# 256: 15.70 / 14.87. The picks of session 17 (g1t2d4, g2w8t4p) run one launch; g2w8t4p's down
+# units take two items of an expert (ED_DOWN_PAIRS), which only the one-launch kernel does.
+FUSED_DECODE_CONFIGS = frozenset({"g1t2", "g2w8t4", "g1t2d4", "g2w8t4p"})
 GEMMS = ("swap-ab", "decode", "tiled")
 
 
