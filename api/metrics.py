@@ -77,8 +77,12 @@ class EngineCollector:
         for name, doc, value in (
             ("gpu_busy_seconds", "GPU time of the engine's steps (CUDA events; async scheduling).",
              timeline.busy_s),
+            ("gpu_prompt_busy_seconds", "GPU time of the steps with prompt rows (part of gpu_busy_seconds).",
+             timeline.prompt_busy_s),
             ("gpu_idle_seconds", "Time the GPU waited for the host between consecutive steps while the "
              "engine had work.", timeline.idle_s),
+            ("gpu_stalled_seconds", "Time the GPU was idle while the engine held requests but scheduled "
+             "none.", timeline.stalled_s),
         ):
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(value))

@@ -33,22 +33,24 @@ done
 echo "== server ready in $(( $(date +%s) - start )) s: flint-sched serve $server_flags"
 grep -i "kv\|tokens of\|warm" "$log" | tail -5 || true
 
-gpu_seconds() {  # "busy idle" GPU seconds so far (CUDA executor with async scheduling; else "0 0")
-    awk '/^flint:gpu_busy_seconds_total/ {b = $2} /^flint:gpu_idle_seconds_total/ {i = $2}
-         END {print b + 0, i + 0}' <<<"$1"
+gpu_seconds() {  # "busy prompt-busy idle stalled" GPU seconds so far (CUDA executor with async scheduling; else zeros)
+    awk '/^flint:gpu_busy_seconds_total/ {b = $2} /^flint:gpu_prompt_busy_seconds_total/ {p = $2}
+         /^flint:gpu_idle_seconds_total/ {i = $2} /^flint:gpu_stalled_seconds_total/ {s = $2}
+         END {print b + 0, p + 0, i + 0, s + 0}' <<<"$1"
 }
 
 for bench_flags in "$@"; do
     echo "== flint-sched bench serve $bench_flags"
-    read -r busy0 idle0 < <(gpu_seconds "$(curl -s "http://127.0.0.1:$port/metrics")")
+    read -r busy0 prompt0 idle0 stalled0 < <(gpu_seconds "$(curl -s "http://127.0.0.1:$port/metrics")")
     # shellcheck disable=SC2086
     flint-sched bench serve --base-url "http://127.0.0.1:$port" --disable-tqdm $bench_flags
     metrics=$(curl -s "http://127.0.0.1:$port/metrics")
-    read -r busy1 idle1 < <(gpu_seconds "$metrics")
-    awk -v b="$busy1" -v b0="$busy0" -v i="$idle1" -v i0="$idle0" 'BEGIN {
+    read -r busy1 prompt1 idle1 stalled1 < <(gpu_seconds "$metrics")
+    awk -v b="$busy1" -v b0="$busy0" -v p="$prompt1" -v p0="$prompt0" -v i="$idle1" -v i0="$idle0" \
+        -v s="$stalled1" -v s0="$stalled0" 'BEGIN {
         if (b - b0 + i - i0 > 0)
-            printf "GPU during the run: busy %.2f s, idle between steps %.2f s (%.1f %%)\n",
-                   b - b0, i - i0, 100 * (i - i0) / (b - b0 + i - i0) }'
+            printf "GPU during the run: busy %.2f s (steps with prompt rows %.2f s), idle between steps %.2f s (%.1f %%), stalled %.2f s\n",
+                   b - b0, p - p0, i - i0, 100 * (i - i0) / (b - b0 + i - i0), s - s0 }'
     grep -E "^flint:(num_requests_running|num_requests_waiting|kv_cache_usage_perc|ring_slot_usage_perc|prefix_cache_(queries|hits)_total|num_preemptions_total)" \
         <<<"$metrics" || true
     # the server's own means so far (all runs of this server): time to first token, and of it the queue

@@ -1,6 +1,6 @@
 """The GPU timeline behind /metrics' flint:gpu_busy_seconds / flint:gpu_idle_seconds: busy is each
 step's start -> end, idle the gap from one step's end to the next one's start while the engine had
-work; a quiet engine breaks the chain."""
+work; a gap after the engine scheduled nothing counts as stalled (it held requests) or quiet."""
 
 from __future__ import annotations
 
@@ -39,16 +39,25 @@ def test_busy_is_each_step_and_idle_the_gaps_between_steps_with_work():
         timeline.collected(Event(start), Event(end))
     assert timeline.busy_s == pytest.approx(0.027) and timeline.idle_s == pytest.approx(0.003)
     timeline.break_chain()                                     # the engine ran out of work
-    timeline.collected(Event(500), Event(505))
+    timeline.collected(Event(500), Event(505), prompt=True)
     assert timeline.busy_s == pytest.approx(0.032) and timeline.idle_s == pytest.approx(0.003)
-    assert timeline.steps == 4 and timeline.idle_share == pytest.approx(3 / 35)
+    assert timeline.quiet_s == pytest.approx(0.470) and timeline.stalled_s == 0.0
+    assert timeline.prompt_busy_s == pytest.approx(0.005)
+    timeline.break_chain(has_requests=True)                    # requests held, nothing scheduled
+    timeline.collected(Event(507), Event(510))
+    timeline.collected(Event(511), Event(512))                 # the chain is back: idle again
+    assert timeline.stalled_s == pytest.approx(0.002) and timeline.idle_s == pytest.approx(0.004)
+    timeline.lose_track()                                      # a step without events: the gap is unknown
+    timeline.collected(Event(600), Event(601))
+    assert timeline.idle_s == pytest.approx(0.004) and timeline.quiet_s == pytest.approx(0.470)
+    assert timeline.steps == 7 and timeline.idle_share == pytest.approx(4 / 41)
     assert GpuTimeline().idle_share == 0.0
 
 
 def test_metrics_show_the_timeline_when_the_executor_has_one():
     timeline = GpuTimeline()
     timeline.collected(Event(0), Event(250))
-    timeline.collected(Event(300), Event(400))
+    timeline.collected(Event(300), Event(400), prompt=True)
     text = {}
     for engine_timeline in (timeline, None):
         registry = CollectorRegistry()
@@ -57,6 +66,8 @@ def test_metrics_show_the_timeline_when_the_executor_has_one():
         text[engine_timeline is not None] = generate_latest(registry).decode()
     assert 'flint:gpu_busy_seconds_total{model_name="m"} 0.35' in text[True]
     assert 'flint:gpu_idle_seconds_total{model_name="m"} 0.05' in text[True]
+    assert 'flint:gpu_prompt_busy_seconds_total{model_name="m"} 0.1' in text[True]
+    assert 'flint:gpu_stalled_seconds_total{model_name="m"} 0.0' in text[True]
     assert "gpu_busy" not in text[False]                      # the torch executor has no timeline
 
 
@@ -71,11 +82,11 @@ class TimedSteps:
     limits = ExecutorLimits(fused_max_batch=8)
 
     def __init__(self):
-        self.last, self.breaks = {}, 0
+        self.last, self.breaks = {}, []
         self.timeline = SimpleNamespace(break_chain=self._break)
 
-    def _break(self):
-        self.breaks += 1
+    def _break(self, has_requests=False):
+        self.breaks.append(has_requests)
 
     def launch(self, plan):
         fill_placeholders(plan.scheduled_requests, self.last)
@@ -94,13 +105,13 @@ async def test_the_engine_breaks_the_chain_when_it_runs_out_of_work(ckpt):
     engine.start()
     try:
         for _ in range(2):
-            before = executor.breaks
+            before = len(executor.breaks)
             async for _ in engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)):
-                assert executor.breaks == before             # busy: no break while the request runs
+                assert len(executor.breaks) == before        # busy: no break while the request runs
             for _ in range(100):                               # the loop reaches its wait (a hang guard)
-                if executor.breaks > before:
+                if len(executor.breaks) > before:
                     break
                 await asyncio.sleep(0.01)
-            assert executor.breaks == before + 1
+            assert executor.breaks[before:] == [False]        # out of requests: the gap is quiet
     finally:
         await engine.shutdown()

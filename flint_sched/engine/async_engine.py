@@ -259,8 +259,8 @@ class AsyncEngine:
                 if not in_flight:
                     started = self._start_step()
                     if started is None:
-                        if (timeline := self.gpu_timeline) is not None:
-                            timeline.break_chain()     # out of work: the next gap is not the host's
+                        if (timeline := self.gpu_timeline) is not None:   # the next gap is not the host's
+                            timeline.break_chain(self.scheduler.has_unfinished_requests())
                         self._wakeup.clear()
                         await self._wakeup.wait()
                         continue

@@ -226,16 +226,16 @@ class CudaExecutor:
         result = launched.collect()
         if self.timeline is not None:
             if launched.start is not None and launched.done is not None:
-                self.timeline.collected(launched.start, launched.done)
+                self.timeline.collected(launched.start, launched.done, launched.prompt)
             else:                                     # sampled on the host: the launch waited for the GPU
-                self.timeline.break_chain()
+                self.timeline.lose_track()
         return result
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Run the step on the GPU without waiting for it (unless its sampling needs the host)."""
         start = self.timeline.begin() if self.timeline is not None and plan.scheduled_requests else None
         launched = self._launch(plan)
-        launched.start = start
+        launched.start, launched.prompt = start, not plan.is_decode_only
         return launched
 
     def _launch(self, plan: StepPlan) -> LaunchedStep:

@@ -30,6 +30,7 @@ class LaunchedStep:
     host: torch.Tensor | None = None
     done: torch.cuda.Event | None = None
     start: torch.cuda.Event | None = None    # before the step's first GPU work (executor/gpu_timeline.py)
+    prompt: bool = False                      # the step has prompt rows (the timeline's prompt share)
 
     def collect(self) -> StepResult:
         if self.result is not None:

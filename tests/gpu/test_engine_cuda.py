@@ -54,8 +54,7 @@ async def test_concurrent_requests_through_the_cuda_executor(parts):
 
 async def test_the_gpu_timeline_counts_the_served_steps(parts):
     """/metrics' GPU busy and idle seconds: every step the engine collects adds its GPU time (CUDA
-    events) and the gap before it; steps of a busy engine are counted, a quiet one adds nothing.
-    NOTE: written without a GPU at hand."""
+    events) and the gap before it; steps of a busy engine are counted, a quiet one adds nothing."""
     engine = build_engine(parts)
     timeline = engine.gpu_timeline
     assert timeline is parts.executor.timeline
@@ -67,6 +66,7 @@ async def test_the_gpu_timeline_counts_the_served_steps(parts):
             async for _ in stream:
                 pass
         assert timeline.steps >= steps + 12 and timeline.busy_s > busy and timeline.idle_s >= 0.0
+        assert 0.0 < timeline.prompt_busy_s < timeline.busy_s      # the prompts' steps, then decode-only ones
         counted = timeline.steps
         await asyncio.sleep(0.2)                                # a quiet engine
         assert timeline.steps == counted
