@@ -330,14 +330,18 @@ class CudaExecutor:
             extra = torch.tensor(logprob_rows(spans), dtype=torch.long, device=self.device)
             sample_rows = torch.cat([sample_rows, extra])
         c, t, n, m = self.config, token_ids.numel(), len(sampling), sample_rows.numel()
+        # Logits in the workspace where they fit: the graph sampler draws from there, so a sampled
+        # step keeps the host from waiting for the GPU (host sampling would read the logits back).
+        shared = self.use_graphs and m <= self.ws.max_rows
         ops = KernelOps(self.weights, "prompt", t,
                         torch.empty(2, t, c.hidden_size, dtype=torch.bfloat16, device=self.device),
-                        torch.empty(m, c.vocab_size, dtype=torch.bfloat16, device=self.device),
-                        torch.empty(m, dtype=torch.int64, device=self.device),
+                        self.ws.logits[:m] if shared else torch.empty(m, c.vocab_size, dtype=torch.bfloat16,
+                                                                      device=self.device),
+                        self.ws.next_tokens[:m] if shared else torch.empty(m, dtype=torch.int64, device=self.device),
                         token_ids=token_ids, prefill=prefill, sample_rows=sample_rows)
         logits = forward(ops, c, layer_outputs=self.layer_outputs)
         self.last_logits = logits[:n]
-        chosen = self._choose(sampling, ops.next_tokens[:n], graph_sampler=False)
+        chosen = self._choose(sampling, ops.next_tokens[:n], graph_sampler=shared)
         if not spans:
             return chosen
         result = self._on_host(*chosen)

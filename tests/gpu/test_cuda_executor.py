@@ -361,3 +361,29 @@ def test_prefix_cache_hits_match_the_reference(ckpt):
     # hits at the previous prompts' last block boundaries: 688 (of 700) and 736 (of 746)
     assert sched.prefix_cache.num_hit_tokens == 688 + 736
     check_against_reference(ckpt, prompts, decode_logits, outputs)
+
+
+def test_a_sampled_eager_prompt_step_draws_on_the_device(ckpt):
+    """A prompt step run eagerly (no prompt graph fits) whose requests sample (temperature > 0, the
+    OpenAI default) draws on the device from the workspace's logits: the launch leaves its tokens in
+    flight (a timed done event, no host result), and a row that can only take its argmax (top_k 1)
+    gets the greedy token."""
+    config, block_size, num_blocks, seqs = ckpt.config, 16, 256, 4
+    kv = KVCache(config, num_blocks, block_size, seqs, torch.bfloat16, "cuda")
+    ex = CudaExecutor(config, ckpt.weights, kv, (), MAX_MODEL_LEN, "cuda", prompt_graph_tokens=())
+    sched = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=512, num_blocks=num_blocks,
+                                      max_model_len=MAX_MODEL_LEN, block_size=block_size,
+                                      sliding_window=config.sliding_window, fused_max_seqs=ex.limits.fused_max_batch))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(config.vocab_size, (n,), generator=gen).tolist() for n in (37, 90, 5)]
+    params = [SamplingParams(temperature=0.9, top_k=1), SamplingParams(temperature=1.0), SamplingParams(temperature=0)]
+    for n, (prompt, p) in enumerate(zip(prompts, params)):
+        sched.add_request(f"r{n}", prompt, dataclasses.replace(p, max_tokens=2, ignore_eos=True))
+    plan = sched.schedule()
+    assert not plan.is_decode_only and all(e.samples for e in plan.scheduled_requests)
+    launched = ex.launch(plan)
+    assert launched.result is None and launched.done is not None      # tokens on the device, not on the host
+    tokens = ex.collect(launched).sampled_token_ids
+    greedy = ex.last_logits.float().argmax(-1).tolist()
+    assert tokens["r0"] == [greedy[0]] and tokens["r2"] == [greedy[2]]
+    assert 0 <= tokens["r1"][0] < config.vocab_size
