@@ -85,6 +85,7 @@ class SplitExecutor(CudaExecutor):
         self.prompt_graph_tokens = ()
         self.inputs = DecodeInputs(256, 64, 4, torch.device("cpu"))
         self.sampled = SampledTokens(512, torch.device("cpu"))
+        self.timeline = None                              # no GPU: no step timing
         self.calls = []
 
     def _decode(self, entries, variant, rows):
