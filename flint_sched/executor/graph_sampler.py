@@ -10,6 +10,8 @@ import torch
 from flint_sched.executor.graphs import padded_batch
 from flint_sched.executor.sampler import draw, filter_rows
 
+HOST_BUFFERS = 4
+
 
 def plain(entry) -> bool:
     """Token choice from the logits as they are: no edits first (grammar mask, bans, bias, penalties), no
@@ -39,16 +41,22 @@ class GraphSampler:
         rows, vocab = logits.shape
         self.vocab = vocab
         self.params = torch.zeros(5, rows, dtype=torch.float32, device=logits.device)
-        # two pinned buffers in turn: filling step N+1's never touches the one step N copies from
-        self._hosts = [torch.zeros_like(self.params, device="cpu", pin_memory=True) for _ in range(2)]
+        # Pinned buffers in turn, each refilled only once the GPU has run its last copy (its event):
+        # a step may sample twice (a mixed step's decode and prompt parts) and the next one is
+        # launched while it runs, so four keep the host from waiting.
+        self._hosts = [torch.zeros_like(self.params, device="cpu", pin_memory=True) for _ in range(HOST_BUFFERS)]
+        self._copied: list[torch.cuda.Event | None] = [None] * HOST_BUFFERS
         self._turn = 0
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=logits.device)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
 
     def __call__(self, entries) -> torch.Tensor:
         """The batch's tokens (int64 on the device, in entry order)."""
-        params_host = self._hosts[self._turn]
-        self._turn ^= 1
+        turn = self._turn
+        self._turn = (turn + 1) % HOST_BUFFERS
+        if (copied := self._copied[turn]) is not None:
+            copied.synchronize()                     # at once unless the GPU is that far behind
+        params_host = self._hosts[turn]
         b, host = len(entries), params_host.numpy()
         rows = padded_batch(b, self.batch_sizes) or b
         for row, e in enumerate(entries):
@@ -57,6 +65,8 @@ class GraphSampler:
                             p.top_p, p.min_p, p.is_greedy)
         host[:, b:rows] = [[1.0], [self.vocab], [1.0], [0.0], [1.0]]     # padding: greedy rows, no masks
         self.params.copy_(params_host, non_blocking=True)
+        self._copied[turn] = torch.cuda.Event()
+        self._copied[turn].record()
         # Masks no row needs stay out of the graph (pure temperature sampling sorts nothing).
         key = (rows, bool((host[1, :b] < self.vocab).any()), bool((host[2, :b] < 1.0).any()), bool(host[3, :b].any()))
         graph = self.graphs.get(key)

@@ -387,3 +387,28 @@ def test_a_sampled_eager_prompt_step_draws_on_the_device(ckpt):
     greedy = ex.last_logits.float().argmax(-1).tolist()
     assert tokens["r0"] == [greedy[0]] and tokens["r2"] == [greedy[2]]
     assert 0 <= tokens["r1"][0] < config.vocab_size
+
+
+def test_graph_sampler_calls_ahead_of_the_gpu_keep_their_own_parameters():
+    """Host calls that run ahead of a busy GPU (a mixed step samples twice, and the next step is
+    launched while it runs): each call's parameters reach the GPU as they were, not overwritten by a
+    later call's through a reused pinned buffer. Greedy rows must keep the argmax even when the calls
+    after them sample at temperature 2 from nearly flat logits."""
+    from flint_sched.core.plan import ScheduledRequest
+    from flint_sched.executor.graph_sampler import GraphSampler
+
+    logits = torch.zeros(8, 1000, device="cuda", dtype=torch.bfloat16)
+    logits[:, 7] = 0.5                                          # the argmax; a hot draw takes it ~0.2 % of the time
+    greedy = logits.float().argmax(-1)
+    sampler = GraphSampler(logits, greedy)
+
+    def batch(params):
+        return [ScheduledRequest(f"r{n}", [0], 0, [], n, True, params, [0], [], False) for n in range(8)]
+
+    cold, hot = batch(SamplingParams(temperature=0)), batch(SamplingParams(temperature=2.0))
+    sampler(cold), sampler(hot)                                 # capture both graphs first
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)                              # ~0.1 s: the host runs ahead of the GPU
+    drawn = [sampler(params).clone() for params in (cold, hot, hot, hot, hot, hot, cold, hot)]
+    assert drawn[0].tolist() == [7] * 8 and drawn[6].tolist() == [7] * 8
+    assert any(t != 7 for t in drawn[1].tolist() + drawn[2].tolist())   # the hot calls did draw
