@@ -45,10 +45,13 @@ CONFIGS = {
     # requests in the full model (RESULTS.md, session 14)
     "g1t4a2": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_ACCS": 2},
     "g1t2a2": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_ACCS": 2},
-    # g1t2 with longer down units (at 16 tokens a g1t2 down unit is 2 rounds a warp)
+    # g1t2 with longer down units (at 16 tokens a g1t2 down unit is 2 rounds a warp): d4 -1.6 % at
+    # 16 requests, d8 +6 % (RESULTS.md, session 17)
     "g1t2d4": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 4},
     "g1t2d8": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 8},
-    # one launch only (expert_decode_moe): down units taking two items of an expert (ED_DOWN_PAIRS)
+    # one launch only (expert_decode_moe): down units taking two items of an expert (ED_DOWN_PAIRS);
+    # two launches run them as the config without. g2w8t4p -1 % at 192-256 requests; g1t2p +2 % at
+    # 16-32, g1t4d8p +5 % at 64-128 (RESULTS.md, session 17)
     "g1t2p": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_DOWN_PAIRS": 1},
     "g1t4d8p": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_DOWN_PAIRS": 1},
     "g2w8t4p": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1},
