@@ -57,33 +57,26 @@ class EngineCollector:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(value))
             yield family
-        preemptions = CounterMetricFamily(PREFIX + "num_preemptions", "Cumulative number of preemptions.",
-                                          labels=["model_name"])
-        preemptions.add_metric([self.model_name], float(engine.num_preemptions))
-        yield preemptions
-        cache = scheduler.prefix_cache
-        for name, doc, value in (
+        cache, timeline = scheduler.prefix_cache, engine.gpu_timeline
+        counters = [
+            ("num_preemptions", "Cumulative number of preemptions.", engine.num_preemptions),
             ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
              0 if cache is None else cache.num_queried_tokens),
             ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
              0 if cache is None else cache.num_hit_tokens),
-        ):
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(value))
-            yield family
-        timeline = engine.gpu_timeline
-        if timeline is None:
-            return
-        for name, doc, value in (
-            ("gpu_busy_seconds", "GPU time of the engine's steps (CUDA events; async scheduling).",
-             timeline.busy_s),
-            ("gpu_prompt_busy_seconds", "GPU time of the steps with prompt rows (part of gpu_busy_seconds).",
-             timeline.prompt_busy_s),
-            ("gpu_idle_seconds", "Time the GPU waited for the host between consecutive steps while the "
-             "engine had work.", timeline.idle_s),
-            ("gpu_stalled_seconds", "Time the GPU was idle while the engine held requests but scheduled "
-             "none.", timeline.stalled_s),
-        ):
+        ]
+        if timeline is not None:                  # the CUDA executor's (executor/gpu_timeline.py)
+            counters += [
+                ("gpu_busy_seconds", "GPU time of the engine's steps (CUDA events; async scheduling).",
+                 timeline.busy_s),
+                ("gpu_prompt_busy_seconds", "GPU time of the steps with prompt rows (part of gpu_busy_seconds).",
+                 timeline.prompt_busy_s),
+                ("gpu_idle_seconds", "Time the GPU waited for the host between consecutive steps while the "
+                 "engine had work.", timeline.idle_s),
+                ("gpu_stalled_seconds", "Time the GPU was idle while the engine held requests but scheduled "
+                 "none.", timeline.stalled_s),
+            ]
+        for name, doc, value in counters:
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(value))
             yield family

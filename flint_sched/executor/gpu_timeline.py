@@ -37,7 +37,12 @@ class GpuTimeline:
         self.prompt_busy_s += busy if prompt else 0.0
         if self._previous_end is not None:
             gap = max(0.0, self._previous_end.elapsed_time(start)) / 1e3
-            setattr(self, self._gap + "_s", getattr(self, self._gap + "_s") + gap)
+            if self._gap == "stalled":
+                self.stalled_s += gap
+            elif self._gap == "quiet":
+                self.quiet_s += gap
+            else:
+                self.idle_s += gap
         self._previous_end, self._gap = end, "idle"
         self.steps += 1
 
