@@ -40,10 +40,23 @@ def test_launcher_constants_match_the_kernel_source():
 
 @pytest.mark.parametrize("batch,max_keys,splits", [
     (1, 100_000, 99), (1, 32_768, 99), (1, 1_024, 16), (1, 513, 9), (1, 1, 1),
-    (8, 100_000, 12), (8, 513, 9), (19, 32_768, 5), (64, 100_000, 1), (64, 1, 1),
+    (8, 100_000, 12), (8, 513, 9), (19, 32_768, 5), (64, 100_000, 3), (64, 513, 1), (64, 1, 1),
+    (96, 100_000, 1), (256, 1_024, 1), (256, 4_096, 1), (256, 32_768, 3),
 ])
 def test_decode_splits(batch, max_keys, splits):
     assert attention.decode_splits(batch, max_keys) == splits
+
+
+def test_wide_splits_only_past_one_wave_and_only_for_long_requests(monkeypatch):
+    """Within one wave every request splits as the grid does; a grid of several waves gives the
+    requests too short to gain one split, from a length of at least MIN_SPLIT_KEYS a split."""
+    assert attention.one_split_below(16, attention.decode_splits(16, 100_000)) == 0
+    assert attention.one_split_below(64, 1) == 0
+    below = attention.one_split_below(64, 3)
+    assert 3 * attention.MIN_SPLIT_KEYS <= below < 1_024
+    assert attention.one_split_below(256, 3) > 4_096        # at 256 only long requests gain
+    monkeypatch.setattr(attention, "WIDE_SPLITS", False)
+    assert attention.decode_splits(64, 100_000) == 1 and attention.decode_splits(256, 32_768) == 1
 
 
 @pytest.mark.parametrize("max_batch", [1, 8, 64])

@@ -32,6 +32,17 @@ MAX_SPLITS = 128
 # (228 KiB, 64 K registers): a grid of 3 CTAs per SM is one full wave. Measured on the H200,
 # three CTAs of 2 stages beat two of 3 stages: the per-warp tile loop is latency-bound.
 CTAS_PER_SM = 3
+# Past one wave: when one split per (request, KV head) leaves the last wave of CTAs poorly filled,
+# more splits can pay for long requests (bench_attention.py, 64 requests, 4K keys: a full layer 176
+# -> 143 µs with 3 splits against 1; RESULTS.md, session 17). decode_splits weighs waves x (keys a
+# split + SPLIT_OVERHEAD_KEYS) (the overhead fitted to those runs: 1-4 splits at 64 / 256 requests,
+# 1K / 4K keys; it overstates the gain, -28 % for the measured -19 %), up to MAX_WIDE_SPLITS, taking
+# more waves only for a modelled gain of WIDE_GAIN; requests too short for that gain then take one
+# split (`one_split_below`). WIDE_SPLITS False: one wave at most, as before.
+WIDE_SPLITS = True
+SPLIT_OVERHEAD_KEYS = 169
+MAX_WIDE_SPLITS = 4
+WIDE_GAIN = 0.1
 MERGE_GROUP = 16             # cuda/decode_attention.cu: splits per first-level merge
 # u32 tickets at the start of the workspace: one final ticket per (request, kv head), then one
 # per merge group of each (MAX_SPLITS / MERGE_GROUP = 8)
@@ -46,14 +57,41 @@ def _kernel(source: str, name: str, defines: tuple = ()) -> Kernel:
 
 
 def decode_splits(batch: int, max_keys: int, kv_heads: int = 4) -> int:
-    """Splits per (request, KV head): fill one wave (CTAS_PER_SM per SM), >= MIN_SPLIT_KEYS keys each.
+    """Splits per (request, KV head): fill one wave (CTAS_PER_SM per SM), >= MIN_SPLIT_KEYS keys each;
+    or, with WIDE_SPLITS, more waves where the cost model (above) says they pay at max_keys.
 
     max_keys is a host-side bound (the longest context the launch, or graph, must serve; the
     window for sliding layers); shorter requests use fewer splits on the device.
     """
-    by_grid = max(1, target_ctas() // (batch * kv_heads))
+    pairs, wave = batch * kv_heads, target_ctas()
     by_keys = max(1, -(-max_keys // MIN_SPLIT_KEYS))
-    return min(by_grid, by_keys, MAX_SPLITS)
+    splits = min(max(1, wave // pairs), by_keys, MAX_SPLITS)
+    if not WIDE_SPLITS:
+        return splits
+    one_wave, best = splits, _split_cost(pairs, splits, max_keys) * (1 - WIDE_GAIN)
+    for wide in range(one_wave + 1, min(MAX_WIDE_SPLITS, by_keys) + 1):
+        if (cost := _split_cost(pairs, wide, max_keys)) < best:
+            splits, best = wide, cost
+    return splits
+
+
+def one_split_below(batch: int, splits: int, kv_heads: int = 4) -> int:
+    """Keys under which a request takes one split though the grid has `splits` (0: none do): where
+    the grid spans more waves than one split a request would, the length from which the cost model
+    (above) gains WIDE_GAIN, at least MIN_SPLIT_KEYS a split."""
+    pairs, wave = batch * kv_heads, target_ctas()
+    if splits == 1 or pairs * splits <= wave:
+        return 0
+    waves_one, waves = -(-pairs // wave) * (1 - WIDE_GAIN), -(-pairs * splits // wave)
+    per_key = waves_one - waves / splits                 # the model's saving a key, less the gain asked
+    if per_key <= 0:
+        return 1 << 30
+    return max(splits * MIN_SPLIT_KEYS, math.ceil(SPLIT_OVERHEAD_KEYS * (waves - waves_one) / per_key))
+
+
+def _split_cost(pairs: int, splits: int, keys: int) -> int:
+    """The cost model: waves of CTAs x (keys a split + SPLIT_OVERHEAD_KEYS)."""
+    return -(-pairs * splits // target_ctas()) * (-(-keys // splits) + SPLIT_OVERHEAD_KEYS)
 
 
 def target_ctas() -> int:
@@ -63,7 +101,7 @@ def target_ctas() -> int:
 
 def workspace_partials(max_batch: int = MAX_BATCH, kv_heads: int = 4) -> int:
     """Partial slots any `decode_splits` choice needs: batch * kv_heads * splits <= this."""
-    return max(target_ctas(), max_batch * kv_heads)
+    return max(target_ctas(), max_batch * kv_heads * (MAX_WIDE_SPLITS if WIDE_SPLITS else 1))
 
 
 def attention_workspace(device: torch.device | str, max_batch: int = MAX_BATCH, kv_heads: int = 4,
@@ -199,6 +237,7 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
     splits = decode_splits(b, max_keys, g) if num_splits is None else num_splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits {splits} outside 1..{MAX_SPLITS}")
+    one_below = one_split_below(b, splits, g) if num_splits is None else 0    # forced: every request splits
     need = TICKET_SLOTS + b * g * splits * PARTIAL_FLOATS
     if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32 or workspace.numel() < need:
         raise ValueError(f"workspace must be fp32 with >= {need} elements (attention_workspace)")
@@ -210,7 +249,7 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
     _kernel("decode_attention.cu", "decode_attention_bf16", (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS),)).launch(
         (splits, g, b), (ATTN_THREADS,),
         [out, q, k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window),
-         seq_lens, sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E), workspace,
+         seq_lens, I32(one_below), sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E), workspace,
          workspace[TICKET_SLOTS:]],
         shared_bytes=ATTN_SMEM_BYTES, pdl=pdl, device=dev.index)
     return out

@@ -14,6 +14,7 @@ from flint_sched.kernels.attention import (
     decode_attention_full,
     decode_attention_sliding,
     decode_splits,
+    one_split_below,
     qk_norm_rope_kv_full,
     qk_norm_rope_kv_sliding,
 )
@@ -143,6 +144,17 @@ def test_full_forced_splits(num_splits):
 def test_full_bound_far_above_lengths():
     """A graph captured for 100K serving short requests: most splits exit early."""
     run_full([1, 64, 65, 1000, 4097], max_seq_len=LONG, seed=7)
+
+
+@pytest.mark.parametrize("batch,bound", [(64, LONG), (128, 2_048)])
+def test_full_wide_splits_serve_short_and_long_requests(batch, bound):
+    """A grid of several waves (decode_splits' wide splits): requests shorter than one_split_below
+    take one split, longer ones every split, padding requests none; all match the reference."""
+    splits = decode_splits(batch, bound)
+    below = one_split_below(batch, splits)
+    assert splits > 1 and below > 0, (splits, below)
+    around = [0, 1, 64, below - 1, below, below + 1, 1_000, bound]
+    run_full([around[i % len(around)] for i in range(batch)], max_seq_len=bound, seed=batch)
 
 
 def test_full_fp32_sinks_and_padding_request():
