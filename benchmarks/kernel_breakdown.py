@@ -37,7 +37,7 @@ def _per_step(totals: dict[str, list[float]], num_steps: int) -> list[tuple[str,
     return sorted(rows, key=lambda row: -row[1])
 
 
-def format_breakdown(rows: list[tuple[str, float, float]], step_ms: float, top: int = 15) -> str:
+def format_breakdown(rows: list[tuple[str, float, float]], step_ms: float, top: int = 22) -> str:
     busy_us = sum(us for _, us, _ in rows)
     lines = [(f"  GPU busy {busy_us / 1e3:.3f} ms of a {step_ms:.3f} ms step "
              f"({100 * busy_us / 1e3 / step_ms:.0f} %), {sum(n for *_, n in rows):.0f} kernels per step")]

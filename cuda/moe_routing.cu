@@ -12,6 +12,9 @@
 //     work list    items of <= chunk rows of one expert, an expert's items adjacent:
 //                  work_expert[i], work_row[i] (first sorted row), num_work[0] items; with
 //                  heavy_first, experts of more than chunk / 2 rows first (sort_pairs)
+//     split list   with split > 0, the experts of more than `split` rows are not in the work list
+//                  but in a second one of items of <= big_chunk rows (work2_expert, work2_row,
+//                  num_work2): the tiled expert GEMMs take those, the decode GEMMs the rest
 //
 //   moe_route: both in one launch: every CTA selects for its tokens, the last CTA to take the
 //              ticket sorts and resets the ticket (so a CUDA graph replays it); a grid of one
@@ -84,6 +87,9 @@ struct Sorted {
   int* work_expert;
   int* work_row;
   int* num_work;
+  int* work2_expert;  // the split list (split > 0)
+  int* work2_row;
+  int* num_work2;
 };
 
 // Shared memory of sort_pairs (a multiple of 16 bytes); moe_route stages up to STAGED_IDS ids after it.
@@ -96,7 +102,8 @@ __device__ __forceinline__ int sort_smem_bytes(int E) {
 // warp totals [32] u64.
 template <bool SMEM_IDS>
 __device__ __forceinline__ void sort_pairs(const Sorted& out, const int* ids, int ntok, int M,
-                                           int A, int E, int chunk, bool heavy_first, unsigned char* smem) {
+                                           int A, int E, int chunk, bool heavy_first, int split, int big_chunk,
+                                           unsigned char* smem) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, bins = E + 1;
   int* hist = reinterpret_cast<int*>(smem);
   u64* scan = reinterpret_cast<u64*>(smem + ((ROUTING_WARPS * bins * 4 + 15) & ~15));
@@ -118,7 +125,8 @@ __device__ __forceinline__ void sort_pairs(const Sorted& out, const int* ids, in
   // light items << 32 | count, where an expert is heavy (heavy_first) if it has more than chunk / 2
   // rows: the work list holds the heavy experts' items first, so the longest items start in the
   // first waves of CTAs and the last wave is of short ones. Either way an expert's items are
-  // adjacent and in row order.
+  // adjacent and in row order. With split > 0 the "heavy" experts are those of more than `split`
+  // rows, in items of big_chunk rows, and their items go to the split list instead.
   for (int e = tid; e < bins; e += blockDim.x) {
     int count = 0;
     for (int w = 0; w < ROUTING_WARPS; ++w) {
@@ -126,26 +134,37 @@ __device__ __forceinline__ void sort_pairs(const Sorted& out, const int* ids, in
       hist[w * bins + e] = count;
       count += c;
     }
-    const u64 items = (count + chunk - 1) / chunk;
-    scan[e] = (heavy_first && 2 * count > chunk ? items << 48 : items << 32) | (u64)count;
+    if (split > 0 && count > split)
+      scan[e] = ((u64)((count + big_chunk - 1) / big_chunk) << 48) | (u64)count;
+    else {
+      const u64 items = (count + chunk - 1) / chunk;
+      scan[e] = (heavy_first && split <= 0 && 2 * count > chunk ? items << 48 : items << 32) | (u64)count;
+    }
   }
   __syncthreads();
   block_exclusive_scan(scan, bins, warp_total);
-  const int heavy_total = (int)(scan[bins] >> 48);
+  const int heavy_total = (int)(scan[bins] >> 48), light_total = (int)((scan[bins] >> 32) & 0xFFFFu);
   for (int e = tid; e <= bins; e += blockDim.x) out.offsets[e] = (int)(u32)scan[e];
-  const int num_work = heavy_total + (int)((scan[bins] >> 32) & 0xFFFFu);
-  if (tid == 0) *out.num_work = num_work;
+  const int num_work = split > 0 ? light_total : heavy_total + light_total;
+  if (tid == 0) {
+    *out.num_work = num_work;
+    if (split > 0) *out.num_work2 = heavy_total;
+  }
   for (int i = tid; i <= num_work; i += blockDim.x) out.queue[i] = 0;
   for (int e = tid; e < bins; e += blockDim.x) {
     const int row = (int)(u32)scan[e];
     const int heavy = (int)(scan[e] >> 48), light = (int)((scan[e] >> 32) & 0xFFFFu);
     const int heavy_items = (int)(scan[e + 1] >> 48) - heavy;
     const int items = heavy_items ? heavy_items : (int)((scan[e + 1] >> 32) & 0xFFFFu) - light;
-    const int item = heavy_items ? heavy : heavy_total + light;
+    const bool to_split = split > 0 && heavy_items;  // the split list; else the work list, heavy first
+    const int item = heavy_items ? heavy : split > 0 ? light : heavy_total + light;
+    int* const we = to_split ? out.work2_expert : out.work_expert;
+    int* const wr = to_split ? out.work2_row : out.work_row;
+    const int step = to_split ? big_chunk : chunk;
     for (int w = 0; w < ROUTING_WARPS; ++w) hist[w * bins + e] += row;
     for (int j = 0; j < items; ++j) {
-      out.work_expert[item + j] = e;
-      out.work_row[item + j] = row + j * chunk;
+      we[item + j] = e;
+      wr[item + j] = row + j * step;
     }
   }
   __syncthreads();
@@ -169,8 +188,9 @@ __device__ __forceinline__ void sort_pairs(const Sorted& out, const int* ids, in
 }
 
 __device__ __forceinline__ Sorted sorted_of(int* queue, int* offsets, int* sorted_token, int* pair_row,
-                                            int* work_expert, int* work_row, int* num_work) {
-  return {queue, offsets, sorted_token, pair_row, work_expert, work_row, num_work};
+                                            int* work_expert, int* work_row, int* num_work, int* work2_expert,
+                                            int* work2_row, int* num_work2) {
+  return {queue, offsets, sorted_token, pair_row, work_expert, work_row, num_work, work2_expert, work2_row, num_work2};
 }
 
 // moe_sort and moe_route: dynamic shared memory of the sort's size (kernels/grouped_moe.py
@@ -187,20 +207,21 @@ moe_topk(int* ids, float* weights, const float* logits, const float* bias,
 
 extern "C" __global__ void __launch_bounds__(ROUTING_WARPS * 32)
 moe_sort(int* queue, int* offsets, int* sorted_token, int* pair_row, int* work_expert, int* work_row,
-         int* num_work, const int* ids, const int* num_tokens, int M, int E, int A, int chunk,
-         int heavy_first) {
+         int* num_work, int* work2_expert, int* work2_row, int* num_work2, const int* ids, const int* num_tokens,
+         int M, int E, int A, int chunk, int heavy_first, int split, int big_chunk) {
   extern __shared__ __align__(16) unsigned char smem[];
   pdl_launch_dependents();
   pdl_wait();
-  sort_pairs<false>(sorted_of(queue, offsets, sorted_token, pair_row, work_expert, work_row, num_work), ids,
-                    num_real(num_tokens, M), M, A, E, chunk, heavy_first, smem);
+  sort_pairs<false>(sorted_of(queue, offsets, sorted_token, pair_row, work_expert, work_row, num_work, work2_expert,
+                              work2_row, num_work2),
+                    ids, num_real(num_tokens, M), M, A, E, chunk, heavy_first, split, big_chunk, smem);
 }
 
 extern "C" __global__ void __launch_bounds__(ROUTING_WARPS * 32, 1)
 moe_route(int* ids, float* weights, int* queue, int* offsets, int* sorted_token, int* pair_row,
-          int* work_expert, int* work_row, int* num_work, u32* ticket, const float* logits,
-          const float* bias, const int* num_tokens, int M, int E, int A, float scaling, int chunk,
-          int heavy_first) {
+          int* work_expert, int* work_row, int* num_work, int* work2_expert, int* work2_row, int* num_work2,
+          u32* ticket, const float* logits, const float* bias, const int* num_tokens, int M, int E, int A,
+          float scaling, int chunk, int heavy_first, int split, int big_chunk) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int ids_s[ROUTING_WARPS * MAX_TOP_K];  // one CTA: the ids the sort reads
   __shared__ u32 is_last;
@@ -209,11 +230,12 @@ moe_route(int* ids, float* weights, int* queue, int* offsets, int* sorted_token,
   pdl_launch_dependents();
   pdl_wait();
   const int ntok = num_real(num_tokens, M);
-  const Sorted sorted = sorted_of(queue, offsets, sorted_token, pair_row, work_expert, work_row, num_work);
+  const Sorted sorted = sorted_of(queue, offsets, sorted_token, pair_row, work_expert, work_row, num_work,
+                                  work2_expert, work2_row, num_work2);
   const bool one_cta = gridDim.x == 1;  // <= ROUTING_WARPS tokens: no ticket, ids stay in shared memory
   topk_tokens(ids, weights, logits, b, ntok, E, A, scaling, one_cta ? ids_s : nullptr);
   __syncthreads();
-  if (one_cta) return sort_pairs<true>(sorted, ids_s, ntok, M, A, E, chunk, heavy_first, smem);
+  if (one_cta) return sort_pairs<true>(sorted, ids_s, ntok, M, A, E, chunk, heavy_first, split, big_chunk, smem);
   // Last-block pattern (router.cu): barrier, fence, ticket; the last CTA fences before reading.
   if (threadIdx.x == 0) {
     __threadfence();
@@ -224,13 +246,14 @@ moe_route(int* ids, float* weights, int* queue, int* offsets, int* sorted_token,
   __threadfence();
   if (threadIdx.x == 0) *ticket = 0u;
   const int n_ids = ntok * A;
-  if (n_ids > STAGED_IDS) return sort_pairs<false>(sorted, ids, ntok, M, A, E, chunk, heavy_first, smem);
+  if (n_ids > STAGED_IDS)
+    return sort_pairs<false>(sorted, ids, ntok, M, A, E, chunk, heavy_first, split, big_chunk, smem);
   // The other CTAs' ids into shared memory, all loads in flight at once: the sort reads each twice.
   int* staged = reinterpret_cast<int*>(smem + sort_smem_bytes(E));
 #pragma unroll 4
   for (int i = threadIdx.x; i < n_ids; i += blockDim.x) staged[i] = __ldcg(ids + i);
   __syncthreads();
-  sort_pairs<true>(sorted, staged, ntok, M, A, E, chunk, heavy_first, smem);
+  sort_pairs<true>(sorted, staged, ntok, M, A, E, chunk, heavy_first, split, big_chunk, smem);
 }
 
 // out[t, c..c+7] as bf16 words: residual + the weighted expert rows + the shared expert's row.

@@ -41,6 +41,42 @@ def test_work_bound_covers_every_distribution(chunk):
     assert items_of(routed_counts([[t % 256] for t in range(256 * 9)], 256), 8) == grouped.work_bound(256 * 9, 1, 256, 8)
 
 
+@pytest.mark.parametrize("split", (1, 8, 32, 64, 200))
+@pytest.mark.parametrize("chunk", grouped.CHUNKS)
+def test_split_bounds_cover_every_distribution(chunk, split):
+    """route_and_split's two lists: the items of experts of at most `split` rows (in `chunk`-row
+    items) and of the others (128-row items) within split_bounds, for spread, piled-up, skewed and
+    random choices."""
+    rng = random.Random(chunk * 1000 + split)
+    for tokens, experts, top_k in itertools.product((1, 7, 16, 64, 100, 257, 600, 4099), (32, 256), (1, 6)):
+        small_bound, tiled_bound = grouped_moe.split_bounds(tokens, top_k, experts, chunk, split)
+        spread = [[(t * top_k + j) % experts for j in range(top_k)] for t in range(tokens)]
+        same = [list(range(top_k))] * tokens
+        skewed = [sorted(rng.sample(range(min(experts, 3 * top_k)), top_k)) if t % 3 else rng.sample(range(experts), top_k)
+                  for t in range(tokens)]
+        rand = [rng.sample(range(experts), top_k) for _ in range(tokens)]
+        for choices in (spread, same, skewed, rand):
+            counts = routed_counts(choices, experts)
+            small = items_of([c for c in counts if c <= split], chunk)
+            tiled = items_of([c for c in counts if c > split], 128)
+            assert small <= small_bound and tiled <= tiled_bound, (tokens, experts, top_k, chunk, split)
+    # 16 tokens: no expert can pass 16 rows, so the tiled list is empty (moe_grouped launches no tile)
+    assert grouped_moe.split_bounds(16, 6, 256, 16, 200)[1] == 0
+    assert grouped_moe.split_bounds(64, 6, 256, 16, 32) == (grouped.work_bound(64, 6, 256, 16), 448 // 33 + 448 // 128)
+
+
+def test_hybrid_gemms_choice(monkeypatch):
+    """The hybrid GEMMs only where both kinds fit (NVFP4, Flint's shapes) and only when asked for or
+    from HYBRID_MIN_TOKENS on (off by default)."""
+    assert grouped_moe.expert_gemms(4096, "nvfp4", 2048, 512) == "tiled"
+    assert grouped_moe.expert_gemms(64, "nvfp4", 2048, 512, "hybrid") == "hybrid"
+    assert grouped_moe.expert_gemms(64, "bf16", 2048, 512, "hybrid") == "swap-ab"   # no decode GEMMs for BF16
+    monkeypatch.setattr(grouped_moe, "HYBRID_MIN_TOKENS", 512)
+    assert grouped_moe.expert_gemms(511, "nvfp4", 2048, 512) == "decode"
+    assert grouped_moe.expert_gemms(512, "nvfp4", 2048, 512) == "hybrid"
+    assert grouped_moe.expert_gemms(512, "bf16", 2048, 512) == "tiled"
+
+
 def test_work_bound_values():
     assert grouped.work_bound(64, 6, 256, 16) == 256 + 128 // 16 + 4   # 384 routed rows, 64 shared
     assert grouped.work_bound(16, 6, 256, 8) == 96 + 2                   # every routed row alone

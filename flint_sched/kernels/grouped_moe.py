@@ -8,6 +8,9 @@ the decode GEMMs run gate/up and down as one, FUSED_DECODE_CONFIGS):
     y_sorted [P, H]  = h_sorted @ Wd_e^T                           moe_down_sorted
     out [M, H] = residual + sum_a w * y_sorted[pair_row] + shared  moe_finalize (+ the next RMSNorm)
 
+With gemms="hybrid" (HYBRID_MIN_TOKENS), route_and_split writes two work lists from one sort: the
+experts of many rows run the tiled GEMMs, the others the decode GEMMs, each writing its own rows.
+
 P = M * (A + 1) rows at most (slot A: the shared expert, expert id E, weight 1). Nothing leaves the
 GPU: item counts stay in the workspace and grids are sized by `work_bound`. All buffers live in
 one `MoeRoutingWorkspace`, so a call allocates nothing and can be captured in a CUDA graph; the
@@ -76,6 +79,9 @@ class MoeRoutingWorkspace:
     num_work: torch.Tensor      # int32 [1]
     ticket: torch.Tensor        # int32 [1], zero between calls
     queue: torch.Tensor         # int32 [1 + max items]: expert_decode_moe's unit counters, zeroed by the routing
+    work2_expert: torch.Tensor  # int32 [work bound at expert_gemm.TILE_M]: route_and_split's tiled list
+    work2_row: torch.Tensor
+    num_work2: torch.Tensor     # int32 [1]
     h_sorted: torch.Tensor | None = None  # bf16 [P_max, I]
     y_sorted: torch.Tensor | None = None  # bf16 [P_max, H]
 
@@ -90,6 +96,7 @@ def moe_routing_workspace(max_tokens: int, num_experts: int, top_k: int, device:
                          f"min(num_experts, {MAX_TOP_K}); got {max_tokens}, {num_experts}, {top_k}")
     pairs = max_tokens * (top_k + 1)
     items = work_bound(max_tokens, top_k, num_experts, min(CHUNKS))
+    tiles = work_bound(max_tokens, top_k, num_experts, expert_gemm.TILE_M)
 
     def ints(*shape):
         return torch.zeros(shape, dtype=torch.int32, device=device)
@@ -103,7 +110,7 @@ def moe_routing_workspace(max_tokens: int, num_experts: int, top_k: int, device:
         ids=ints(max_tokens, top_k), weights=torch.zeros(max_tokens, top_k, dtype=torch.float32, device=device),
         offsets=ints(num_experts + 2), sorted_token=ints(pairs), pair_row=ints(max_tokens, top_k + 1),
         work_expert=ints(items), work_row=ints(items), num_work=ints(1), ticket=ints(1), queue=ints(1 + items),
-        h_sorted=rows(intermediate_size), y_sorted=rows(hidden_size))
+        work2_expert=ints(tiles), work2_row=ints(tiles), num_work2=ints(1), h_sorted=rows(intermediate_size), y_sorted=rows(hidden_size))
 
 
 @dataclass
@@ -133,7 +140,34 @@ def route_and_sort(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling
     """Sigmoid top-k of fp32 logits [M, E] (as route() in model/reference.py), then the counting sort
     by expert; fused: one launch (the last CTA sorts), else moe_topk + moe_sort. heavy_first (None:
     HEAVY_FIRST): the work list holds the items of experts with more than chunk / 2 rows first."""
-    ws = workspace
+    heavy = HEAVY_FIRST if heavy_first is None else heavy_first
+    return _route(logits, bias, top_k, scaling, workspace, num_tokens, pdl, chunk, fused, heavy, 0)[0]
+
+
+def route_and_split(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
+                    workspace: MoeRoutingWorkspace, chunk: int, split: int, num_tokens: torch.Tensor | None = None,
+                    pdl: bool = False, fused: bool = True) -> tuple[Routing, Routing]:
+    """route_and_sort with two work lists over the same sorted rows: the experts of at most `split`
+    rows in items of `chunk` rows (the decode GEMMs'), the others (the shared expert among them once
+    M > split) in items of expert_gemm.TILE_M rows (the tiled GEMMs'). Each sorted row is in exactly
+    one list's items. Returns (the chunk list, the tiled list)."""
+    if split < 1:
+        raise ValueError(f"split must be a positive number of rows, got {split}")
+    return _route(logits, bias, top_k, scaling, workspace, num_tokens, pdl, chunk, fused, False, split)
+
+
+def split_bounds(num_tokens: int, top_k: int, num_experts: int, chunk: int, split: int) -> tuple[int, int]:
+    """Most items route_and_split's two lists can hold: an expert of the first has at most `split`
+    rows, so ceil(split / chunk) items; the second's experts have more than `split` rows each, so
+    there are at most P // (split + 1) of them, and ceil(c / TILE_M) <= 1 + (c - 1) // TILE_M sums to
+    at most that count + P // TILE_M (P = num_tokens * (top_k + 1) sorted rows)."""
+    pairs, big = num_tokens * (top_k + 1), expert_gemm.TILE_M
+    small = min(work_bound(num_tokens, top_k, num_experts, chunk), (num_experts + 1) * cdiv(split, chunk))
+    tiled = min(work_bound(num_tokens, top_k, num_experts, big), min(num_experts + 1, pairs // (split + 1)) + pairs // big)
+    return small, tiled
+
+
+def _route(logits, bias, top_k, scaling, ws, num_tokens, pdl, chunk, fused, heavy_first, split):
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError("logits must be fp32 [tokens, experts]")
     m, e = logits.shape
@@ -150,27 +184,32 @@ def route_and_sort(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling
     pairs = m * (top_k + 1)
     if work_bound(m, top_k, e, chunk) > MAX_ITEMS:
         raise ValueError(f"{m} tokens in items of {chunk} rows make more than {MAX_ITEMS} work items")
-    heavy = I32(int(HEAVY_FIRST if heavy_first is None else heavy_first))
+    big = expert_gemm.TILE_M
     r = Routing(ws.ids[:m], ws.weights[:m], ws.offsets, ws.sorted_token[:pairs], ws.pair_row[:m],
                 ws.work_expert, ws.work_row, ws.num_work, e, chunk, work_bound(m, top_k, e, chunk))
+    tiled = Routing(r.ids, r.weights, r.offsets, r.sorted_token, r.pair_row, ws.work2_expert, ws.work2_row,
+                    ws.num_work2, e, big, work_bound(m, top_k, e, big))
+    if split:   # tighter grids: the GEMMs' CTAs past the item count exit, but each takes a slot
+        r.max_items, tiled.max_items = split_bounds(m, top_k, e, chunk, split)
     shared = routing_shared_bytes(e)
-    sort_args = [ws.queue, r.offsets, r.sorted_token, r.pair_row, r.work_expert, r.work_row, r.num_work]
+    sort_args = [ws.queue, r.offsets, r.sorted_token, r.pair_row, r.work_expert, r.work_row, r.num_work,
+                 tiled.work_expert, tiled.work_row, tiled.num_work]
+    list_args = [I32(chunk), I32(int(heavy_first)), I32(split), I32(big)]
     dev = logits.device.index
     if fused:
         routing_kernel("moe_route", e).launch(
             (cdiv(m, ROUTING_WARPS),), (ROUTING_THREADS,),
             [r.ids, r.weights, *sort_args, ws.ticket, logits, bias, num_tokens, I32(m), I32(e), I32(top_k),
-             F32(scaling), I32(chunk), heavy], shared_bytes=shared, pdl=pdl, device=dev)
+             F32(scaling), *list_args], shared_bytes=shared, pdl=pdl, device=dev)
     else:
         routing_kernel("moe_topk", e).launch(
             (cdiv(m, ROUTING_WARPS),), (ROUTING_THREADS,),
             [r.ids, r.weights, logits, bias, num_tokens, I32(m), I32(e), I32(top_k), F32(scaling)],
             pdl=pdl, device=dev)
         routing_kernel("moe_sort", e).launch(
-            (1,), (ROUTING_THREADS,), [*sort_args, r.ids, num_tokens, I32(m), I32(e), I32(top_k), I32(chunk),
-                                           heavy],
+            (1,), (ROUTING_THREADS,), [*sort_args, r.ids, num_tokens, I32(m), I32(e), I32(top_k), *list_args],
             shared_bytes=shared, pdl=pdl, device=dev)
-    return r
+    return r, tiled
 
 
 def moe_tiles_per_cta() -> int:
@@ -281,21 +320,33 @@ ROUTER_GEMV_WARPS = 4
 # 256: 15.70 / 14.87. The picks of session 17 (g1t2d4, g2w8t4p) run one launch; g2w8t4p's down
 # units take two items of an expert (ED_DOWN_PAIRS), which only the one-launch kernel does.
 FUSED_DECODE_CONFIGS = frozenset({"g1t2", "g2w8t4", "g1t2d4", "g2w8t4p"})
-GEMMS = ("swap-ab", "decode", "tiled")
+# NVFP4 steps of at least HYBRID_MIN_TOKENS tokens split the experts by their rows (route_and_split):
+# those of more than HYBRID_SPLIT_ROWS take the tiled GEMMs (each weight decoded once a 128-row tile;
+# on the decode GEMMs once an item of 8-16 rows), the others the decode GEMMs (no tile of 128 rows
+# padded around a few). Both write their own rows of the same h / y buffers. Off by default: full
+# model, NVFP4, split 32 (RESULTS.md, session 18), it takes 10-19 % off mixed steps of 64-256 decodes
+# + 1,024 prompt rows and 2.7 % off 256 + 7,936, but adds 16 % to a lone 1K prompt, 2 % to an 8K
+# one, and 10-65 % to decode-only steps (the tiled GEMMs' few long CTAs): it wants the step's
+# composition (decode rows beside the prompt), which moe_grouped does not see.
+HYBRID_MIN_TOKENS = 1 << 30
+HYBRID_SPLIT_ROWS = 32
+GEMMS = ("swap-ab", "decode", "tiled", "hybrid")
 
 
 def expert_gemms(num_tokens: int, fmt: str, hidden: int, inter: int, gemms: str | None = None) -> str:
-    """The expert GEMMs moe_grouped runs: "tiled" (cuda/expert_gemm.cu) from
-    EXPERT_GEMM_MIN_TOKENS[fmt] tokens on, below that "decode" (cuda/expert_decode.cu, NVFP4) or
-    "swap-ab" (cuda/grouped_gemm.cu, BF16); `gemms` forces one, where the shapes fit it (else
-    "swap-ab", which takes any)."""
+    """The expert GEMMs moe_grouped runs: "hybrid" (both below, split by rows an expert) from
+    HYBRID_MIN_TOKENS tokens on, else "tiled" (cuda/expert_gemm.cu) from EXPERT_GEMM_MIN_TOKENS[fmt]
+    tokens on, below that "decode" (cuda/expert_decode.cu, NVFP4) or "swap-ab" (cuda/grouped_gemm.cu,
+    BF16); `gemms` forces one, where the shapes fit it (else "swap-ab", which takes any)."""
     if gemms is not None and gemms not in GEMMS:
         raise ValueError(f"gemms must be one of {GEMMS}, got {gemms!r}")
     tiled = expert_gemm.supported(fmt, hidden, inter)
     decode = expert_decode.supported(fmt, hidden, inter)
     if gemms is None:
+        if tiled and decode and num_tokens >= HYBRID_MIN_TOKENS:
+            return "hybrid"
         return "tiled" if tiled and num_tokens >= EXPERT_GEMM_MIN_TOKENS[fmt] else "decode" if decode else "swap-ab"
-    return gemms if {"tiled": tiled, "decode": decode, "swap-ab": True}[gemms] else "swap-ab"
+    return gemms if {"tiled": tiled, "decode": decode, "hybrid": tiled and decode, "swap-ab": True}[gemms] else "swap-ab"
 
 
 def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
@@ -320,21 +371,43 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
     else:
         logits = grouped_linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl)
     path = expert_gemms(m, weight_format(gate), hidden, inter, gemms)
-    one_launch = False
-    if path == "tiled":
-        chunk, gate_up_gemm, down_gemm = expert_gemm.TILE_M, expert_gemm.expert_gate_up, expert_gemm.expert_down
+    h_out, y_out = ws.h_sorted[:pairs], ws.y_sorted[:pairs]
+    if path == "hybrid":   # the tiled GEMMs over the heavy experts first, the decode GEMMs then write the rest
+        config = expert_decode.pick_config(m)
+        routing, tiled = route_and_split(logits, bias, top_k, scaling, ws, expert_decode.rows_per_item(config),
+                                         HYBRID_SPLIT_ROWS, num_tokens=num_tokens, pdl=pdl)
+        # One after the other: on a side stream beside the tiled GEMMs, a 1K prompt lost 4 % instead
+        # of 14 %, but 256 decodes + 1,024 prompt rows took 48.9 ms instead of 36.8 (RESULTS.md,
+        # session 18)
+        if tiled.max_items:   # else no expert can have more than split rows
+            h = expert_gemm.expert_gate_up(x, tiled, gate, up, shared_gate, shared_up, out=h_out, pdl=pdl)
+            expert_gemm.expert_down(h, tiled, down, shared_down, out=y_out, pdl=pdl)
+        y = _decode_gemms(x, routing, ws, config, gate, up, shared_gate, shared_up, down, shared_down, pdl)
     elif path == "decode":
         config = expert_decode.pick_config(m)
-        chunk, one_launch = expert_decode.rows_per_item(config), config in FUSED_DECODE_CONFIGS
-        gate_up_gemm, down_gemm = expert_decode.expert_decode_gate_up, expert_decode.expert_decode_down
+        routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl,
+                                 chunk=expert_decode.rows_per_item(config))
+        y = _decode_gemms(x, routing, ws, config, gate, up, shared_gate, shared_up, down, shared_down, pdl)
     else:
-        chunk, gate_up_gemm, down_gemm = None, moe_gate_up_sorted, moe_down_sorted
-    routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl, chunk=chunk)
-    if one_launch:
-        y = expert_decode.expert_decode_moe(x, routing, ws.queue, gate, up, shared_gate, shared_up, down, shared_down,
-                                            ws.h_sorted[:pairs], out=ws.y_sorted[:pairs], pdl=pdl)
-    else:
-        h = gate_up_gemm(x, routing, gate, up, shared_gate, shared_up, out=ws.h_sorted[:pairs], pdl=pdl)
-        y = down_gemm(h, routing, down, shared_down, out=ws.y_sorted[:pairs], pdl=pdl)
+        tiled_path = path == "tiled"
+        routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl,
+                                 chunk=expert_gemm.TILE_M if tiled_path else None)
+        gate_up_gemm, down_gemm = ((expert_gemm.expert_gate_up, expert_gemm.expert_down) if tiled_path
+                                   else (moe_gate_up_sorted, moe_down_sorted))
+        h = gate_up_gemm(x, routing, gate, up, shared_gate, shared_up, out=h_out, pdl=pdl)
+        y = down_gemm(h, routing, down, shared_down, out=y_out, pdl=pdl)
     return moe_finalize(y, routing, residual, num_tokens=num_tokens, out=out, pdl=pdl, norm_weight=norm_weight,
                         norm_out=norm_out, norm_eps=norm_eps)
+
+
+def _decode_gemms(x, routing, ws, config, gate, up, shared_gate, shared_up, down, shared_down, pdl):
+    """The decode GEMMs of config over the routing's work list, in one launch where the config has it
+    (FUSED_DECODE_CONFIGS); y_sorted."""
+    pairs = routing.sorted_token.numel()
+    h_out, y_out = ws.h_sorted[:pairs], ws.y_sorted[:pairs]
+    if config in FUSED_DECODE_CONFIGS:
+        return expert_decode.expert_decode_moe(x, routing, ws.queue, gate, up, shared_gate, shared_up, down,
+                                               shared_down, h_out, out=y_out, pdl=pdl, config=config)
+    h = expert_decode.expert_decode_gate_up(x, routing, gate, up, shared_gate, shared_up, out=h_out, pdl=pdl,
+                                            config=config)
+    return expert_decode.expert_decode_down(h, routing, down, shared_down, out=y_out, pdl=pdl, config=config)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from flint_sched.kernels import expert_decode, grouped, grouped_gate_up, grouped_moe, grouped_linear, moe_grouped, moe_routing_workspace, route_and_sort
+from flint_sched.kernels.grouped_moe import route_and_split
 from flint_sched.kernels.dequant import dequantize_bf16
 from flint_sched.kernels.linear import concat_rows
 from flint_sched.kernels.norm import rms_norm
@@ -89,6 +90,55 @@ def test_route_and_sort(tokens, experts, fused, heavy_first):
         check_metadata(r, r.ids, ntok, tokens, top_k, experts, heavy_first)
         assert (ws.queue[:int(r.num_work) + 1] == 0).all(), "expert_decode_moe's queue not zeroed"
         assert int(ws.ticket) == 0, "ticket not reset"
+
+
+def check_split_lists(small, tiled, ntok, split):
+    """route_and_split's two work lists: the experts of at most `split` rows in the first (items of
+    its chunk), the others in the tiled one (items of 128 rows), each in expert order, each sorted
+    row in exactly one item of one list."""
+    offsets = small.offsets.cpu().long()
+    counts = offsets.diff()
+    pairs = int(offsets[-1])
+    covered = torch.zeros(pairs, dtype=torch.int64)
+    for r, heavy in ((small, False), (tiled, True)):
+        n = int(r.num_work)
+        assert n <= r.max_items, f"{n} items > bound {r.max_items}"
+        we, wr = r.work_expert[:n].cpu().long(), r.work_row[:n].cpu().long()
+        assert ((counts[we] > split) == heavy).all(), f"an expert in the wrong list (split {split})"
+        assert ((we * (pairs + 1) + wr).diff() > 0).all(), "items out of expert or row order"
+        for e, row in zip(we.tolist(), wr.tolist()):
+            end = min(row + r.chunk, int(offsets[e + 1]))
+            assert offsets[e] <= row < end, f"item ({e}, {row}) outside its expert"
+            covered[row:end] += 1
+    assert (covered == 1).all(), "the two lists do not cover every row exactly once"
+    assert pairs == ntok * (small.ids.shape[1] + 1)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernels"])
+@pytest.mark.parametrize("split", [4, 32])
+@pytest.mark.parametrize("tokens", [1, 16, 100, 600, 4099])
+def test_route_and_split(tokens, split, fused):
+    """Two work lists from one sort (hybrid expert GEMMs), five experts made heavy by the bias; the
+    routing itself as route_and_sort's (same ids, weights, sorted rows)."""
+    top_k, experts = 6, 256
+    g = gen(tokens + split)
+    logits = 2 * torch.randn(tokens, experts, device="cuda", generator=g)
+    bias = 0.1 * torch.randn(experts, device="cuda", generator=g)
+    bias[[3, 50, 51, 200, 255]] += 3.0
+    ws = moe_routing_workspace(tokens, experts, top_k, "cuda")
+    for ntok in sorted({tokens, max(1, tokens - 5)}):
+        num_tokens = torch.tensor([ntok], dtype=torch.int32, device="cuda")
+        plain = route_and_sort(logits, bias, top_k, SCALING, ws, num_tokens=num_tokens, fused=fused, chunk=16)
+        expected = [t.clone() for t in (plain.ids, plain.weights, plain.offsets, plain.sorted_token, plain.pair_row)]
+        ws.queue.fill_(5)
+        small, tiled = route_and_split(logits, bias, top_k, SCALING, ws, 16, split, num_tokens=num_tokens,
+                                       fused=fused)
+        got = (small.ids, small.weights, small.offsets, small.sorted_token, small.pair_row)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), "the sort differs from route_and_sort's"
+        check_split_lists(small, tiled, ntok, split)
+        assert (ws.queue[:int(small.num_work) + 1] == 0).all(), "expert_decode_moe's queue not zeroed"
+        if tokens >= 100:
+            assert int(tiled.num_work) > 0 and int(small.num_work) > 0, "a list is empty: the case tests nothing"
 
 
 # ---- the whole MoE block ---------------------------------------------------------------------
@@ -218,7 +268,23 @@ def test_decode_gemms_of_16_row_items_with_one_expert(flint_nvfp4_moe, config, m
     assert ws.offsets.diff()[7] == 333 and ws.num_work.item() == 6 * 21 + 21
 
 
-@pytest.mark.parametrize("gemms", ["decode", "tiled"])
+@pytest.mark.parametrize("split", [8, 32, 200])
+@pytest.mark.parametrize("tokens,ntok", [(16, 16), (100, 93), (256, 256), (600, 517), (4099, 4099)])
+def test_moe_grouped_hybrid_gemms(flint_nvfp4_moe, tokens, ntok, split, monkeypatch):
+    """The hybrid expert GEMMs (tiled for experts of more than `split` rows, decode for the rest,
+    writing their own rows of the same buffers) against the per-expert loop, five experts made heavy
+    by the bias; then from a graph with PDL."""
+    monkeypatch.setattr(grouped_moe, "HYBRID_SPLIT_ROWS", split)
+    bias = torch.zeros(FLINT["experts"], device="cuda")
+    bias[[3, 50, 51, 200, 255]] = 0.5
+    p = dict(flint_nvfp4_moe, bias=bias)
+    ws = check_moe("nvfp4", p, FLINT, tokens, f"hybrid, split {split}", ntok=ntok, gemms="hybrid")
+    assert int(ws.num_work) + int(ws.num_work2) > 0
+    if tokens == 256:
+        check_graph_replay(p, FLINT, tokens=256, partial=77, gemms="hybrid")
+
+
+@pytest.mark.parametrize("gemms", ["decode", "tiled", "hybrid"])
 @pytest.mark.parametrize("tokens,ntok", [(16, 9), (64, 64), (600, 517)])
 def test_moe_grouped_with_the_next_norm(flint_nvfp4_moe, gemms, tokens, ntok):
     """moe_finalize_norm: the MoE output bit for bit the plain finalize's, and its RMSNorm bit for
