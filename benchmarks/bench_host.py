@@ -6,7 +6,9 @@ step's time, slept in the worker thread as the GPU would run it).
 
 Per case: decode steps per second, host milliseconds per step (wall time less the executor's,
 divided by the steps) and, with a GPU time, the share of the wall time the GPU would sit idle
-between steps (the loop overlaps step N's host work with step N+1's execution; what is left shows).
+between steps (the loop overlaps step N's host work with step N+1's execution; what is left shows),
+over the whole run and in its steady state alone (the steps that decode every stream: admitting the
+streams and the last ones' tail left out).
 With `--async-scheduling both`, each case also runs with the engine's async scheduling: the fake
 executor then keeps a GPU timeline (a launched step starts when the previous one ends, or at its
 launch if later) and `collect` sleeps until its step's end, as a CUDA event wait would.
@@ -41,11 +43,13 @@ class FakeExecutor:
         self.steps, self.busy_s = 0, 0.0
         self.starts: list[float] = []
         self.ends: list[float] = []
+        self.rows: list[int] = []          # a step's decode rows (0: a step with prompt rows)
         self.last: dict[str, int] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         self.starts.append(start)
+        self.rows.append(len(plan.scheduled_requests) if plan.is_decode_only else 0)
         if (cost := self.step_cost_s(plan)) > 0:
             time.sleep(cost)
         tokens = {e.request_id: [self.rng.randrange(300, self.vocab)] for e in plan.scheduled_requests if e.samples}
@@ -65,6 +69,7 @@ class FakeExecutor:
         now = time.perf_counter()
         start = max(now, self.ends[-1]) if self.ends else now
         self.starts.append(start)
+        self.rows.append(len(plan.scheduled_requests) if plan.is_decode_only else 0)
         self.ends.append(start + cost)
         self.busy_s += cost
         self.steps += 1
@@ -104,10 +109,15 @@ async def run_case(tokenizer, vocab: int, streams: int, tokens: int, gpu_ms: flo
     await engine.shutdown()
     host_ms = (wall - executor.busy_s) / executor.steps * 1e3
     gaps = sorted(b - a for a, b in zip(step_ends[:-1], step_starts[1:]))
+    # The steady state: steps decoding every stream (admission and the last streams' tail left out)
+    full = [i for i in range(1, executor.steps) if executor.rows[i] == streams]
+    steady_gap = sum(max(0.0, step_starts[i] - step_ends[i - 1]) for i in full)
+    steady_span = sum(step_ends[i] - step_ends[i - 1] for i in full)
     return {"streams": streams, "gpu_ms": gpu_ms, "async": async_scheduling, "steps": executor.steps,
             "steps_per_s": executor.steps / wall,
             "median_gap_ms": 1e3 * gaps[len(gaps) // 2] if gaps else 0.0,
             "host_ms_per_step": host_ms, "gpu_idle_share": 1 - executor.busy_s / wall if gpu_ms else None,
+            "steady_idle_share": steady_gap / steady_span if gpu_ms and steady_span > 0 else None,
             "tokens_per_s": streams * tokens / wall}
 
 
@@ -124,17 +134,19 @@ def main() -> int:
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     tokenizer = dummy_checkpoint(preset("flint-tiny"), "bf16", 0, "cpu").tokenizer
     vocab = preset("flint-tiny").vocab_size
-    print("| streams | GPU ms/step | async | switch s | steps/s | host ms/step | gap ms (median) | GPU idle | output tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| streams | GPU ms/step | async | switch s | steps/s | host ms/step | gap ms (median) | GPU idle | "
+          "steady idle | output tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     intervals = [None] + [float(s) for s in args.switch_interval.split(",") if s]
     for streams in (int(s) for s in args.streams.split(",")):
         for gpu_ms in (float(g) for g in args.gpu_ms.split(",")):
             for interval, mode in ((i, m) for i in intervals for m in modes):
                 r = run_async(run_case(tokenizer, vocab, streams, args.tokens, gpu_ms, interval, mode))
-                idle = "–" if r["gpu_idle_share"] is None else f"{100 * r['gpu_idle_share']:.1f} %"
+                idle, steady = ("–" if r[k] is None else f"{100 * r[k]:.1f} %" for k in ("gpu_idle_share",
+                                                                                         "steady_idle_share"))
                 shown = GIL_SWITCH_INTERVAL_S if interval is None else interval
                 print(f"| {streams} | {gpu_ms:g} | {'on' if mode else 'off'} | {shown:g} | {r['steps_per_s']:.1f} | "
-                      f"{r['host_ms_per_step']:.2f} | {r['median_gap_ms']:.2f} | {idle} | {r['tokens_per_s']:.0f} |",
+                      f"{r['host_ms_per_step']:.2f} | {r['median_gap_ms']:.2f} | {idle} | {steady} | {r['tokens_per_s']:.0f} |",
                       flush=True)
     return 0
 

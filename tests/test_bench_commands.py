@@ -53,6 +53,7 @@ def test_bench_host_and_disconnect_storm_smoke(request):
     tokenizer = dummy_checkpoint(preset("flint-tiny"), "bf16", 0, "cpu").tokenizer
     r = run_async(bench_host.run_case(tokenizer, 4096, 8, 6, 1.0))
     assert r["steps"] >= 6 and r["tokens_per_s"] > 0 and 0 <= r["gpu_idle_share"] < 1
+    assert 0 <= r["steady_idle_share"] < 1   # steps decoding all 8 streams exist
     server = shared_server(request, "real")
     args = disconnect_storm.argparse.Namespace(base_url=server.base_url, concurrency=6, requests=12, drop_fraction=0.5,
                                                max_tokens=8, max_prompt_words=10, timeout=60.0, idle_timeout=10.0,
