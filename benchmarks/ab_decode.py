@@ -6,7 +6,8 @@ the whole list runs `--rounds` times, interleaved, so drift shows. Run on the GP
         --variant base: --variant ctas6:flint_sched.kernels.attention.CTAS_PER_SM=6
 
 With --kernel-breakdown, each variant's first round also prints GPU time per kernel (eager steps);
-with --mixed-chunks, each decode case is also timed beside a prompt chunk of that many rows.
+with --mixed-chunks, each decode case is also timed beside a prompt chunk of that many rows; with
+--prefill-lens, each variant also reads one prompt of each length (prompt tokens per second).
 
 A variant is NAME:ASSIGNMENTS, assignments comma-separated `module.ATTR=value` (value a Python
 literal, commas inside its brackets allowed); constants not named keep the value they had before the script changed any.
@@ -92,6 +93,10 @@ def main() -> int:
                     plan = latency.mixed_plan(batch, context, chunk, blocks, latency.sampling_params(args))
                     step_ms = 1e3 * latency._step_seconds(executor, args, plan)
                     results.setdefault((name, f"{batch} + {chunk} prompt rows", context), []).append(step_ms)
+            for length in latency._ints(args.prefill_lens):
+                if -(-length // args.block_size) <= num_blocks:
+                    tokens_per_s = latency.run_prefill(executor, args, length)
+                    results.setdefault((name, "a prompt (tok/s, not ms)", length), []).append(tokens_per_s or 0.0)
     for (name, batch, context), times in results.items():
         print(f"| {name} | {batch} | {context} | {' / '.join(f'{t:.2f}' for t in times)} |")
     for (module, attr), value in original.items():

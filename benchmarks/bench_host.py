@@ -142,12 +142,12 @@ def main() -> int:
         for gpu_ms in (float(g) for g in args.gpu_ms.split(",")):
             for interval, mode in ((i, m) for i in intervals for m in modes):
                 r = run_async(run_case(tokenizer, vocab, streams, args.tokens, gpu_ms, interval, mode))
-                idle, steady = ("–" if r[k] is None else f"{100 * r[k]:.1f} %" for k in ("gpu_idle_share",
-                                                                                         "steady_idle_share"))
+                idle, steady = ("–" if r[k] is None else f"{100 * r[k]:.1f} %"
+                                for k in ("gpu_idle_share", "steady_idle_share"))
                 shown = GIL_SWITCH_INTERVAL_S if interval is None else interval
                 print(f"| {streams} | {gpu_ms:g} | {'on' if mode else 'off'} | {shown:g} | {r['steps_per_s']:.1f} | "
-                      f"{r['host_ms_per_step']:.2f} | {r['median_gap_ms']:.2f} | {idle} | {steady} | {r['tokens_per_s']:.0f} |",
-                      flush=True)
+                      f"{r['host_ms_per_step']:.2f} | {r['median_gap_ms']:.2f} | {idle} | {steady} | "
+                      f"{r['tokens_per_s']:.0f} |", flush=True)
     return 0
 
 

@@ -163,6 +163,26 @@ def test_ab_decode_parses_variants_and_says_what_is_wrong(monkeypatch):
     assert latency.GREEDY.temperature == 0.0
 
 
+def test_ab_decode_times_decode_and_prompt_steps_under_each_variant(monkeypatch, capsys):
+    """ab_decode on flint-tiny's torch path: a row per variant, case and round, prompts in tok/s,
+    and the constants a variant set put back afterwards."""
+    from flint_sched.benchmarks import ab_decode
+    from flint_sched.kernels import grouped_moe
+
+    before = grouped_moe.HYBRID_SPLIT_ROWS
+    monkeypatch.setattr("sys.argv", ["ab_decode", "--model", "flint-tiny", "--executor", "torch", "--device", "cpu",
+                                     "--weight-format", "bf16", "--batch-sizes", "2", "--contexts", "32",
+                                     "--prefill-lens", "48", "--num-steps", "1", "--rounds", "2", "--variant", "base:",
+                                     "--variant", "v:flint_sched.kernels.grouped_moe.HYBRID_SPLIT_ROWS=8"])
+    assert ab_decode.main() == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| base", "| v "))]
+    assert [r.split("|")[1:4] for r in rows] == [
+        [" base ", " 2 ", " 32 "], [" base ", " a prompt (tok/s, not ms) ", " 48 "],
+        [" v ", " 2 ", " 32 "], [" v ", " a prompt (tok/s, not ms) ", " 48 "]]
+    assert all(len(r.split("|")[4].split(" / ")) == 2 and float(r.split("|")[4].split(" / ")[1]) > 0 for r in rows)
+    assert grouped_moe.HYBRID_SPLIT_ROWS == before
+
+
 def test_routing_stats_counts_items_per_chunk():
     """benchmarks/routing_stats.py's summary of one layer's rows per expert (the shared expert last)."""
     from flint_sched.benchmarks import routing_stats

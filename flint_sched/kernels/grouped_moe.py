@@ -110,7 +110,8 @@ def moe_routing_workspace(max_tokens: int, num_experts: int, top_k: int, device:
         ids=ints(max_tokens, top_k), weights=torch.zeros(max_tokens, top_k, dtype=torch.float32, device=device),
         offsets=ints(num_experts + 2), sorted_token=ints(pairs), pair_row=ints(max_tokens, top_k + 1),
         work_expert=ints(items), work_row=ints(items), num_work=ints(1), ticket=ints(1), queue=ints(1 + items),
-        work2_expert=ints(tiles), work2_row=ints(tiles), num_work2=ints(1), h_sorted=rows(intermediate_size), y_sorted=rows(hidden_size))
+        work2_expert=ints(tiles), work2_row=ints(tiles), num_work2=ints(1),
+        h_sorted=rows(intermediate_size), y_sorted=rows(hidden_size))
 
 
 @dataclass
@@ -163,7 +164,8 @@ def split_bounds(num_tokens: int, top_k: int, num_experts: int, chunk: int, spli
     at most that count + P // TILE_M (P = num_tokens * (top_k + 1) sorted rows)."""
     pairs, big = num_tokens * (top_k + 1), expert_gemm.TILE_M
     small = min(work_bound(num_tokens, top_k, num_experts, chunk), (num_experts + 1) * cdiv(split, chunk))
-    tiled = min(work_bound(num_tokens, top_k, num_experts, big), min(num_experts + 1, pairs // (split + 1)) + pairs // big)
+    heavy_experts = min(num_experts + 1, pairs // (split + 1))
+    tiled = min(work_bound(num_tokens, top_k, num_experts, big), heavy_experts + pairs // big)
     return small, tiled
 
 
@@ -326,7 +328,7 @@ FUSED_DECODE_CONFIGS = frozenset({"g1t2", "g2w8t4", "g1t2d4", "g2w8t4p"})
 # padded around a few). Both write their own rows of the same h / y buffers. Off by default: full
 # model, NVFP4, split 32 (RESULTS.md, session 18), it takes 10-19 % off mixed steps of 64-256 decodes
 # + 1,024 prompt rows and 2.7 % off 256 + 7,936, but adds 16 % to a lone 1K prompt, 2 % to an 8K
-# one, and 10-65 % to decode-only steps (the tiled GEMMs' few long CTAs): it wants the step's
+# one, and 25-65 % to decode-only steps (the tiled GEMMs' few long CTAs): it wants the step's
 # composition (decode rows beside the prompt), which moe_grouped does not see.
 HYBRID_MIN_TOKENS = 1 << 30
 HYBRID_SPLIT_ROWS = 32
@@ -346,7 +348,8 @@ def expert_gemms(num_tokens: int, fmt: str, hidden: int, inter: int, gemms: str 
         if tiled and decode and num_tokens >= HYBRID_MIN_TOKENS:
             return "hybrid"
         return "tiled" if tiled and num_tokens >= EXPERT_GEMM_MIN_TOKENS[fmt] else "decode" if decode else "swap-ab"
-    return gemms if {"tiled": tiled, "decode": decode, "hybrid": tiled and decode, "swap-ab": True}[gemms] else "swap-ab"
+    available = {"tiled": tiled, "decode": decode, "hybrid": tiled and decode, "swap-ab": True}
+    return gemms if available[gemms] else "swap-ab"
 
 
 def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
