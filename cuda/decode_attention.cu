@@ -7,10 +7,11 @@
 //   n = #visible   chunk = max(MIN_SPLIT_KEYS, roundup(ceil(n / S), 16))   active = ceil(n / chunk)
 //   |--- split 0 ---|--- split 1 ---| ... |- split active-1 -|   splits >= active exit at once
 // so one CUDA graph serves every L up to the bound. A grid of several waves (attention.py
-// one_split_below) gives requests of n < one_split_below keys one split: chunk = n. Warps stream 16-key tiles (warp w: tiles w,
-// w+4, ...) through their own 2-stage ring of bulk copies. Active splits write (m, l, o) partials
-// merged by ticket-elected last CTAs (a two-level tree, below), which add the sink once; tickets
-// reset themselves for graph replay. Softmax runs in the log2 domain (x = s * scale * log2 e).
+// one_split_below) gives requests of n < one_split_below keys one split: chunk = n. Warps stream
+// 16-key tiles (warp w: tiles w, w+4, ...) through their own 2-stage ring of bulk copies. Active
+// splits write (m, l, o) partials merged by ticket-elected last CTAs (a two-level tree, below),
+// which add the sink once; tickets reset themselves for graph replay. Softmax runs in the log2
+// domain (x = s * scale * log2 e).
 #include "attention_common.cuh"
 
 #ifndef ATTN_WARPS
@@ -194,7 +195,8 @@ __device__ __forceinline__ bool take_ticket(u32* ticket, int arrivals, int* flag
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
 decode_attention_bf16(u16* out, const u16* q, const u16* k_cache, const u16* v_cache, const int* block_tables,
                       int table_stride, const int* ring_slots, int page_rows, int window, const int* seq_lens,
-                      int one_split_below, const void* sinks, int sinks_bf16, float scale_log2, u32* tickets, float* partials) {
+                      int one_split_below, const void* sinks, int sinks_bf16, float scale_log2, u32* tickets,
+                      float* partials) {
   extern __shared__ uint4 smem[];
   __shared__ u64 stage_bars[ATTN_WARPS][ATTN_STAGES];
   __shared__ int is_last;

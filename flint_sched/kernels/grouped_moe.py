@@ -385,12 +385,14 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
         if tiled.max_items:   # else no expert can have more than split rows
             h = expert_gemm.expert_gate_up(x, tiled, gate, up, shared_gate, shared_up, out=h_out, pdl=pdl)
             expert_gemm.expert_down(h, tiled, down, shared_down, out=y_out, pdl=pdl)
-        y = _decode_gemms(x, routing, ws, config, gate, up, shared_gate, shared_up, down, shared_down, pdl)
+        y = _decode_gemms(x, routing, ws.queue, config, gate, up, shared_gate, shared_up, down, shared_down,
+                          h_out, y_out, pdl)
     elif path == "decode":
         config = expert_decode.pick_config(m)
         routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl,
                                  chunk=expert_decode.rows_per_item(config))
-        y = _decode_gemms(x, routing, ws, config, gate, up, shared_gate, shared_up, down, shared_down, pdl)
+        y = _decode_gemms(x, routing, ws.queue, config, gate, up, shared_gate, shared_up, down, shared_down,
+                          h_out, y_out, pdl)
     else:
         tiled_path = path == "tiled"
         routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl,
@@ -403,13 +405,11 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
                         norm_out=norm_out, norm_eps=norm_eps)
 
 
-def _decode_gemms(x, routing, ws, config, gate, up, shared_gate, shared_up, down, shared_down, pdl):
-    """The decode GEMMs of config over the routing's work list, in one launch where the config has it
-    (FUSED_DECODE_CONFIGS); y_sorted."""
-    pairs = routing.sorted_token.numel()
-    h_out, y_out = ws.h_sorted[:pairs], ws.y_sorted[:pairs]
+def _decode_gemms(x, routing, queue, config, gate, up, shared_gate, shared_up, down, shared_down, h_out, y_out, pdl):
+    """The decode GEMMs of config over the routing's work list into h_out / y_out, in one launch where
+    the config has it (FUSED_DECODE_CONFIGS: `queue` its unit counters); y_sorted."""
     if config in FUSED_DECODE_CONFIGS:
-        return expert_decode.expert_decode_moe(x, routing, ws.queue, gate, up, shared_gate, shared_up, down,
+        return expert_decode.expert_decode_moe(x, routing, queue, gate, up, shared_gate, shared_up, down,
                                                shared_down, h_out, out=y_out, pdl=pdl, config=config)
     h = expert_decode.expert_decode_gate_up(x, routing, gate, up, shared_gate, shared_up, out=h_out, pdl=pdl,
                                             config=config)
