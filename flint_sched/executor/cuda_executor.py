@@ -53,6 +53,7 @@ from flint_sched.executor.sampler import sampled_step
 from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.executor.workspace import Workspaces
 from flint_sched.kernels import attention as attn
+from flint_sched.kernels.grouped_moe import expert_gemms
 from flint_sched.kernels.linear import MAX_TOKENS, concat_rows
 from flint_sched.kernels.prefill_attention import Chunk, PrefillBuffers, prefill_metadata
 from flint_sched.quant.nvfp4 import NVFP4Tensor
@@ -63,6 +64,12 @@ FUSED_MAX_BATCH = MAX_TOKENS      # the GEMV and small-batch MoE kernels' limit 
 # its keys (~1 µs per 64 keys): ~70 µs a full layer at 4K, 0.5 ms at 32K, for all decodes at once,
 # against a decode graph step (weights read a second time) of 6-22 ms at batch 16-256 (H200, NVFP4).
 ONE_FORWARD_MAX_CONTEXT = 32768
+# Mixed steps (prompt chunks beside decodes) of at least this many rows run the hybrid expert GEMMs
+# (kernels/grouped_moe.py: experts of many rows tiled, the rest on the decode GEMMs): the decode
+# rows' experts the prompts do not touch leave the 128-row tiles. Full model, NVFP4 (RESULTS.md,
+# session 18): 64-256 decodes + 1,024 prompt rows -10 to -19 %, 256 + 7,936 -2.7 %; a prompt
+# alone loses with them (+2-16 %) and keeps the tiled GEMMs. 0: never.
+HYBRID_MIXED_MIN_ROWS = 512
 
 
 def supports(config: FlintConfig) -> bool:
@@ -83,6 +90,31 @@ def prompt_rows(entries: list) -> tuple[list[int], list[int]]:
     return ids, sample_rows
 
 
+def _hybrid_available(config: FlintConfig, w: dict) -> bool:
+    """Whether the model's experts fit both kinds of expert GEMMs (NVFP4 at the kernels' shapes)."""
+    moe = next((i for i in range(config.num_hidden_layers) if config.is_moe(i)), None)
+    if moe is None:
+        return False
+    gate = w[f"model.layers.{moe}.mlp.experts.gate_proj.weight"]
+    fmt = "nvfp4" if isinstance(gate, NVFP4Tensor) else "bf16"
+    return expert_gemms(1, fmt, config.hidden_size, config.moe_intermediate_size, "hybrid") == "hybrid"
+
+
+def hybrid_rows(rows: int, available: bool) -> bool:
+    """Whether a mixed step of `rows` rows takes the hybrid expert GEMMs (weights allowing)."""
+    return available and 0 < HYBRID_MIXED_MIN_ROWS <= rows
+
+
+def mixed_moe_gemms(entries: list, rows: int, available: bool) -> str | None:
+    """The expert GEMMs of a prompt-variant step: "hybrid" for a mixed step (a prompt chunk beside
+    at least one decode) of at least HYBRID_MIXED_MIN_ROWS rows where the weights allow it, else
+    None (grouped_moe's choice by row count)."""
+    if not hybrid_rows(rows, available):
+        return None
+    decode = [e.num_tokens == 1 and e.samples for e in entries]
+    return "hybrid" if any(decode) and not all(decode) else None
+
+
 def _kernel_weight(w: torch.Tensor | NVFP4Tensor, device: torch.device):
     if isinstance(w, NVFP4Tensor):
         return w.to(device)
@@ -91,6 +123,7 @@ def _kernel_weight(w: torch.Tensor | NVFP4Tensor, device: torch.device):
 
 class CudaExecutor:
     grammars: GrammarMasks | None = None           # structured outputs; set by the engine builder
+    _hybrid_moe = False                            # the experts fit the hybrid GEMMs (mixed_moe_gemms)
 
     def __init__(self, config: FlintConfig, weights: Weights, kv_cache: KVCache, eos_token_ids: Collection[int],
                  max_model_len: int, device: torch.device | str = "cuda", seed: int = 0, use_graphs: bool = True,
@@ -124,6 +157,7 @@ class CudaExecutor:
         self._prompt_shared: tuple | None = None       # what the sizes' views are of (_prompt_buffers)
         self.weights = KernelWeights(config, self.w, qkv, kv_cache, self.ws, pdl,
                                      make_copies(self.w, qkv, self.device) if dense_copies else None)
+        self._hybrid_moe = _hybrid_available(config, self.w)
         # Every sampling row of a step holds a ring slot: room for one token per slot.
         self.sampled = SampledTokens(max(kv_cache.ring.shape[2], max_rows), self.device)
         self.timeline = GpuTimeline() if self.device.type == "cuda" else None   # /metrics: GPU busy and idle
@@ -200,8 +234,13 @@ class CudaExecutor:
         sizes = self.prompt_graph_tokens
         top = (padded_batch(n, sizes) or sizes[-1]) if sizes else 0
         for rows in (r for r in sizes if r <= top):
-            self.execute(StepPlan([entry(ids[0], [0] * min(rows, n), 0, 0, greedy_and_sampled[0])],
-                                  min(rows, n), "grouped", [], []))
+            k = min(rows, n)
+            self.execute(StepPlan([entry(ids[0], [0] * k, 0, 0, greedy_and_sampled[0])], k, "grouped", [], []))
+            if hybrid_rows(rows, self._hybrid_moe) and k > 1 and len(ids) > 1:
+                # the mixed steps' own graph of this size: a chunk and a decode (mixed_moe_gemms)
+                self.execute(StepPlan([entry(ids[0], [0] * (k - 1), 0, 0, greedy_and_sampled[0]),
+                                       entry(ids[1], [0], n, 1, greedy_and_sampled[0])], k, "grouped", [], []))
+                self.inputs.forget(StepPlan([], 0, "fused", [], ids[:2]))
         for params in greedy_and_sampled:
             plans = [StepPlan([entry(ids[0], [0] * n, 0, 0, params)], n, "grouped", [], []), decodes(ids[:1], params)]
             if len(ids) > FUSED_MAX_BATCH:
@@ -338,7 +377,8 @@ class CudaExecutor:
                         self.ws.logits[:m] if shared else torch.empty(m, c.vocab_size, dtype=torch.bfloat16,
                                                                       device=self.device),
                         self.ws.next_tokens[:m] if shared else torch.empty(m, dtype=torch.int64, device=self.device),
-                        token_ids=token_ids, prefill=prefill, sample_rows=sample_rows)
+                        token_ids=token_ids, prefill=prefill, sample_rows=sample_rows,
+                        moe_gemms=mixed_moe_gemms(entries, t, self._hybrid_moe))
         logits = forward(ops, c, layer_outputs=self.layer_outputs)
         self.last_logits = logits[:n]
         chosen = self._choose(sampling, ops.next_tokens[:n], graph_sampler=shared)
@@ -389,10 +429,12 @@ class CudaExecutor:
         sample_rows.copy_(torch.tensor(samples + [0] * (sample_rows.numel() - n), dtype=torch.long),
                           non_blocking=True)          # padding: row 0 (in range; its logits unread)
         self._feed(entries, token_ids)
+        gemms = mixed_moe_gemms(entries, rows, self._hybrid_moe)
         ops = KernelOps(self.weights, "prompt", rows, hidden, self.ws.logits, self.ws.next_tokens,
-                        token_ids=token_ids, prefill=buffers.meta, sample_rows=sample_rows, num_rows=buffers.num_tokens)
-        self.graphs.run(("prompt", rows), lambda first, last: forward(ops, self.config, first, last),
-                        replay_first=False)
+                        token_ids=token_ids, prefill=buffers.meta, sample_rows=sample_rows, num_rows=buffers.num_tokens,
+                        moe_gemms=gemms)
+        key = ("prompt", rows) if gemms is None else ("prompt", rows, gemms)   # mixed steps: graphs of their own
+        self.graphs.run(key, lambda first, last: forward(ops, self.config, first, last), replay_first=False)
         self.last_logits = self.ws.logits[:n]
         # The logits and greedy ids sit where the graph sampler reads them: sampled rows draw on the
         # device too, so a sampled prompt step makes the host wait no more than a greedy one.

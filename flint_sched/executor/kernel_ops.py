@@ -81,7 +81,9 @@ class KernelOps:
     def __init__(self, weights: KernelWeights, variant: str, rows: int, hidden: torch.Tensor,
                  logits: torch.Tensor, next_tokens: torch.Tensor, inputs: DecodeInputs | None = None,
                  token_ids: torch.Tensor | None = None, prefill: PrefillMetadata | None = None,
-                 sample_rows: torch.Tensor | None = None, num_rows: torch.Tensor | None = None):
+                 sample_rows: torch.Tensor | None = None, num_rows: torch.Tensor | None = None,
+                 moe_gemms: str | None = None):
+        """moe_gemms: the grouped MoE's expert GEMMs (grouped_moe.expert_gemms; None: by row count)."""
         if variant not in ("fused", "grouped", "prompt"):
             raise ValueError(f"unknown variant {variant!r}")
         self.k, self.c, self.w, self.variant, self.rows = weights, weights.config, weights.w, variant, rows
@@ -91,7 +93,7 @@ class KernelOps:
         self.inputs, self.token_ids, self.prefill, self.sample_rows = inputs, token_ids, prefill, sample_rows
         # Rows past this device count are padding (graphs): the MoE gives them no expert work.
         self.num_rows = inputs.num_rows if inputs is not None else num_rows
-        self.eps, self.pdl = self.c.rms_norm_eps, weights.pdl
+        self.eps, self.pdl, self.moe_gemms = self.c.rms_norm_eps, weights.pdl, moe_gemms
         self.routing = self.ws.routing_for(rows) if variant != "fused" else None
 
     def _other(self, h: torch.Tensor | None) -> torch.Tensor:
@@ -214,7 +216,8 @@ class KernelOps:
             normed = torch.empty_like(residual) if fuse else None
             h = moe_grouped(x, router, bias, c.num_experts_per_tok, c.routed_scaling_factor, *experts, *shared,
                             residual=residual, workspace=self.routing, out=out, num_tokens=self.num_rows,
-                            pdl=self.pdl, norm_weight=w[norm] if fuse else None, norm_out=normed, norm_eps=self.eps)
+                            pdl=self.pdl, gemms=self.moe_gemms, norm_weight=w[norm] if fuse else None,
+                            norm_out=normed, norm_eps=self.eps)
             if norm is not None and not fuse:
                 normed = self.rms_norm(h, norm)
             return h, normed
