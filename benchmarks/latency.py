@@ -25,6 +25,7 @@ from flint_sched.core.plan import ScheduledRequest, StepPlan
 from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.torch_executor import TorchExecutor
+from flint_sched.quant.fp8 import KV_CACHE_DTYPES
 from flint_sched.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -58,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt chunk sizes: each decode case is also timed with a chunk of that many prompt "
                         "rows beside its decodes, ending at the decodes' context (a chunked prefill's mixed step)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
+                   help="auto: the compute dtype; fp8: an e4m3 KV cache (quant/fp8.py)")
     p.add_argument("--kv-budget-gib", type=float, default=None,
                    help="memory for KV; default: free GPU memory minus 6 GiB (CPU: 4 GiB)")
     p.add_argument("--num-steps", type=int, default=5)
@@ -159,7 +162,8 @@ def run_decode(executor, args, batch: int, context: int, bandwidth: float) -> De
     plan = decode_plan(batch, context, math.ceil((context + 1) / args.block_size), sampling_params(args),
                        executor.limits.fused_max_batch)
     step = _step_seconds(executor, args, plan)
-    nbytes = decode_step_bytes(executor.config, batch, context, args.weight_format).total
+    nbytes = decode_step_bytes(executor.config, batch, context, args.weight_format,
+                               executor.kv.full.element_size()).total
     return DecodeResult(batch, context, step * 1e3, batch / step, nbytes, nbytes / bandwidth / 1e6,
                         nbytes / step / 1e9, nbytes / step / 1e9 / bandwidth)
 
@@ -231,7 +235,8 @@ def build(args: argparse.Namespace):
     if not batches and not prefills:
         raise SystemExit("nothing to measure: give --batch-sizes (with --contexts) or --prefill-lens")
     max_seqs = max(batches, default=1) + bool(args.mixed_chunks)     # the mixed steps' prompt: one more slot
-    placeholder = KVCache(config, 1, args.block_size, 1, dtype, device)
+    kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or dtype
+    placeholder = KVCache(config, 1, args.block_size, 1, kv_dtype, device)
     if args.executor == "cuda":
         max_len = max(contexts + prefills) + 1
         executor = CudaExecutor(config, ckpt.weights, placeholder, ckpt.tokenizer.eos_token_ids, max_len, device,
@@ -242,12 +247,16 @@ def build(args: argparse.Namespace):
     del ckpt                                   # the executor holds what it needs
     largest = max([(b + bool(args.mixed_chunks)) * math.ceil((c + 1) / args.block_size) for b in batches for c in contexts]
                   + [math.ceil(n / args.block_size) for n in prefills])
-    fit = int((_budget(args, device) - max_seqs * KVCache.bytes_per_slot(config, args.block_size, dtype))
-              // KVCache.bytes_per_block(config, args.block_size, dtype))
+    fit = int((_budget(args, device) - max_seqs * KVCache.bytes_per_slot(config, args.block_size, kv_dtype))
+              // KVCache.bytes_per_block(config, args.block_size, kv_dtype))
     num_blocks = min(largest, fit)
-    kv = KVCache(config, num_blocks, args.block_size, max_seqs, dtype, device)
-    kv.full.normal_()
-    kv.ring.normal_()
+    kv = KVCache(config, num_blocks, args.block_size, max_seqs, kv_dtype, device)
+    for pool in (kv.full, kv.ring):            # random keys (e4m3 has no normal_: made in 512 MB slices)
+        if pool.dtype == kv_dtype == dtype:
+            pool.normal_()
+            continue
+        for part in pool.view(-1).split(1 << 28):
+            part.copy_(torch.randn(part.numel(), dtype=dtype, device=device))
     executor.kv = kv                           # the sized cache replaces the placeholder
     return executor, device, bandwidth, num_blocks
 

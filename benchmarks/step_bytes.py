@@ -31,8 +31,10 @@ def expected_distinct_experts(config: FlintConfig, batch: int) -> float:
     return e * (1 - (1 - k / e) ** batch)
 
 
-def decode_step_bytes(config: FlintConfig, batch: int, context: int, weight_format: str) -> StepBytes:
-    """Bytes read by one decode step of `batch` requests that each have `context` tokens."""
+def decode_step_bytes(config: FlintConfig, batch: int, context: int, weight_format: str,
+                      kv_bytes: int = BF16_BYTES) -> StepBytes:
+    """Bytes read by one decode step of `batch` requests that each have `context` tokens (KV
+    elements of kv_bytes: 1 for an FP8 cache)."""
     c = config
     per_weight = NVFP4_BYTES_PER_WEIGHT if weight_format == "nvfp4" else BF16_BYTES
     h = c.hidden_size
@@ -48,7 +50,7 @@ def decode_step_bytes(config: FlintConfig, batch: int, context: int, weight_form
         else:
             weights += 3 * h * c.intermediate_size * per_weight
     weights += (c.vocab_size * h + h) * BF16_BYTES + batch * h * BF16_BYTES   # LM head, embedding rows
-    kv_per_token_layer = 2 * c.kv_size * BF16_BYTES
+    kv_per_token_layer = 2 * c.kv_size * kv_bytes
     kv = batch * kv_per_token_layer * (len(c.full_layers) * (context + 1)
                                        + len(c.sliding_layers) * min(context + 1, c.sliding_window))
     return StepBytes(weights, kv)

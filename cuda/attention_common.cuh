@@ -33,6 +33,29 @@ struct KvPages {
   }
 };
 
+// FP8 KV cache (e4m3, scale 1, kernels/attention.py KV_DTYPES): 4 values per 32-bit word, byte i
+// = value i. Writes saturate to +-448 (no NaN from a large value); reads are exact in f16 and bf16.
+__device__ __forceinline__ u32 e4m3x4_from_f32(float x0, float x1, float x2, float x3) {
+  u16 lo, hi;  // cvt puts its first operand in the upper byte
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(x1), "f"(x0));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(x3), "f"(x2));
+  return (u32)lo | ((u32)hi << 16);
+}
+// Two e4m3 values (the low 16 bits of v: byte 0 -> the low half) as f16x2.
+__device__ __forceinline__ u32 f16x2_from_e4m3x2(u32 v) {
+  u32 d;
+  asm("{.reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;\n}" : "=r"(d) : "r"(v));
+  return d;
+}
+// Two e4m3 values as bf16x2 (exact: every e4m3 value is a bf16 value).
+__device__ __forceinline__ u32 bf16x2_from_e4m3x2(u32 v) {
+  const u32 h = f16x2_from_e4m3x2(v);
+  float lo, hi;
+  asm("{.reg .f16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;\n}"
+      : "=f"(lo), "=f"(hi) : "r"(h));
+  return pack_bf16x2(lo, hi);
+}
+
 __device__ __forceinline__ int cdiv_i(int a, int b) { return (a + b - 1) / b; }
 
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h, so no INFINITY

@@ -119,6 +119,23 @@ __device__ __forceinline__ void mma_bf16_16x8x16(float (&d)[4], u32 a0, u32 a1, 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// The same shape with f16 inputs (the FP8 KV cache's decode attention: e4m3 converts to f16 in one
+// instruction per pair).
+__device__ __forceinline__ void mma_f16_16x8x16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// f16x2 of two floats, lo in the low half.
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+  u32 d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
 // ---- reductions ------------------------------------------------------------------------------
 
 __device__ __forceinline__ float warp_sum(float v) {

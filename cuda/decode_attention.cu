@@ -12,7 +12,23 @@
 // splits write (m, l, o) partials merged by ticket-elected last CTAs (a two-level tree, below),
 // which add the sink once; tickets reset themselves for graph replay. Softmax runs in the log2
 // domain (x = s * scale * log2 e).
+//
+// KV_FP8 (an e4m3 cache, attention_common.cuh): the tiles hold 128-byte rows and the MMAs take f16
+// (e4m3 -> f16x2 is one instruction a pair). The dims of a key are summed in another order so that
+// each ldmatrix word (4 e4m3 of one key) feeds one k-step: lane t's k pairs (2t, 2t+1 | 2t+8, 2t+9)
+// of a 16-dim block are dims 4t..4t+3, so Q is loaded in that order too. For P.V one transposed
+// word holds dims 2g, 2g+1 of keys 2t, 2t+1: a byte permute splits it into an even-dim and an
+// odd-dim n-tile (tile 2c + e: dims 16c + 2n + e), put back in order when the warps combine.
 #include "attention_common.cuh"
+
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
+#if KV_FP8
+typedef unsigned char kv_t;
+#else
+typedef u16 kv_t;
+#endif
 
 #ifndef ATTN_WARPS
 #define ATTN_WARPS 4
@@ -31,8 +47,8 @@
 #define TICKETS_PER_LAUNCH 8192                        // final tickets, one per (request, kv head)
 #define COMBINE_STRIDE (HEAD_DIM + 8)                  // padded o rows: conflict-free float2 stores
 
-constexpr int ROW_BYTES = HEAD_DIM * 2;                    // one key (or value) row of one head
-// NOTE: rows sit 272 B apart in shared memory (256 + 16 pad): bulk copies cannot swizzle, and
+constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(kv_t);    // one key (or value) row of one head
+// NOTE: rows sit 272 B apart in shared memory (256 + 16 pad; FP8 144): bulk copies cannot swizzle, and
 // with the pad the 8 row addresses of every ldmatrix fall in 8 distinct 16-byte bank groups.
 constexpr int SMEM_ROW_BYTES = ROW_BYTES + 16;
 constexpr int TILE_BYTES = ATTN_TILE * SMEM_ROW_BYTES;     // K (or V) of one tile
@@ -46,7 +62,7 @@ __device__ __forceinline__ u32 tile_offset(int key, int chunk) { return key * SM
 struct SplitState {
   float m;        // running max of head g (lane / 4), log2 domain, same in the 4 lanes of a row
   float l;        // this lane's share of the running sum
-  float o[16][4]; // o[n][0..1] = O[g][8n + 2t .. +1]; [2..3] are rows 8-15 (always zero)
+  float o[16][4]; // o[n][0..1] = O[g][8n + 2t .. +1] (KV_FP8: the dims of attend_tile); [2..3] rows 8-15: zero
 };
 
 // One tile of 16 keys at `first_pos` (keys >= end masked) from shared memory into the state.
@@ -57,6 +73,17 @@ __device__ __forceinline__ void attend_tile(SplitState& st, const u32 (&qa)[8][2
   float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
+#if KV_FP8
+#pragma unroll
+    for (int c2 = 0; c2 < 2; ++c2) {  // 64 dims per ldmatrix.x4: k-steps 4c2 .. 4c2+3
+      u32 kb[4];
+      ldmatrix_x4(kb, k_base + tile_offset(8 * j + r8, 4 * c2 + mi));
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        mma_f16_16x8x16(s[j], qa[4 * c2 + i][0], 0u, qa[4 * c2 + i][1], 0u, f16x2_from_e4m3x2(kb[i]),
+                        f16x2_from_e4m3x2(kb[i] >> 16));
+    }
+#else
 #pragma unroll
     for (int c2 = 0; c2 < 4; ++c2) {  // 32 dims per ldmatrix.x4: k-steps 2c2 and 2c2+1
       u32 kb[4];
@@ -64,6 +91,7 @@ __device__ __forceinline__ void attend_tile(SplitState& st, const u32 (&qa)[8][2
       mma_bf16_16x8x16(s[j], qa[2 * c2][0], 0u, qa[2 * c2][1], 0u, kb[0], kb[1]);
       mma_bf16_16x8x16(s[j], qa[2 * c2 + 1][0], 0u, qa[2 * c2 + 1][1], 0u, kb[2], kb[3]);
     }
+#endif
   }
   // Online softmax over the row of head g: this lane holds keys 8j + 2t + e.
   float x[2][2], tile_max = NEG_INF;
@@ -87,6 +115,27 @@ __device__ __forceinline__ void attend_tile(SplitState& st, const u32 (&qa)[8][2
   st.l = st.l * alpha + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
   st.m = m_new;
   // P as the A operand (rows = heads, k = keys 2t, 2t+1 | 2t+8, 2t+9): exactly the S fragments.
+#if KV_FP8
+  const u32 pa0 = pack_f16x2(p[0][0], p[0][1]), pa2 = pack_f16x2(p[1][0], p[1][1]);
+  // O[g][dims] += P . V: V words through ldmatrix.trans, 32 dims (chunks 2n2, 2n2 + 1) per x4:
+  // vb[2h] keys 0-7 and vb[2h+1] keys 8-15 of chunk 2n2 + h, each split into its even and odd dims.
+#pragma unroll
+  for (int n2 = 0; n2 < 4; ++n2) {
+    u32 vb[4];
+    ldmatrix_x4_trans(vb, v_base + tile_offset(r8 + 8 * (mi & 1), 2 * n2 + (mi >> 1)));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const u32 lo = prmt(vb[2 * h], 0u, 0x3120u), hi = prmt(vb[2 * h + 1], 0u, 0x3120u);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float(&o)[4] = st.o[2 * (2 * n2 + h) + e];
+        o[0] *= alpha;
+        o[1] *= alpha;
+        mma_f16_16x8x16(o, pa0, 0u, pa2, 0u, f16x2_from_e4m3x2(lo >> (16 * e)), f16x2_from_e4m3x2(hi >> (16 * e)));
+      }
+    }
+  }
+#else
   const u32 pa0 = pack_bf16x2(p[0][0], p[0][1]), pa2 = pack_bf16x2(p[1][0], p[1][1]);
   // O[g][dims] += P . V: B operand = V (k = keys, n = dims) through ldmatrix.trans.
 #pragma unroll
@@ -101,12 +150,13 @@ __device__ __forceinline__ void attend_tile(SplitState& st, const u32 (&qa)[8][2
       mma_bf16_16x8x16(o, pa0, 0u, pa2, 0u, vb[2 * h], vb[2 * h + 1]);
     }
   }
+#endif
 }
 
 // Starts one tile (K and V of 16 keys from `first_pos`) into a pipeline stage: lanes 0-15 copy K
 // rows, lanes 16-31 V rows, one 256-byte bulk copy each, all completing on the stage's mbarrier.
 // Keys at or past `end` are zeroed instead (finite zeros: 0 * NaN would poison P.V).
-__device__ __forceinline__ void load_tile(u32 stage, u32 bar, const u16* k_cache, const u16* v_cache,
+__device__ __forceinline__ void load_tile(u32 stage, u32 bar, const kv_t* k_cache, const kv_t* v_cache,
                                           const KvPages& pages, long long head_offset, int kv_row_elems,
                                           int first_pos, int end, int lane) {
   const int key = lane & 15, pos = first_pos + key, valid_keys = min(ATTN_TILE, end - first_pos);
@@ -114,7 +164,7 @@ __device__ __forceinline__ void load_tile(u32 stage, u32 bar, const u16* k_cache
   if (lane == 0) mbarrier_arrive_expect_tx(bar, 2 * valid_keys * ROW_BYTES);
   __syncwarp();
   if (pos < end) {
-    const u16* src = (lane < 16 ? k_cache : v_cache) + pages.row(pos) * kv_row_elems + head_offset;
+    const kv_t* src = (lane < 16 ? k_cache : v_cache) + pages.row(pos) * kv_row_elems + head_offset;
     fence_proxy_async_shared();
     bulk_copy_g2s(dst, src, ROW_BYTES, bar);
   } else {
@@ -193,7 +243,7 @@ __device__ __forceinline__ bool take_ticket(u32* ticket, int arrivals, int* flag
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-decode_attention_bf16(u16* out, const u16* q, const u16* k_cache, const u16* v_cache, const int* block_tables,
+decode_attention_bf16(u16* out, const u16* q, const kv_t* k_cache, const kv_t* v_cache, const int* block_tables,
                       int table_stride, const int* ring_slots, int page_rows, int window, const int* seq_lens,
                       int one_split_below, const void* sinks, int sinks_bf16, float scale_log2, u32* tickets,
                       float* partials) {
@@ -249,12 +299,22 @@ decode_attention_bf16(u16* out, const u16* q, const u16* k_cache, const u16* v_c
   pdl_wait();
   // Q fragments (A operand rows 0-7 = the 8 heads): qa[kk] = Q[row][16kk + 2t ..], Q[row][16kk + 8 + 2t ..].
   u32 qa[8][2];
+#if KV_FP8  // f16, dims 16kk + 4t .. 4t+3 (the K words' order, attend_tile)
+  const u16* q_row = q + (((long long)b * G + g) * GROUP + row) * HEAD_DIM + 4 * t;
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    const uint2 v = *reinterpret_cast<const uint2*>(q_row + 16 * kk);
+    qa[kk][0] = pack_f16x2(bf16x2_lo(v.x), bf16x2_hi(v.x));
+    qa[kk][1] = pack_f16x2(bf16x2_lo(v.y), bf16x2_hi(v.y));
+  }
+#else
   const u16* q_row = q + (((long long)b * G + g) * GROUP + row) * HEAD_DIM + 2 * t;
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
     qa[kk][0] = *reinterpret_cast<const u32*>(q_row + 16 * kk);
     qa[kk][1] = *reinterpret_cast<const u32*>(q_row + 16 * kk + 8);
   }
+#endif
 #pragma unroll
   for (int s = 0; s < ATTN_STAGES - 1; ++s)
     if (s < my_tiles && !early[s])
@@ -287,9 +347,16 @@ decode_attention_bf16(u16* out, const u16* q, const u16* k_cache, const u16* v_c
   float* cl = cm + GROUP;
   float* co = cl + GROUP;
   if (t == 0) cm[row] = st.m, cl[row] = st.l;
+#if KV_FP8  // n-tiles 2c, 2c + 1: the even and odd dims of chunk c; lane t holds dims 16c + 4t .. 4t+3
+#pragma unroll
+  for (int c = 0; c < 8; ++c)
+    *reinterpret_cast<float4*>(co + row * COMBINE_STRIDE + 16 * c + 4 * t) =
+        make_float4(st.o[2 * c][0], st.o[2 * c + 1][0], st.o[2 * c][1], st.o[2 * c + 1][1]);
+#else
 #pragma unroll
   for (int n = 0; n < 16; ++n)
     *reinterpret_cast<float2*>(co + row * COMBINE_STRIDE + 8 * n + 2 * t) = make_float2(st.o[n][0], st.o[n][1]);
+#endif
   __syncthreads();
 
   // Thread -> (head h, dims d..d+7): combine the warps into this split's (m, l, o).

@@ -7,7 +7,17 @@
 // 2^31) the output matches `apply_rope(rms_norm(x))` up to the fp32 sum order in the norm.
 // rope_inv_freq [64] fp64 (theta^(-2i/128), attention.py builds it); null disables RoPE (full layers).
 // Grid (B, ceil((H + 2G) / 8)), 256 threads: one warp per head, lane l holds dims 4l..4l+3.
+// KV_FP8: the cache is e4m3 (attention_common.cuh): the K row is the bf16 value above, rounded again.
 #include "qk_norm_rope.cuh"
+
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
+#if KV_FP8
+typedef unsigned char kv_t;
+#else
+typedef u16 kv_t;
+#endif
 
 #define QKN_WARPS 8
 
@@ -20,8 +30,18 @@ __device__ __forceinline__ void store_bf16x4(u16* p, const float (&x)[4]) {
   *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
 }
 
+// Four values into the cache: bf16 as store_bf16x4, or e4m3 of their bf16 rounding.
+__device__ __forceinline__ void store_kv4(kv_t* p, const float (&x)[4]) {
+#if KV_FP8
+  const u32 lo = pack_bf16x2(x[0], x[1]), hi = pack_bf16x2(x[2], x[3]);
+  *reinterpret_cast<u32*>(p) = e4m3x4_from_f32(bf16x2_lo(lo), bf16x2_hi(lo), bf16x2_lo(hi), bf16x2_hi(hi));
+#else
+  store_bf16x4(p, x);
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32)
-qk_norm_rope_kv_bf16(u16* q_out, u16* k_cache, u16* v_cache, const u16* qkv, const u16* q_norm_weight,
+qk_norm_rope_kv_bf16(u16* q_out, kv_t* k_cache, kv_t* v_cache, const u16* qkv, const u16* q_norm_weight,
                      const u16* k_norm_weight, const int* positions, const int* block_tables,
                      int table_stride, const int* ring_slots, int page_rows, int num_q_heads,
                      int num_kv_heads, float eps, const double* rope_inv_freq) {
@@ -46,9 +66,15 @@ qk_norm_rope_kv_bf16(u16* q_out, u16* k_cache, u16* v_cache, const u16* qkv, con
   if (head < H + G) load_bf16x4((is_q ? q_norm_weight : k_norm_weight) + 4 * lane, w);
   pdl_wait();
   if (head >= H + G) {  // v: copied as is
-    if (p >= 0)
+    if (p >= 0) {
+#if KV_FP8
+      load_bf16x4(src, x);
+      store_kv4(v_cache + kv_offset + (head - H - G) * HEAD_DIM + 4 * lane, x);
+#else
       *reinterpret_cast<uint2*>(v_cache + kv_offset + (head - H - G) * HEAD_DIM + 4 * lane) =
           *reinterpret_cast<const uint2*>(src);
+#endif
+    }
     return;
   }
   load_bf16x4(src, x);
@@ -57,5 +83,5 @@ qk_norm_rope_kv_bf16(u16* q_out, u16* k_cache, u16* v_cache, const u16* qkv, con
   if (is_q)
     store_bf16x4(q_out + ((long long)b * H + head) * HEAD_DIM + 4 * lane, y);
   else if (p >= 0)
-    store_bf16x4(k_cache + kv_offset + (head - H) * HEAD_DIM + 4 * lane, y);
+    store_kv4(k_cache + kv_offset + (head - H) * HEAD_DIM + 4 * lane, y);
 }

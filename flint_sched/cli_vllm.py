@@ -38,7 +38,6 @@ COMPAT_FLAGS = (
     CompatFlag(("--enable-prompt-tokens-details",), None,
                "ignored: usage always has prompt_tokens_details.cached_tokens, as OpenAI's"),
     CompatFlag(("--enable-chunked-prefill",), None, "ignored: prompts are always prefilled in chunks"),
-    CompatFlag(("--kv-cache-dtype",), "DTYPE", "auto: supported; others (fp8, ...): refused"),
     CompatFlag(("--max-logprobs",), "N", "supported, up to 20: the most logprobs a request may ask for"),
     CompatFlag(("--quantization", "-q"), "METHOD", "ignored: the checkpoint's format decides"),
     CompatFlag(("--swap-space",), "GIB", "ignored: no CPU swap of the KV cache"),
@@ -60,7 +59,7 @@ COMPAT_FLAGS = (
 NATIVE_FLAGS = (
     "--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--max-num-seqs",
     "--max-num-batched-tokens", "--long-prefill-token-threshold", "--gpu-memory-utilization", "--hf-config-path", "--tokenizer", "--revision",
-    "--tokenizer-revision", "--download-dir", "--load-format", "--dtype", "--seed", "--enforce-eager", "--async-scheduling",
+    "--tokenizer-revision", "--download-dir", "--load-format", "--dtype", "--kv-cache-dtype", "--seed", "--enforce-eager", "--async-scheduling",
     "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser", "--exclude-tools-when-tool-choice-none",
     "--chat-template", "--default-chat-template-kwargs", "--shutdown-timeout", "--uvicorn-log-level", "--device",
     "--enable-prefix-caching", "--no-enable-prefix-caching",
@@ -101,10 +100,6 @@ def check(args: argparse.Namespace) -> list[str]:
         elif name == "--cpu-offload-gb":
             if float(value) != 0:
                 raise ValueError(f"{spelled}: weights are never offloaded to the CPU; leave it out")
-        elif name == "--kv-cache-dtype":
-            if value == "auto":
-                continue
-            raise ValueError(f"{spelled}: the KV cache is kept in the model's dtype only; use auto")
         elif name == "--block-size":
             if _int(flag, value) < 1:
                 raise ValueError(f"{spelled}: must be a positive number of tokens")

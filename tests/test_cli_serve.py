@@ -17,20 +17,20 @@ def serve_args(*argv):
 
 def test_common_vllm_launch_flags_are_accepted_with_notices():
     args = serve_args("-tp", "1", "--disable-log-requests", "--dtype", "auto", "--trust-remote-code",
-                      "--enable-prompt-tokens-details", "--kv-cache-dtype", "auto", "--max-logprobs", "5",
+                      "--enable-prompt-tokens-details", "--max-logprobs", "5",
                       "--block-size", "32")
     notices = cli_vllm.check(args)
     assert any(n.startswith("--tensor-parallel-size 1: ignored") for n in notices)
     assert any(n.startswith("--enable-prompt-tokens-details: ignored") for n in notices)
     assert any(n.startswith("--trust-remote-code") for n in notices)
-    assert not any(flag in n for n in notices for flag in ("kv-cache-dtype", "max-logprobs", "block-size"))
+    assert not any(flag in n for n in notices for flag in ("max-logprobs", "block-size"))
     assert args.vllm_block_size == "32"                 # they mean something here
     assert len(notices) == 4
 
 
 @pytest.mark.parametrize("argv, reason", [
     (["-tp", "2"], "one GPU"), (["--pipeline-parallel-size", "4"], "one GPU"),
-    (["--kv-cache-dtype", "fp8"], "use auto"), (["--block-size", "0"], "positive number of tokens"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "invalid choice"), (["--block-size", "0"], "positive number of tokens"),
     (["--speculative-config", "{}"], "speculative decoding"), (["--enable-lora"], "LoRA"),
     (["--cpu-offload-gb", "8"], "offloaded"), (["--max-logprobs", "50"], "[0, 20]"),
 ])

@@ -5,6 +5,7 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from flint_sched.checkpoint.make import dummy_checkpoint
 from flint_sched.engine import EngineConfig, EngineError
@@ -282,3 +283,21 @@ def test_long_prefill_token_threshold_reads_prompts_in_smaller_chunks_with_the_s
     reference, reference_chunks = asyncio.run(run(parts_for(ckpt)))
     assert tokens == reference
     assert max(chunks) == 7 and max(reference_chunks) > 7
+
+
+async def test_an_fp8_kv_cache_serves_requests_and_halves_the_bytes_per_block(ckpt):
+    """kv_cache_dtype="fp8": the cache is e4m3 (a quarter of the CPU's float32 per block); requests
+    sharing a prefix (prefix-cache hits, ring snapshots) in a cache too small for all of them at
+    once run to the end and every block comes back; a bad name is refused."""
+    parts = parts_for(ckpt, kv_cache_dtype="fp8", num_kv_blocks=40)
+    kv = parts.executor.kv
+    assert kv.full.dtype == torch.float8_e4m3fn and kv.ring.dtype == torch.float8_e4m3fn
+    assert kv.full.element_size() * 4 == parts_for(ckpt).executor.kv.full.element_size()
+    rng = random.Random(3)
+    shared = prompt(rng, 30)
+    requests = [(shared + prompt(rng, rng.randint(1, 20)), SamplingParams(temperature=0.0, max_tokens=12,
+                                                                           ignore_eos=True)) for _ in range(12)]
+    results, _ = await run_engine(parts, requests)
+    assert all(last.finished and len(last.outputs[0].token_ids) == 12 for _, last in results)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2")

@@ -20,6 +20,13 @@ def test_compiles_for_sm90a(source, entry, private_cache):
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("source", ["qk_norm_rope_kv.cu", "decode_attention.cu"])
+def test_fp8_kv_variants_compile(source, private_cache):
+    """KV_FP8: the e4m3 cache's writes and reads (attention.kv_defines)."""
+    assert _runtime.compile_only(source, {"KV_FP8": 1}, arch="sm_90a")[:4] == b"\x7fELF"
+
+
+@needs_nvrtc
 @pytest.mark.parametrize("defines", [{"ATTN_STAGES": 3}, {"ATTN_STAGES": 4}])
 def test_attention_pipeline_variants_compile(defines, private_cache):
     assert _runtime.compile_only("decode_attention.cu", defines, arch="sm_90a")[:4] == b"\x7fELF"
@@ -34,6 +41,7 @@ def test_launcher_constants_match_the_kernel_source():
     assert "#define ATTN_WARPS 4" in text and "#define ATTN_STAGES 2" in text
     assert attention.ATTN_THREADS == 4 * 32
     assert attention.ATTN_SMEM_BYTES == 4 * 2 * 2 * 16 * 272 and 3 * (attention.ATTN_SMEM_BYTES + 1024) <= 228 * 1024
+    assert attention.ATTN_SMEM_BYTES_FP8 == 4 * 2 * 2 * 16 * 144
     assert attention.PARTIAL_FLOATS * 4 % 16 == 0 and attention.TICKET_SLOTS * 4 % 16 == 0  # float4 partials
     assert "#define QKN_WARPS 8" in (_runtime.source_dir() / "qk_norm_rope_kv.cu").read_text()
 

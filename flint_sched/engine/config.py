@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from flint_sched.quant.fp8 import KV_CACHE_DTYPES
+
 
 # (max_num_seqs, max_num_batched_tokens) when not given. On a GPU: 256 requests, the largest decode
 # graph; a budget of 8,192 tokens per step, since prompts read in bigger chunks go faster (H200, NVFP4,
@@ -24,6 +26,7 @@ class EngineConfig:
     tokenizer: str | Path | None = None
     device: str = "auto"
     dtype: str = "auto"                      # auto: float32 on CPU, bfloat16 on GPU
+    kv_cache_dtype: str = "auto"             # auto: the compute dtype; fp8 / fp8_e4m3: e4m3 (quant/fp8.py)
     max_num_seqs: int | None = None          # None: GPU_DEFAULTS / CPU_DEFAULTS by device
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None         # None: the model's, capped by the KV pool
@@ -60,6 +63,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.executor not in ("auto", "torch", "cuda"):
             raise ValueError(f"executor must be auto, torch or cuda, got {self.executor!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 

@@ -15,6 +15,7 @@ import torch
 
 from flint_sched.config import FlintConfig
 from flint_sched.core.kv_allocator import ring_rows
+from flint_sched.quant.fp8 import round_kv, to_kv
 
 
 class KVCache:
@@ -22,6 +23,7 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str):
         g, d = config.num_key_value_heads, config.head_dim
         self.block_size = block_size
+        self.dtype = dtype                # the compute dtype, or e4m3 (quant/fp8.py): reads return it as stored
         self.window = config.sliding_window
         self.ring_rows = ring_rows(self.window, block_size)
         self.full = torch.zeros(len(config.full_layers), 2, num_blocks, block_size, g, d, dtype=dtype, device=device)
@@ -47,8 +49,12 @@ class KVCache:
                    k: torch.Tensor, v: torch.Tensor) -> None:
         blocks, rows = self._paged_rows(block_table, positions)
         kv = self.full[self.full_index[layer]]
-        kv[0, blocks, rows] = k.to(kv.dtype)
-        kv[1, blocks, rows] = v.to(kv.dtype)
+        kv[0, blocks, rows] = to_kv(k, kv.dtype)
+        kv[1, blocks, rows] = to_kv(v, kv.dtype)
+
+    def rounded(self, x: torch.Tensor) -> torch.Tensor:
+        """x as a read of it from the cache would return it (in x's dtype)."""
+        return round_kv(x, self.dtype)
 
     def read_full(self, layer: int, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [num_tokens, kv_heads, head_dim] of positions 0 .. num_tokens-1."""
@@ -62,8 +68,8 @@ class KVCache:
         keep = slice(max(0, positions.numel() - self.ring_rows), None)
         rows = positions[keep] % self.ring_rows
         kv = self.ring[self.ring_index[layer]]
-        kv[0, slot, rows] = k[keep].to(kv.dtype)
-        kv[1, slot, rows] = v[keep].to(kv.dtype)
+        kv[0, slot, rows] = to_kv(k[keep], kv.dtype)
+        kv[1, slot, rows] = to_kv(v[keep], kv.dtype)
 
     def copy_rings(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole slots (every sliding layer, K and V), source to destination, in order."""

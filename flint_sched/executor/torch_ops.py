@@ -92,7 +92,7 @@ class AttentionOps:
                 self.kv.write_full(i, table, pos, k[rows], v[rows])
                 k_all, v_all = self.kv.read_full(i, table, entry.end_position)
                 k_pos = torch.arange(entry.end_position, device=q.device)
-                out[rows] = blocked_attention(q[rows], k_all, v_all, sinks, pos, k_pos, None)
+                out[rows] = blocked_attention(q[rows], k_all.to(q.dtype), v_all.to(q.dtype), sinks, pos, k_pos, None)
         return out.reshape(q.shape[0], c.q_size)
 
     def _sliding(self, i: int, entry: ScheduledRequest, pos: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -105,8 +105,9 @@ class AttentionOps:
         window, s = self.config.sliding_window, entry.start_position
         history = torch.arange(max(0, s - window + 1), s, device=pos.device)
         k_old, v_old = self.kv.read_ring(i, entry.ring_slot, history)
-        k_all = torch.cat((k_old.to(k.dtype), k))
-        v_all = torch.cat((v_old.to(v.dtype), v))
+        # the chunk's own keys as the cache will hold them: attention sees one rounding (FP8 caches)
+        k_all = torch.cat((k_old.to(k.dtype), self.kv.rounded(k)))
+        v_all = torch.cat((v_old.to(v.dtype), self.kv.rounded(v)))
         out = blocked_attention(q, k_all, v_all, sinks, pos, torch.cat((history, pos)), window)
         self.kv.write_ring(i, entry.ring_slot, pos, k, v)
         return out

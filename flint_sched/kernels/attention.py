@@ -2,8 +2,9 @@
 
 One new token per request, B <= 1024 (the grouped path's batches); head dim 128 and 8 query heads per KV head (H = 8 G) are
 fixed by cuda/qk_norm_rope_kv.cu and cuda/decode_attention.cu. Pools are one layer's K or V view
-of executor/kv_cache.py, bf16 contiguous: `full[i, 0]` [num_blocks, block_size, G, 128] or
-`ring[i, 0]` [num_slots, ring_rows, G, 128] (ring_rows >= the window: core/kv_allocator.ring_rows).
+of executor/kv_cache.py, contiguous: `full[i, 0]` [num_blocks, block_size, G, 128] or
+`ring[i, 0]` [num_slots, ring_rows, G, 128] (ring_rows >= the window: core/kv_allocator.ring_rows),
+bf16 or e4m3 (KV_DTYPES: `--kv-cache-dtype fp8`, scale 1, writes saturating at +-448).
 Splits depend only on (batch, a host-side bound on the
 context), so a CUDA graph captured for a bound stays valid while the device-side seq_lens grow.
 """
@@ -26,6 +27,8 @@ MAX_KV_HEADS = 8
 NORM_WARPS = 8               # cuda/qk_norm_rope_kv.cu QKN_WARPS: heads per CTA
 ATTN_THREADS = 128           # cuda/decode_attention.cu: 4 warps ...
 ATTN_SMEM_BYTES = 4 * 2 * 2 * 16 * (HEAD_DIM * 2 + 16)   # ... x 2 stages x (K + V) x 16 keys x 272 B = 68 KiB
+ATTN_SMEM_BYTES_FP8 = 4 * 2 * 2 * 16 * (HEAD_DIM + 16)   # e4m3 rows of 144 B: 36 KiB
+KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)        # the cache's element types (KV_FP8 compiles)
 MIN_SPLIT_KEYS = 64          # cuda/decode_attention.cu ATTN_MIN_SPLIT_KEYS (a define from here)
 MAX_SPLITS = 128
 # NOTE: 68 KiB of shared memory and 142 registers per thread let three CTAs share an SM
@@ -54,6 +57,11 @@ LOG2E = 1.4426950408889634
 @functools.cache
 def _kernel(source: str, name: str, defines: tuple = ()) -> Kernel:
     return compile_kernel(source, name, dict(defines))
+
+
+def kv_defines(pool: torch.Tensor) -> tuple:
+    """The compile-time settings of a kernel over this KV pool's element type."""
+    return (("KV_FP8", 1),) if pool.dtype == torch.float8_e4m3fn else ()
 
 
 def decode_splits(batch: int, max_keys: int, kv_heads: int = 4) -> int:
@@ -175,7 +183,7 @@ def _norm_rope_kv(qkv, q_norm_weight, k_norm_weight, positions, k_pool, v_pool, 
         q_out = torch.empty(b, h, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     check_tensor(q_out, "q_out", torch.bfloat16, (b, h, HEAD_DIM), dev)
     grid = (b, -(-(h + 2 * g) // NORM_WARPS))
-    _kernel("qk_norm_rope_kv.cu", "qk_norm_rope_kv_bf16").launch(
+    _kernel("qk_norm_rope_kv.cu", "qk_norm_rope_kv_bf16", kv_defines(k_pool)).launch(
         grid, (NORM_WARPS * 32,),
         [q_out, k_pool, v_pool, qkv, q_norm_weight, k_norm_weight, positions, block_tables, I32(table_stride),
          ring_slots, I32(k_pool.shape[1]), I32(h), I32(g), F32(eps), inv_freq],
@@ -246,12 +254,14 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
         out = torch.empty(b, h, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     check_tensor(out, "out", torch.bfloat16, (b, h, HEAD_DIM), dev)
     scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else softmax_scale
-    _kernel("decode_attention.cu", "decode_attention_bf16", (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS),)).launch(
+    fp8 = k_pool.dtype == torch.float8_e4m3fn
+    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *kv_defines(k_pool))
+    _kernel("decode_attention.cu", "decode_attention_bf16", defines).launch(
         (splits, g, b), (ATTN_THREADS,),
         [out, q, k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window),
          seq_lens, I32(one_below), sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E), workspace,
          workspace[TICKET_SLOTS:]],
-        shared_bytes=ATTN_SMEM_BYTES, pdl=pdl, device=dev.index)
+        shared_bytes=ATTN_SMEM_BYTES_FP8 if fp8 else ATTN_SMEM_BYTES, pdl=pdl, device=dev.index)
     return out
 
 
@@ -259,14 +269,16 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
 
 
 def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> int:
-    """KV heads G of a K/V pool pair [pages, page_rows, G, 128] bf16."""
+    """KV heads G of a K/V pool pair [pages, page_rows, G, 128], both of one of KV_DTYPES."""
     if not isinstance(k_pool, torch.Tensor) or k_pool.dim() != 4 or k_pool.shape[-1] != HEAD_DIM:
         raise ValueError(f"k pool must be [pages, rows, kv_heads, {HEAD_DIM}]")
     g = k_pool.shape[2]
     if not 1 <= g <= MAX_KV_HEADS:
         raise ValueError(f"kv_heads {g} outside 1..{MAX_KV_HEADS}")
-    check_tensor(k_pool, "k pool", torch.bfloat16, tuple(k_pool.shape), k_pool.device)
-    check_tensor(v_pool, "v pool", torch.bfloat16, tuple(k_pool.shape), k_pool.device)
+    if k_pool.dtype not in KV_DTYPES:
+        raise ValueError(f"KV pools must be bf16 or float8_e4m3fn, got {k_pool.dtype}")
+    check_tensor(k_pool, "k pool", k_pool.dtype, tuple(k_pool.shape), k_pool.device)
+    check_tensor(v_pool, "v pool", k_pool.dtype, tuple(k_pool.shape), k_pool.device)
     return g
 
 

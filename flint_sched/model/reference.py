@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from flint_sched.config import FlintConfig
+from flint_sched.quant.fp8 import round_kv
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 Weight = torch.Tensor | NVFP4Tensor
@@ -100,10 +101,14 @@ class KVState:
 
 class FlintReference:
     def __init__(self, config: FlintConfig, weights: Mapping[str, Weight],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 kv_dtype: torch.dtype | None = None):
+        """kv_dtype: attention reads K and V rounded as a KV cache of that type holds them (e4m3:
+        quant/fp8.py); None: exact."""
         self.config = config
         self.weights = weights
         self.dtype = dtype
+        self.kv_dtype = kv_dtype
         self.device = torch.device(device) if device is not None else _weights_device(weights)
 
     def w(self, name: str) -> torch.Tensor:
@@ -169,6 +174,7 @@ class FlintReference:
         c, p = self.config, f"model.layers.{i}.self_attn."
         t = x.shape[0]
         q, k, v = self.qkv(i, x, positions)
+        k, v = round_kv(k, self.kv_dtype), round_kv(v, self.kv_dtype)
         sliding = c.is_sliding(i)
         past = state.layers.get(i)
         if past is not None:

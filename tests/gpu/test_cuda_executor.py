@@ -37,12 +37,12 @@ def ckpt(request):
 
 
 def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True, seqs=4, num_blocks=512, first_graph_layers=3,
-        budget=256, prompt_graph_tokens=PROMPT_GRAPH_TOKENS, dense_copies=True):
+        budget=256, prompt_graph_tokens=PROMPT_GRAPH_TOKENS, dense_copies=True, kv_dtype=torch.bfloat16):
     """Greedy generation through the scheduler; max_tokens: one for all, or one per prompt. Returns
     (request, position, logits) of every sampled row, the outputs, the preemptions and the paths run."""
     config = ckpt.config
     block_size = 16
-    kv = KVCache(config, num_blocks, block_size, seqs, torch.bfloat16, "cuda")
+    kv = KVCache(config, num_blocks, block_size, seqs, kv_dtype, "cuda")
     ex = CudaExecutor(config, ckpt.weights, kv, (), MAX_MODEL_LEN, "cuda", use_graphs=use_graphs, pdl=pdl,
                       first_graph_layers=first_graph_layers, prompt_graph_tokens=prompt_graph_tokens,
                       dense_copies=dense_copies)
@@ -155,8 +155,8 @@ def test_prompt_logprobs_match_the_reference(ckpt):
     assert float((actual - expected).norm() / expected.norm()) < 2e-2
 
 
-def check_against_reference(ckpt, prompts, decode_logits, outputs):
-    ref = FlintReference(ckpt.config, ckpt.weights, dtype=torch.float32, device="cuda")
+def check_against_reference(ckpt, prompts, decode_logits, outputs, kv_dtype=None):
+    ref = FlintReference(ckpt.config, ckpt.weights, dtype=torch.float32, device="cuda", kv_dtype=kv_dtype)
     full = {f"r{n}": ref.forward(p + outputs[f"r{n}"]) for n, p in enumerate(prompts)}
     errors = []
     for rid, pos, row in decode_logits:
@@ -325,6 +325,18 @@ def test_mixed_steps_on_the_hybrid_expert_gemms(ckpt, monkeypatch):
                 diverged.add(r1)
         errors.sort()
         assert errors[len(errors) // 2] < 1e-2 and errors[-1] < 0.4, errors
+
+
+def test_an_fp8_kv_cache_matches_the_reference_reading_the_same_rounded_keys(ckpt):
+    """--kv-cache-dtype fp8: prompts in chunks (full layers reading their own keys back from the
+    e4m3 pool, sliding layers their ring's history) and decodes of mixed lengths on both sides of
+    the window, on graphs, against the reference whose attention reads the same e4m3 keys."""
+    gen = torch.Generator().manual_seed(12)
+    lengths = (5, 600, 37, 1200)
+    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in lengths]
+    decode_logits, outputs, _ = run(ckpt, prompts, 12, budget=512, kv_dtype=torch.float8_e4m3fn)
+    assert run.executor.kv.full.dtype == torch.float8_e4m3fn
+    check_against_reference(ckpt, prompts, decode_logits, outputs, kv_dtype=torch.float8_e4m3fn)
 
 
 def test_graph_sampler_keeps_each_rows_filters_and_greedy_rows():

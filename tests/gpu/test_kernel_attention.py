@@ -103,8 +103,10 @@ def reference_full(q, k, v, owned, lens, sinks):
     return torch.stack(outs)
 
 
-def run_full(lens, block_size=16, max_seq_len=None, num_splits=None, sinks_dtype=torch.bfloat16, seed=0):
+def run_full(lens, block_size=16, max_seq_len=None, num_splits=None, sinks_dtype=torch.bfloat16, seed=0,
+             kv_dtype=torch.bfloat16):
     q, k, v, tables, owned = paged_case(lens, block_size, seed, table_tokens=max_seq_len or 0)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)     # e4m3: the reference reads the same rounded keys
     sinks = mixed_sinks(seed + 1, sinks_dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
@@ -113,7 +115,7 @@ def run_full(lens, block_size=16, max_seq_len=None, num_splits=None, sinks_dtype
     bound = max_seq_len or max(max(lens), 1)
     decode_attention_full(q, k, v, tables, seq_lens, sinks, ws, bound, out=out, num_splits=num_splits)
     splits = num_splits or decode_splits(len(lens), bound)
-    what = f"full bs={block_size} B={len(lens)} splits={splits} bound={bound}"
+    what = f"full bs={block_size} B={len(lens)} splits={splits} bound={bound} kv {kv_dtype}"
     assert_attention_close(out, reference_full(q, k, v, owned, lens, sinks), what, lens)
     assert int(ws[:TICKET_SLOTS].view(torch.int32).abs().sum()) == 0, f"{what}: tickets not reset"
 
@@ -183,8 +185,10 @@ def ring_case(lens, seed=0, rows=WINDOW):
     return q, k, v, slots, kv
 
 
-def run_sliding(lens, num_splits=None, seed=0, rows=WINDOW):
+def run_sliding(lens, num_splits=None, seed=0, rows=WINDOW, kv_dtype=torch.bfloat16):
     q, k, v, slots, kv = ring_case(lens, seed, rows)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    kv = [(pos, kb.to(kv_dtype), vb.to(kv_dtype)) for pos, kb, vb in kv]
     sinks = mixed_sinks(seed + 1)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
@@ -194,7 +198,7 @@ def run_sliding(lens, num_splits=None, seed=0, rows=WINDOW):
     ref = torch.stack([attention_with_sinks(q[b:b + 1].float(), kb.float(), vb.float(), sinks.float(), pos[-1:], pos,
                                             WINDOW)[0] for b, (pos, kb, vb) in enumerate(kv)])
     splits = num_splits or decode_splits(len(lens), WINDOW)
-    assert_attention_close(out, ref, f"sliding B={len(lens)} splits={splits}", lens)
+    assert_attention_close(out, ref, f"sliding B={len(lens)} splits={splits} kv {kv_dtype}", lens)
 
 
 @pytest.mark.parametrize("context", CONTEXTS + [LONG, 262_144])
@@ -216,6 +220,33 @@ def test_sliding_mixed_lengths(batch):
 @pytest.mark.parametrize("num_splits", [1, 3, 9, 64])
 def test_sliding_forced_splits(num_splits):
     run_sliding([513, 514, 2000, 7], num_splits=num_splits, seed=20 + num_splits)
+
+
+# ---- FP8 (e4m3) cache -----------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("lens", [[1], [7, 513, 1000], [LONG], [CONTEXTS[i % len(CONTEXTS)] for i in range(300)]],
+                         ids=["1", "mixed", "long", "300"])
+def test_fp8_full(lens):
+    """The e4m3 cache against the reference over the same e4m3 keys and values (NaN outside them)."""
+    run_full(lens, seed=len(lens) + 60, kv_dtype=FP8)
+
+
+@pytest.mark.parametrize("num_splits", [1, 5, 128])
+def test_fp8_full_forced_splits(num_splits):
+    run_full([1, 700, 4097], num_splits=num_splits, seed=70 + num_splits, kv_dtype=FP8)
+
+
+@pytest.mark.parametrize("batch", [1, 19, 300])
+def test_fp8_sliding(batch):
+    run_sliding([CONTEXTS[(5 * i + batch) % len(CONTEXTS)] + 1000 * (i % 3) for i in range(batch)], seed=80 + batch,
+                rows=WINDOW + 15, kv_dtype=FP8)
+
+
+def test_fp8_block_sizes_and_padding():
+    run_full([0, 5, 300, 1000], block_size=7, sinks_dtype=torch.float32, seed=90, kv_dtype=FP8)
 
 
 # ---- one graph, growing lengths --------------------------------------------------------------------
@@ -325,6 +356,32 @@ def test_qk_norm_kv_full(batch, block_size):
     assert same_bits(v_pool[blocks, rows], v_ref[live]), "full v rows must be the raw v"
     k_pool[blocks, rows], v_pool[blocks, rows] = k_before[blocks, rows], v_before[blocks, rows]
     assert same_bits(k_pool, k_before) and same_bits(v_pool, v_before), "pool rows other than the new ones changed"
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_qk_norm_rope_kv_into_an_fp8_cache(sliding):
+    """The e4m3 cache receives exactly the bf16 cache's K and V rows rounded to e4m3, and nothing else."""
+    batch, rows = 19, WINDOW
+    qkv, q_w, k_w = qkv_case(batch, seed=95)
+    positions = torch.randint(0, 5000, (batch,), device="cuda", generator=gen(5)).int()
+    slots = torch.randperm(batch + 2, device="cuda", generator=gen(6))[:batch].int()
+    tables = torch.randperm(batch * 400, device="cuda", generator=gen(7)).int().view(batch, 400)
+    results = []
+    for dtype in (torch.bfloat16, FP8):
+        shape = (batch + 2, rows, G, D) if sliding else (batch * 400, 16, G, D)
+        k_pool = torch.zeros(shape, dtype=dtype, device="cuda")
+        v_pool = torch.zeros_like(k_pool)
+        q_out = torch.empty(batch, H, D, dtype=torch.bfloat16, device="cuda")
+        if sliding:
+            qk_norm_rope_kv_sliding(qkv, q_w, k_w, positions, k_pool, v_pool, slots, EPS, THETA, q_out=q_out)
+        else:
+            qk_norm_rope_kv_full(qkv, q_w, k_w, positions, k_pool, v_pool, tables, EPS, q_out=q_out)
+        results.append((q_out, k_pool, v_pool))
+    (q16, k16, v16), (q8, k8, v8) = results
+    assert same_bits(q16, q8)
+    assert float(k16.float().abs().max()) < 448 and float(v16.float().abs().max()) < 448   # in e4m3's range
+    assert torch.equal(k8.view(torch.uint8), k16.to(FP8).view(torch.uint8))
+    assert torch.equal(v8.view(torch.uint8), v16.to(FP8).view(torch.uint8))
 
 
 def test_decode_step_on_a_wrapped_ring():
