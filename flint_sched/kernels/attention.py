@@ -49,6 +49,9 @@ MERGE_GROUP = 16             # cuda/decode_attention.cu: splits per first-level 
 TICKET_SLOTS = MAX_BATCH * MAX_KV_HEADS * (1 + MAX_SPLITS // MERGE_GROUP)
 PARTIAL_FLOATS = GROUP * HEAD_DIM + 2 * GROUP    # o[8][128], m[8], l[8] per (request, kv head, split)
 LOG2E = 1.4426950408889634
+# KV cache dtypes: bf16, or e4m3 at scale 1 (--kv-cache-dtype fp8; cuda/attention_common.cuh). The
+# prefill kernels take both (kernels/prefill_attention.py); the decode ones bf16 so far.
+KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
 @functools.cache
@@ -258,15 +261,19 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
 # ---- checks ------------------------------------------------------------------------------------
 
 
-def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> int:
-    """KV heads G of a K/V pool pair [pages, page_rows, G, 128] bf16."""
+def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, dtypes: tuple = (torch.bfloat16,)) -> int:
+    """KV heads G of a K/V pool pair [pages, page_rows, G, 128], both of one dtype of `dtypes`."""
     if not isinstance(k_pool, torch.Tensor) or k_pool.dim() != 4 or k_pool.shape[-1] != HEAD_DIM:
         raise ValueError(f"k pool must be [pages, rows, kv_heads, {HEAD_DIM}]")
     g = k_pool.shape[2]
     if not 1 <= g <= MAX_KV_HEADS:
         raise ValueError(f"kv_heads {g} outside 1..{MAX_KV_HEADS}")
-    check_tensor(k_pool, "k pool", torch.bfloat16, tuple(k_pool.shape), k_pool.device)
-    check_tensor(v_pool, "v pool", torch.bfloat16, tuple(k_pool.shape), k_pool.device)
+    if k_pool.dtype not in dtypes:
+        raise ValueError(f"KV pools must be {' or '.join(map(str, dtypes))}, got {k_pool.dtype}")
+    if isinstance(v_pool, torch.Tensor) and v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"K and V pools must have one dtype, got {k_pool.dtype} and {v_pool.dtype}")
+    check_tensor(k_pool, "k pool", k_pool.dtype, tuple(k_pool.shape), k_pool.device)
+    check_tensor(v_pool, "v pool", k_pool.dtype, tuple(k_pool.shape), k_pool.device)
     return g
 
 
