@@ -56,6 +56,16 @@ __device__ __forceinline__ u32 bf16x2_from_e4m3x2(u32 v) {
   return pack_bf16x2(lo, hi);
 }
 
+// A kernel compiled with -DKV_FP8=1 takes e4m3 pools; kv_t is one value of the pool.
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
+#if KV_FP8
+typedef unsigned char kv_t;
+#else
+typedef u16 kv_t;
+#endif
+
 __device__ __forceinline__ int cdiv_i(int a, int b) { return (a + b - 1) / b; }
 
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h, so no INFINITY

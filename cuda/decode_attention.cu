@@ -21,15 +21,6 @@
 // odd-dim n-tile (tile 2c + e: dims 16c + 2n + e), put back in order when the warps combine.
 #include "attention_common.cuh"
 
-#ifndef KV_FP8
-#define KV_FP8 0
-#endif
-#if KV_FP8
-typedef unsigned char kv_t;
-#else
-typedef u16 kv_t;
-#endif
-
 #ifndef ATTN_WARPS
 #define ATTN_WARPS 4
 #endif

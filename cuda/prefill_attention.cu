@@ -24,18 +24,36 @@ __device__ __forceinline__ u32 srow(int row, int chunk) { return row * SROW + (c
 
 // K or V rows k0 .. k0+63 into shared memory (rows past `hi` zeroed: finite, so masked P = 0
 // times them stays 0). Thread: chunk tid % 16 of rows tid / 16 + 8i.
+// KV_FP8: an e4m3 row's chunk is 8 bytes, loaded (all the thread's rows first, so the loads overlap)
+// and stored as bf16 where cp.async would have put it; the __syncthreads before a tile is read
+// makes these stores visible as it does the cp.async. Fresh rows (bf16) keep cp.async.
 __device__ __forceinline__ void load_kv_tile(u32 dst, const KeySource& src, bool v, int k0, int hi, int tid) {
   const int c = tid & 15;
+#if KV_FP8
+  uint2 raw[PF_KEYS / 8];
+#pragma unroll
+  for (int i = 0; i < PF_KEYS / 8; ++i) {
+    const int kp = k0 + (tid >> 4) + 8 * i;
+    raw[i] = kp <= hi && !src.fresh(kp) ? ld_e4m3x8(src.row(kp, v) + 8 * c) : make_uint2(0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < PF_KEYS / 8; ++i) {
+    const int kr = (tid >> 4) + 8 * i, kp = k0 + kr;
+    if (kp <= hi && src.fresh(kp)) cp_async_16(dst + srow(kr, c), src.row(kp, v) + 16 * c, true);
+    else st_shared_bf16x8_from_e4m3(dst + srow(kr, c), raw[i]);
+  }
+#else
 #pragma unroll
   for (int i = 0; i < PF_KEYS / 8; ++i) {
     const int kr = (tid >> 4) + 8 * i, kp = k0 + kr;
     const bool valid = kp <= hi;
     cp_async_16(dst + srow(kr, c), valid ? src.row(kp, v) + 8 * c : src.qkv, valid);
   }
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
-prefill_attention_bf16(u16* out, const u16* qkv, const u16* k_pool, const u16* v_pool, const int* block_tables,
+prefill_attention_bf16(u16* out, const u16* qkv, const kv_t* k_pool, const kv_t* v_pool, const int* block_tables,
                        int table_stride, int page_rows, int window, const int* entries, const int* tiles,
                        int num_q_heads, int num_kv_heads, const void* sinks, int sinks_bf16, float scale_log2) {
   extern __shared__ uint4 smem[];

@@ -17,6 +17,9 @@
 // Softmax in the log2 domain (x = s * scale * log2 e). The sink starts each row: m = sink * log2 e,
 // l = 1 (a logit whose value vector is zero), so m is always finite and fully masked tiles add
 // exact zeros; out = o / l.
+//
+// KV_FP8 (a define): the pool / ring is e4m3 (attention_common.cuh), converted to bf16 on its way
+// into shared memory, so the MMAs are the bf16 path's; the fresh rows of sliding layers stay bf16.
 #pragma once
 #include "attention_common.cuh"
 
@@ -37,17 +40,33 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x; -inf -> 0
   return y;
 }
 
+#if KV_FP8
+// 8 e4m3 values of a pool row (8-byte aligned) through L2, as cp.async.cg reads a bf16 row.
+__device__ __forceinline__ uint2 ld_e4m3x8(const kv_t* p) {
+  uint2 v;
+  asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+// Those 8 values as 8 bf16 (exact) into 16 bytes of shared memory.
+__device__ __forceinline__ void st_shared_bf16x8_from_e4m3(u32 dst, uint2 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(bf16x2_from_e4m3x2(v.x)),
+               "r"(bf16x2_from_e4m3x2(v.x >> 16)), "r"(bf16x2_from_e4m3x2(v.y)), "r"(bf16x2_from_e4m3x2(v.y >> 16))
+               : "memory");
+}
+#endif
+
 // Where the keys of one request live, for one KV head (see the header).
 struct KeySource {
   const u16* qkv;       // the step's q/k/v rows, (H + 2G) * 128 per token
-  const u16* k_pool;    // paged pool or ring of this layer
-  const u16* v_pool;
+  const kv_t* k_pool;   // paged pool or ring of this layer
+  const kv_t* v_pool;
   const int* table;     // this request's block table row (full layers), else null
   long long qkv_stride, pool_stride;  // elements per token row
   int ring_page, page_rows, s, row0, k_col, v_col, head_col;
 
   // Key (or value) row of position kp for this KV head: paged pool, ring (history) or q/k/v (fresh).
-  __device__ __forceinline__ const u16* row(int kp, bool v) const {
+  // NOTE: with KV_FP8 a pool or ring row is e4m3 and a fresh row bf16 (fresh(kp)), both as kv_t*.
+  __device__ __forceinline__ const kv_t* row(int kp, bool v) const {
     if (table) {
       const long long r = (long long)table[kp / page_rows] * page_rows + kp % page_rows;
       return (v ? v_pool : k_pool) + r * pool_stride + head_col;
@@ -56,13 +75,15 @@ struct KeySource {
       const long long r = (long long)ring_page * page_rows + kp % page_rows;
       return (v ? v_pool : k_pool) + r * pool_stride + head_col;
     }
-    return qkv + (long long)(row0 + kp - s) * qkv_stride + (v ? v_col : k_col) + head_col;
+    return reinterpret_cast<const kv_t*>(qkv + (long long)(row0 + kp - s) * qkv_stride + (v ? v_col : k_col) +
+                                         head_col);
   }
+  __device__ __forceinline__ bool fresh(int kp) const { return !table && kp >= s; }
 
   // Entry e's sources for KV head kvh (block_tables null: a sliding layer).
-  __device__ __forceinline__ void set(const u16* qkv_, const u16* k_pool_, const u16* v_pool_, const int* block_tables,
-                                      int table_stride, const int* entries, int e, int page_rows_, int H, int G,
-                                      int kvh) {
+  __device__ __forceinline__ void set(const u16* qkv_, const kv_t* k_pool_, const kv_t* v_pool_,
+                                      const int* block_tables, int table_stride, const int* entries, int e,
+                                      int page_rows_, int H, int G, int kvh) {
     qkv = qkv_, k_pool = k_pool_, v_pool = v_pool_;
     table = block_tables ? block_tables + (long long)e * table_stride : nullptr;
     qkv_stride = (long long)(H + 2 * G) * HEAD_DIM, pool_stride = (long long)G * HEAD_DIM;

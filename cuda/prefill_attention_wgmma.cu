@@ -14,6 +14,8 @@
 // MMAs (measured: 0-3 % over issuing freely). The producer looks up each key row's address once
 // per tile (128 rows, one per thread; barrier 3 among the producers), then copies from the list.
 // Registers: producer 40, consumers 232 (S 64 + O 64 + P 32 + ...).
+// KV_FP8 (e4m3 pools): the producer loads the pool / ring rows itself and stores them converted to
+// bf16 where cp.async would have (load_kv_tile_e4m3), so the consumers are unchanged; no TMA.
 // Thread (consumer warpgroup w, warp q, lane 4g + t): rows 16q + g and + 8 of the warpgroup's 64 =
 // tokens 8w + 2q + {0, 1}, head g; columns 8j + 2t (+ 1) (the accumulator layout in wgmma.cuh).
 #include "prefill_attention.cuh"
@@ -43,6 +45,15 @@ __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
 
 #ifndef PW_TMA
 #define PW_TMA 0
+#endif
+#if PW_TMA && KV_FP8
+#error "TMA copies bf16 pages as they are: FP8 pools take the cp.async path (kernels/prefill_attention.py)"
+#endif
+#if KV_FP8
+// Each producer thread arrives on a full barrier twice: after its e4m3 rows (stores) and for its cp.async.
+#define PW_FULL_ARRIVALS 256
+#else
+#define PW_FULL_ARRIVALS 128
 #endif
 #if PW_TMA
 // A CUtensorMap (cuTensorMapEncodeTiled, kernels/prefill_attention.py `pool_tensor_map`): a paged
@@ -88,6 +99,45 @@ __device__ __forceinline__ void load_kv_tile_sw(u32 dst, const u16* const* rows,
     cp_async_16(dst + (c >> 3) * PW_KV_SUB + sw128(kr, c & 7), row ? row + 8 * c : dummy, row != nullptr);
   }
 }
+
+#if KV_FP8
+// load_kv_tile_sw for e4m3 pools: rows before `fresh_from` (the pool or ring) are loaded 8 bytes a
+// chunk, converted and stored as bf16 where cp.async would have put them (null rows: zeros); the
+// rest (fresh, bf16) by cp.async. The loads of 8 rows go to registers first so they overlap, the
+// first 8 before the wait for the stage to be empty (`empty` at `parity`; `wait` false for a stage's
+// first fill). The caller then arrives with arrive_full.
+__device__ __forceinline__ void load_kv_tile_e4m3(u32 dst, const kv_t* const* rows, int fresh_from, int p,
+                                                  u32 empty, u32 parity, bool wait) {
+  const int c = p & 15;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    uint2 raw[PW_KEYS / 16];
+#pragma unroll
+    for (int i = 0; i < PW_KEYS / 16; ++i) {
+      const int kr = (p >> 4) + 8 * (PW_KEYS / 16 * half + i);
+      const kv_t* row = rows[kr];
+      raw[i] = row && kr < fresh_from ? ld_e4m3x8(row + 8 * c) : make_uint2(0, 0);
+    }
+    if (half == 0 && wait) mbarrier_wait_parity(empty, parity);
+#pragma unroll
+    for (int i = 0; i < PW_KEYS / 16; ++i) {
+      const int kr = (p >> 4) + 8 * (PW_KEYS / 16 * half + i);
+      const kv_t* row = rows[kr];
+      const u32 d = dst + (c >> 3) * PW_KV_SUB + sw128(kr, c & 7);
+      if (row && kr >= fresh_from) cp_async_16(d, row + 16 * c, true);
+      else st_shared_bf16x8_from_e4m3(d, raw[i]);
+    }
+  }
+}
+
+// NOTE: the consumers read the tile with wgmma (the async proxy): this thread's generic stores are
+// fenced to it before the arrival that publishes them; its cp.async arrive when they land.
+__device__ __forceinline__ void arrive_full(u32 bar) {
+  fence_proxy_async_shared();
+  mbarrier_arrive(bar);
+  cp_async_arrive_noinc(bar);
+}
+#endif
 
 // Masks (causal, window) of a key tile at k0 for this thread's rows (positions my_q, my_q + 1).
 __device__ __forceinline__ void mask_tile(float (&sc)[64], int k0, int my_q, int t, int window) {
@@ -190,7 +240,7 @@ __device__ __forceinline__ void finish_s(float (&sc)[64], float (&m)[2], float (
 }
 
 extern "C" __global__ void __launch_bounds__(PW_THREADS, 1)
-prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const u16* k_pool, const u16* v_pool,
+prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const kv_t* k_pool, const kv_t* v_pool,
                              const int* block_tables, int table_stride, int page_rows, int window,
                              const int* entries, const int* tiles, int num_q_heads, int num_kv_heads,
                              const void* sinks, int sinks_bf16, float scale_log2
@@ -220,8 +270,8 @@ prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const u16* k_pool, const 
     src.set(qkv, k_pool, v_pool, block_tables, table_stride, entries, qt.e, page_rows, H, G, kvh);
     mbarrier_init(bar_q, 128);
     for (int st = 0; st < PW_STAGES; ++st) {
-      mbarrier_init(bar_q + 8 * (1 + 4 * st), 128);  // full: every producer thread's copies
-      mbarrier_init(bar_q + 8 * (2 + 4 * st), 128);
+      mbarrier_init(bar_q + 8 * (1 + 4 * st), PW_FULL_ARRIVALS);  // full: every producer thread's copies
+      mbarrier_init(bar_q + 8 * (2 + 4 * st), PW_FULL_ARRIVALS);
       mbarrier_init(bar_q + 8 * (3 + 4 * st), 8);    // empty: every consumer warp
       mbarrier_init(bar_q + 8 * (4 + 4 * st), 8);
     }
@@ -244,7 +294,7 @@ prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const u16* k_pool, const 
       cp_async_arrive_noinc(bar_q);
     }
     // Each key row's K and V address, once per tile (a block-table lookup per row), then the copies.
-    __shared__ const u16* kv_rows[2][PW_KEYS];
+    __shared__ const kv_t* kv_rows[2][PW_KEYS];
     for (int i = 0; i < n_tiles; ++i) {
       const int st = i % PW_STAGES, phase = (i / PW_STAGES) & 1, k0 = lo + (n_tiles - 1 - i) * PW_KEYS;
       const u32 bars = bar_q + 8 * (1 + 4 * st), k_dst = kv_smem + 4 * st * PW_KV_SUB;
@@ -262,12 +312,20 @@ prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const u16* k_pool, const 
       kv_rows[0][tid] = kp <= hi ? src.row(kp, false) : nullptr;
       kv_rows[1][tid] = kp <= hi ? src.row(kp, true) : nullptr;
       named_bar_sync(3, 128);
+#if KV_FP8
+      const int fresh_from = src.table ? PW_KEYS : src.s - k0;  // rows from here on: q/k/v (bf16)
+      load_kv_tile_e4m3(k_dst, kv_rows[0], fresh_from, tid, bars + 16, phase ^ 1, i >= PW_STAGES);
+      arrive_full(bars);
+      load_kv_tile_e4m3(k_dst + 2 * PW_KV_SUB, kv_rows[1], fresh_from, tid, bars + 24, phase ^ 1, i >= PW_STAGES);
+      arrive_full(bars + 8);
+#else
       if (i >= PW_STAGES) mbarrier_wait_parity(bars + 16, phase ^ 1);
       load_kv_tile_sw(k_dst, kv_rows[0], qkv, tid);
       cp_async_arrive_noinc(bars);
       if (i >= PW_STAGES) mbarrier_wait_parity(bars + 24, phase ^ 1);
       load_kv_tile_sw(k_dst + 2 * PW_KV_SUB, kv_rows[1], qkv, tid);
       cp_async_arrive_noinc(bars + 8);
+#endif
     }
     cp_async_wait_all();
     return;

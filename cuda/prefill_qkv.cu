@@ -9,13 +9,24 @@
 // qkv [T, (H + 2G) * 128] bf16: q heads, then k heads, then v heads. The norm and RoPE arithmetic is
 // qk_norm_rope.cuh's, shared with the decode kernel (qk_norm_rope_kv.cu), so a prompt leaves the
 // same K bits in the cache as token-by-token decode does.
+// KV_FP8 (a define): the pool / ring is e4m3 (attention_common.cuh): each value is stored as the
+// e4m3 of the bf16 value the bf16 cache would hold (saturating at +-448).
 #include "qk_norm_rope.cuh"
 
 #define PQK_WARPS 8
 
+// Four bf16 values (dims 4l .. 4l+3 of a lane) to a pool row as they are, or as e4m3.
+__device__ __forceinline__ void store_kv4(kv_t* dst, uint2 v) {
+#if KV_FP8
+  *reinterpret_cast<u32*>(dst) = e4m3x4_from_f32(bf16x2_lo(v.x), bf16x2_hi(v.x), bf16x2_lo(v.y), bf16x2_hi(v.y));
+#else
+  *reinterpret_cast<uint2*>(dst) = v;
+#endif
+}
+
 // Grid (T), 256 threads: warp w handles heads w, w + 8, ...; lane l holds dims 4l .. 4l+3.
 extern "C" __global__ void __launch_bounds__(PQK_WARPS * 32)
-prefill_qk_norm_rope_bf16(u16* qkv, u16* k_pool, u16* v_pool, const int* kv_rows, const u16* q_norm_weight,
+prefill_qk_norm_rope_bf16(u16* qkv, kv_t* k_pool, kv_t* v_pool, const int* kv_rows, const u16* q_norm_weight,
                           const u16* k_norm_weight, const int* positions, int num_q_heads, int num_kv_heads,
                           float eps, const double* rope_inv_freq) {
   __shared__ float cos_s[HEAD_DIM / 2], sin_s[HEAD_DIM / 2];
@@ -40,8 +51,8 @@ prefill_qk_norm_rope_bf16(u16* qkv, u16* k_pool, u16* v_pool, const int* kv_rows
     u16* p = row_ptr + head * HEAD_DIM;
     if (head >= H + G) {  // v: copied as is to the pool
       if (pool_row >= 0)
-        *reinterpret_cast<uint2*>(v_pool + pool_row * G * HEAD_DIM + (head - H - G) * HEAD_DIM + 4 * lane) =
-            *reinterpret_cast<const uint2*>(p);
+        store_kv4(v_pool + pool_row * G * HEAD_DIM + (head - H - G) * HEAD_DIM + 4 * lane,
+                  *reinterpret_cast<const uint2*>(p));
       continue;
     }
     const bool is_q = head < H;
@@ -52,14 +63,14 @@ prefill_qk_norm_rope_bf16(u16* qkv, u16* k_pool, u16* v_pool, const int* kv_rows
     norm_rope_lanes(x, w, eps, rope, cos_s, sin_s, lane, y);
     const uint2 out = make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]));
     *reinterpret_cast<uint2*>(p) = out;
-    if (!is_q && pool_row >= 0)
-      *reinterpret_cast<uint2*>(k_pool + pool_row * G * HEAD_DIM + (head - H) * HEAD_DIM + 4 * lane) = out;
+    if (!is_q && pool_row >= 0) store_kv4(k_pool + pool_row * G * HEAD_DIM + (head - H) * HEAD_DIM + 4 * lane, out);
   }
 }
 
-// Grid (R), 128 threads: row r's K then V (G * 128 values each, adjacent in qkv) in 16-byte pieces.
+// Grid (R), 128 threads: row r's K then V (G * 128 values each, adjacent in qkv) in pieces of 8 values
+// (16 bytes read; 16 written, or 8 as e4m3).
 extern "C" __global__ void __launch_bounds__(128)
-prefill_kv_copy_bf16(u16* k_pool, u16* v_pool, const u16* qkv, const int* src_rows, const int* dst_rows,
+prefill_kv_copy_bf16(kv_t* k_pool, kv_t* v_pool, const u16* qkv, const int* src_rows, const int* dst_rows,
                      int num_q_heads, int num_kv_heads) {
   const int r = blockIdx.x, H = num_q_heads, G = num_kv_heads, pieces = G * HEAD_DIM / 8;
   pdl_launch_dependents();
@@ -70,7 +81,14 @@ prefill_kv_copy_bf16(u16* k_pool, u16* v_pool, const u16* qkv, const int* src_ro
   for (int i = threadIdx.x; i < 2 * pieces; i += blockDim.x) {
     const bool v = i >= pieces;
     const int c = v ? i - pieces : i;
+#if KV_FP8
+    const uint4 x = *reinterpret_cast<const uint4*>(qkv + src + (v ? G * HEAD_DIM : 0) + 8 * c);
+    *reinterpret_cast<uint2*>((v ? v_pool : k_pool) + dst + 8 * c) =
+        make_uint2(e4m3x4_from_f32(bf16x2_lo(x.x), bf16x2_hi(x.x), bf16x2_lo(x.y), bf16x2_hi(x.y)),
+                   e4m3x4_from_f32(bf16x2_lo(x.z), bf16x2_hi(x.z), bf16x2_lo(x.w), bf16x2_hi(x.w)));
+#else
     *reinterpret_cast<uint4*>((v ? v_pool : k_pool) + dst + 8 * c) =
         *reinterpret_cast<const uint4*>(qkv + src + (v ? G * HEAD_DIM : 0) + 8 * c);
+#endif
   }
 }

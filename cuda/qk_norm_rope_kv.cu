@@ -10,15 +10,6 @@
 // KV_FP8: the cache is e4m3 (attention_common.cuh): the K row is the bf16 value above, rounded again.
 #include "qk_norm_rope.cuh"
 
-#ifndef KV_FP8
-#define KV_FP8 0
-#endif
-#if KV_FP8
-typedef unsigned char kv_t;
-#else
-typedef u16 kv_t;
-#endif
-
 #define QKN_WARPS 8
 
 __device__ __forceinline__ void load_bf16x4(const u16* p, float (&x)[4]) {

@@ -25,9 +25,23 @@ def test_compiles_for_sm90a(source, entry, private_cache):
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("source,entry", ENTRY_POINTS)
+def test_fp8_pool_variants_compile_for_sm90a(source, entry, private_cache):
+    cubin = _runtime.compile_only(source, {"KV_FP8": 1}, arch="sm_90a")
+    assert cubin[:4] == b"\x7fELF" and entry.encode() in cubin
+
+
+@needs_nvrtc
 def test_tma_variant_compiles_for_sm90a(private_cache):
     cubin = _runtime.compile_only("prefill_attention_wgmma.cu", {"PW_TMA": 1}, arch="sm_90a")
     assert cubin[:4] == b"\x7fELF" and b"prefill_attention_wgmma_bf16" in cubin
+
+
+@needs_nvrtc
+def test_tma_variant_refuses_fp8_pools(private_cache):
+    """The launcher never asks for it (FP8 pools take the cp.async path); the source says so too."""
+    with pytest.raises(_runtime.KernelCompileError, match="FP8 pools take the cp.async path"):
+        _runtime.compile_only("prefill_attention_wgmma.cu", {"PW_TMA": 1, "KV_FP8": 1}, arch="sm_90a")
 
 
 def test_launcher_constants_match_the_kernel_source():
@@ -106,6 +120,18 @@ def test_metadata_ring_rows_are_distinct_per_slot():
 def test_metadata_rejects_bad_entries(chunks):
     with pytest.raises(ValueError):
         prefill_metadata(chunks, 16, 513, "cpu")
+
+
+def test_pools_bf16_or_fp8_pick_the_kernel_compile():
+    """bf16 pools take the plain compile, e4m3 ones KV_FP8; other dtypes and mixed pairs are refused."""
+    bf16 = torch.zeros(2, 16, 4, 128, dtype=torch.bfloat16)
+    fp8 = torch.zeros(2, 16, 4, 128, dtype=torch.float8_e4m3fn)
+    assert prefill_attention._check_kv(bf16, bf16.clone()) == (4, ())
+    assert prefill_attention._check_kv(fp8, fp8.clone()) == (4, (("KV_FP8", 1),))
+    for k, v in ((bf16, fp8), (fp8, bf16), (bf16.half(), bf16.half()), (bf16.float(), bf16.float()),
+                 (fp8.view(torch.float8_e5m2), fp8.view(torch.float8_e5m2))):
+        with pytest.raises(ValueError, match="dtype|KV pools must be"):
+            prefill_attention._check_kv(k, v)
 
 
 def test_launchers_reject_cpu_tensors():

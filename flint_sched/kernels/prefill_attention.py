@@ -8,6 +8,8 @@ Per attention layer of a prompt step (cuda/prefill_qkv.cu, cuda/prefill_attentio
 `PrefillMetadata` holds the step's per-entry and per-token int32 tensors, built once per step on the
 host and copied in one transfer, then read by every layer. The q/k/v buffer [T, (H + 2G) * 128] is
 normed and roped in place; head dim 128 and 8 query heads per KV head are fixed (attention.py).
+Pools and rings are bf16 or e4m3 (attention.KV_DTYPES; an FP8 cache holds e4m3 of the bf16 value at
+scale 1): the kernels' KV_FP8 compiles write them converted and read them back as bf16.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ import numpy as np
 import torch
 
 from flint_sched.kernels._runtime import F32, I32, Kernel, TensorMap, compile_kernel, encode_tensor_map
-from flint_sched.kernels.attention import GROUP, HEAD_DIM, LOG2E, MAX_KV_HEADS, _check_pools, rope_inv_freq
+from flint_sched.kernels.attention import (
+    GROUP,
+    HEAD_DIM,
+    KV_DTYPES,
+    LOG2E,
+    MAX_KV_HEADS,
+    _check_pools,
+    rope_inv_freq,
+)
 from flint_sched.kernels.linear import check_tensor
 
 TILE_TOKENS = 16               # cuda/prefill_attention.cuh PF_TOKENS: 16 tokens x 8 heads = 128 rows
@@ -36,6 +46,7 @@ WGMMA_SMEM_BYTES = 163840 + 1024
 # "wgmma": FlashAttention-3's design, sm_90a only, the default there (measured in RESULTS.md: 443
 # against 177 TFLOP/s for a full layer at 8K tokens); "wgmma-tma": the same, the full layers' whole
 # tiles of 16-row pages copied by TMA instead of cp.async (sliding layers as "wgmma"), to measure.
+# FP8 pools take "wgmma" for "wgmma-tma": TMA would land e4m3 bytes, and the MMAs read bf16 tiles.
 _VARIANTS = {
     "mma": ("prefill_attention.cu", "prefill_attention_bf16", ATTN_THREADS, SMEM_BYTES, ()),
     "wgmma": ("prefill_attention_wgmma.cu", "prefill_attention_wgmma_bf16", WGMMA_THREADS, WGMMA_SMEM_BYTES, ()),
@@ -51,6 +62,12 @@ COPY_THREADS = 128
 @functools.cache
 def _kernel(source: str, name: str, defines: tuple = ()) -> Kernel:
     return compile_kernel(source, name, dict(defines))
+
+
+def _check_kv(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[int, tuple]:
+    """(G, defines) of a K/V pool or ring pair of one KV_DTYPES dtype: KV_FP8 for e4m3."""
+    g = _check_pools(k_pool, v_pool, KV_DTYPES)
+    return g, (("KV_FP8", 1),) if k_pool.dtype == torch.float8_e4m3fn else ()
 
 
 _pool_maps: dict[tuple, TensorMap] = {}
@@ -252,16 +269,18 @@ def prefill_qk_norm_rope(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_
                          k_pool: torch.Tensor | None = None, v_pool: torch.Tensor | None = None,
                          pdl: bool = False) -> torch.Tensor:
     """In place: q and k heads of qkv [T, (H + 2G) * 128] RMS-normed, then roped when rope_theta is
-    given (sliding layers); with pools (full layers: [num_blocks, block_size, G, 128]) each row's K
-    and V also go to its paged row meta.kv_rows[t]. Returns qkv."""
+    given (sliding layers); with pools (full layers: [num_blocks, block_size, G, 128], bf16 or e4m3)
+    each row's K and V also go to its paged row meta.kv_rows[t]. Returns qkv."""
     h, g = _check_qkv(qkv, meta)
     dev = qkv.device
     check_tensor(q_norm_weight, "q_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
     check_tensor(k_norm_weight, "k_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
     if (k_pool is None) != (v_pool is None):
         raise ValueError("give both K and V pools, or neither")
+    defines = ()
     if k_pool is not None:
-        if _check_pools(k_pool, v_pool) != g or k_pool.device != dev:
+        pool_g, defines = _check_kv(k_pool, v_pool)
+        if pool_g != g or k_pool.device != dev:
             raise ValueError(f"pools must be [blocks, block_size, {g}, {HEAD_DIM}] on {dev}")
         if k_pool.shape[1] != meta.block_size:
             raise ValueError(f"pool block size {k_pool.shape[1]} != metadata block size {meta.block_size}")
@@ -270,7 +289,7 @@ def prefill_qk_norm_rope(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_
         if not rope_theta > 0:
             raise ValueError(f"rope_theta must be positive, got {rope_theta}")
         inv_freq = rope_inv_freq(float(rope_theta), dev)
-    _kernel("prefill_qkv.cu", "prefill_qk_norm_rope_bf16").launch(
+    _kernel("prefill_qkv.cu", "prefill_qk_norm_rope_bf16", defines).launch(
         (meta.num_tokens,), (NORM_THREADS,),
         [qkv, k_pool, v_pool, meta.kv_rows if k_pool is not None else None, q_norm_weight, k_norm_weight,
          meta.positions, I32(h), I32(g), F32(eps), inv_freq],
@@ -288,14 +307,15 @@ def prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     through meta.block_tables; the chunk's rows must be written (prefill_qk_norm_rope with pools).
     Sliding layers: the last meta.window keys up to p, history from the ring [slots, ring_rows, G, 128]
     and the chunk's own from qkv; the ring is written afterwards (prefill_ring_write).
-    kernel: one of KERNELS (None: default_kernel, by the GPU).
+    Pools and rings bf16 or e4m3. kernel: one of KERNELS (None: default_kernel, by the GPU).
     """
     h, g = _check_qkv(qkv, meta)
     dev = qkv.device
     kernel = default_kernel(dev.index) if kernel is None else kernel
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if _check_pools(k_pool, v_pool) != g or k_pool.device != dev:
+    pool_g, kv_defines = _check_kv(k_pool, v_pool)
+    if pool_g != g or k_pool.device != dev:
         raise ValueError(f"pools must be [pages, rows, {g}, {HEAD_DIM}] on {dev}")
     if sliding and k_pool.shape[1] != meta.ring_rows:
         raise ValueError(f"ring of {k_pool.shape[1]} rows != metadata ring rows {meta.ring_rows}")
@@ -309,11 +329,11 @@ def prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     check_tensor(out, "out", torch.bfloat16, (meta.num_tokens, h, HEAD_DIM), dev)
     scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else softmax_scale
     source, name, threads, smem, defines = _VARIANTS[kernel]
-    tma = bool(defines) and not sliding and k_pool.shape[1] == TMA_PAGE_ROWS
+    tma = bool(defines) and not sliding and k_pool.shape[1] == TMA_PAGE_ROWS and not kv_defines
     args = [out, qkv, k_pool, v_pool, None if sliding else meta.block_tables, I32(meta.block_tables.shape[1]),
             I32(k_pool.shape[1]), I32(meta.window if sliding else 0), meta.entries, meta.tiles, I32(h), I32(g),
             sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E)]
-    compiled = _kernel(source, name, defines if tma else ())
+    compiled = _kernel(source, name, (defines if tma else ()) + kv_defines)
     if tma:
         compiled.load(dev.index)                  # the driver's context, for the descriptors
         args += [pool_tensor_map(k_pool), pool_tensor_map(v_pool)]
@@ -323,12 +343,14 @@ def prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
 
 def prefill_ring_write(qkv: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor, meta: PrefillMetadata,
                        pdl: bool = False) -> None:
-    """Each entry's last <= ring_rows K/V rows (normed, roped) into its ring slot, after attention."""
+    """Each entry's last <= ring_rows K/V rows (normed, roped) into its ring slot (bf16 or e4m3), after
+    attention."""
     h, g = _check_qkv(qkv, meta)
-    if _check_pools(k_ring, v_ring) != g or k_ring.shape[1] != meta.ring_rows or k_ring.device != qkv.device:
+    ring_g, defines = _check_kv(k_ring, v_ring)
+    if ring_g != g or k_ring.shape[1] != meta.ring_rows or k_ring.device != qkv.device:
         raise ValueError(f"rings must be [slots, {meta.ring_rows}, {g}, {HEAD_DIM}] on {qkv.device}")
     rows = meta.ring_src.shape[0]
-    _kernel("prefill_qkv.cu", "prefill_kv_copy_bf16").launch(
+    _kernel("prefill_qkv.cu", "prefill_kv_copy_bf16", defines).launch(
         (rows,), (COPY_THREADS,), [k_ring, v_ring, qkv, meta.ring_src, meta.ring_dst, I32(h), I32(g)],
         pdl=pdl, device=qkv.device.index)
 

@@ -5,7 +5,9 @@ a chunk) sits in the pool or ring as random K/V; every other pool and ring row i
 outside a request's keys shows up as NaN. Checks: the attention output of every request against
 `attention_with_sinks` on the torch-normed q/k (bf16 bounds), and the cache left bit for bit as the
 decode kernels (qk_norm_rope_kv_*) leave it token by token: the chunk's rows of the paged pool, or
-the last <= 513 rows of the ring, the rest untouched.
+the last <= 513 rows of the ring, the rest untouched. FP8 caches (e4m3, scale 1): the same cases on
+the pools converted to e4m3; the reference reads what the kernels read (the e4m3 history, and on full
+layers the chunk's own rows as written to the pool), and the cache must be the bf16 one as e4m3.
 """
 
 import pytest
@@ -27,6 +29,7 @@ from test_kernel_attention import EPS, THETA, WINDOW, D, G, H, mixed_sinks, same
 pytestmark = pytest.mark.gpu
 
 CHECK_ROWS = 256          # query rows checked per block of a long chunk (all rows of short ones)
+FP8 = torch.float8_e4m3fn
 
 
 class Case:
@@ -92,18 +95,24 @@ def checked_rows(n):
     return torch.cat([torch.arange(a, a + CHECK_ROWS, device="cuda") for a in (0, mid, n - CHECK_ROWS)])
 
 
-def run_case(case: Case, kernel: str = "mma"):
+def run_case(case: Case, kernel: str = "mma", kv_dtype: torch.dtype = torch.bfloat16):
+    """The step on the case's cache (kv_dtype FP8: on a copy of it as e4m3), checked against the
+    reference and the cache against check_cache's."""
     meta = case.metadata()
     raw = case.qkv.clone()
     k_before, v_before = case.k.clone(), case.v.clone()
-    pools = () if case.sliding else (case.k, case.v)
+    fp8 = kv_dtype == FP8
+    k_cache, v_cache = (case.k.to(FP8), case.v.to(FP8)) if fp8 else (case.k, case.v)
+    pools = () if case.sliding else (k_cache, v_cache)
     qkv = prefill_qk_norm_rope(case.qkv, case.q_w, case.k_w, meta, EPS, THETA if case.sliding else None, *pools)
     out = torch.full((meta.num_tokens, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    prefill_attention(qkv, case.k, case.v, meta, case.sinks, case.sliding, out=out, kernel=kernel)
+    prefill_attention(qkv, k_cache, v_cache, meta, case.sinks, case.sliding, out=out, kernel=kernel)
+    read = (k_cache.bfloat16(), v_cache.bfloat16()) if fp8 else None      # the cache after the attention read it
     if case.sliding:
-        prefill_ring_write(qkv, case.k, case.v, meta)
+        prefill_ring_write(qkv, k_cache, v_cache, meta)
     torch.cuda.synchronize()
     kind = ("sliding" if case.sliding else f"full bs={case.block_size}") + f" {kernel or 'default'} kernel"
+    kind += " fp8 cache" if fp8 else ""
     first = 0
     for b, (s, n) in enumerate(case.chunks):
         what = f"{kind} chunk {b} (start {s}, {n} tokens of {case.chunks})"
@@ -111,6 +120,10 @@ def run_case(case: Case, kernel: str = "mma"):
         pos = torch.arange(s, s + n, device="cuda")
         q, k, v = reference_qkv(raw[rows], case.q_w, case.k_w, pos, case.sliding)
         hist_pos, hist_k, hist_v = case.history[b]
+        if fp8:     # e4m3 history; full layers read their own rows back from the pool too
+            hist_k, hist_v = read[0][case.rows(b, hist_pos)], read[1][case.rows(b, hist_pos)]
+            if not case.sliding:
+                k, v = read[0][case.rows(b, pos)], read[1][case.rows(b, pos)]
         k_all, v_all, k_pos = torch.cat((hist_k, k)), torch.cat((hist_v, v)), torch.cat((hist_pos, pos))
         window = WINDOW if case.sliding else None
         idx = checked_rows(n)
@@ -123,11 +136,16 @@ def run_case(case: Case, kernel: str = "mma"):
                                              case.sinks.float(), qp, k_pos[sel], window))
         assert_close_bf16(out[rows][idx], torch.cat(refs), what, rtol=2.0**-7, abs_frac=2.0**-8)
         first += n
-    check_cache(case, raw, meta, k_before, v_before)
+    check_cache(case, raw, meta, k_before, v_before, k_cache, v_cache)
 
 
-def check_cache(case, raw, meta, k_before, v_before):
-    """The cache as the decode kernels leave it after writing the same positions one token at a time."""
+def same_bytes(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def check_cache(case, raw, meta, k_before, v_before, k_cache, v_cache):
+    """The cache as the decode kernels leave it after writing the same positions one token at a time
+    (into bf16 k_before / v_before; an e4m3 cache must hold that as e4m3)."""
     k_exp, v_exp = k_before, v_before
     first = 0
     for b, (s, n) in enumerate(case.chunks):
@@ -145,9 +163,10 @@ def check_cache(case, raw, meta, k_before, v_before):
                                      tables.contiguous(), EPS)
         first += n
     torch.cuda.synchronize()
-    kind = "ring" if case.sliding else "paged pool"
-    assert same_bits(case.k, k_exp), f"{kind} K differs from token-by-token decode ({case.chunks})"
-    assert same_bits(case.v, v_exp), f"{kind} V differs from token-by-token decode ({case.chunks})"
+    kind = ("ring" if case.sliding else "paged pool") + (" (e4m3)" if k_cache.dtype == FP8 else "")
+    k_exp, v_exp = k_exp.to(k_cache.dtype), v_exp.to(v_cache.dtype)
+    assert same_bytes(k_cache, k_exp), f"{kind} K differs from token-by-token decode ({case.chunks})"
+    assert same_bytes(v_cache, v_exp), f"{kind} V differs from token-by-token decode ({case.chunks})"
 
 
 @pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
@@ -251,3 +270,43 @@ def test_wgmma_kernel_against_the_reference(chunks, sliding, kernel):
     it. The pools start as NaN, so a page read past the keys shows."""
     run_case(Case(chunks, sliding, seed=len(chunks) * 31 + chunks[0][1]), kernel=kernel)
 
+
+FP8_CASES = {"700+300": ([(700, 300)], 16), "1000+37": ([(1000, 37)], 16), "5000+2000": ([(5000, 2000)], 16),
+             "several": ([(0, 1), (0, 513), (700, 300), (1000, 37), (5, 1), (0, 1000), (2000, 514), (16, 17)], 16),
+             "several-bs7": ([(0, 1), (700, 300), (1000, 37), (16, 17)], 7)}
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
+@pytest.mark.parametrize("chunks,block_size", list(FP8_CASES.values()), ids=list(FP8_CASES))
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wgmma-tma"])
+def test_fp8_cache_against_the_reference(kernel, chunks, block_size, sliding):
+    """Both kernels on an e4m3 cache (KV_FP8 compiles; "wgmma-tma" falls back to "wgmma"): pool and
+    ring rows converted to bf16 on the way into shared memory, the fresh rows of sliding layers read as
+    bf16. Chunks after history and several requests in one launch; the NaN rows stay NaN in e4m3."""
+    if kernel != "mma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90a")
+    run_case(Case(chunks, sliding, block_size=block_size, seed=len(chunks) * 17 + chunks[0][1]), kernel, FP8)
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
+def test_fp8_cache_rows_are_the_bf16_rows_as_e4m3(sliding):
+    """prefill_qk_norm_rope (full layers: K normed, V as is, to the pool) and prefill_ring_write
+    (sliding layers) on e4m3 pools store exactly the bf16 run's values converted by torch (values well
+    inside +-448, where saturating and torch's conversion agree), and leave q/k/v as the bf16 run does."""
+    chunks = [(0, 1), (700, 300), (1000, 37), (0, 513), (16, 17)]
+    case = Case(chunks, sliding, seed=23)
+    meta = case.metadata()
+    k8, v8 = case.k.to(FP8), case.v.to(FP8)
+    qkv_bf16, qkv_fp8 = case.qkv.clone(), case.qkv.clone()
+    rope = THETA if sliding else None
+    prefill_qk_norm_rope(qkv_bf16, case.q_w, case.k_w, meta, EPS, rope, *(() if sliding else (case.k, case.v)))
+    prefill_qk_norm_rope(qkv_fp8, case.q_w, case.k_w, meta, EPS, rope, *(() if sliding else (k8, v8)))
+    if sliding:
+        prefill_ring_write(qkv_bf16, case.k, case.v, meta)
+        prefill_ring_write(qkv_fp8, k8, v8, meta)
+    torch.cuda.synchronize()
+    assert same_bits(qkv_bf16, qkv_fp8), "q/k/v differ between the bf16 and e4m3 caches"
+    written = ~torch.isnan(case.k.float())
+    assert float(case.k.float()[written].abs().max()) < 448 and float(case.v.float()[written].abs().max()) < 448
+    assert same_bytes(k8, case.k.to(FP8)), "e4m3 K is not the bf16 K converted"
+    assert same_bytes(v8, case.v.to(FP8)), "e4m3 V is not the bf16 V converted"
