@@ -19,7 +19,8 @@
 // exact zeros; out = o / l.
 //
 // KV_FP8 (a define): the pool / ring is e4m3 (attention_common.cuh), converted to bf16 on its way
-// into shared memory, so the MMAs are the bf16 path's; the fresh rows of sliding layers stay bf16.
+// into shared memory, so the MMAs are the bf16 path's; the chunk's own rows (fresh) come from q/k/v
+// on both kinds of layers, bf16 and exact.
 #pragma once
 #include "attention_common.cuh"
 
@@ -66,8 +67,10 @@ struct KeySource {
 
   // Key (or value) row of position kp for this KV head: paged pool, ring (history) or q/k/v (fresh).
   // NOTE: with KV_FP8 a pool or ring row is e4m3 and a fresh row bf16 (fresh(kp)), both as kv_t*.
+  // With KV_FP8 full layers read the chunk's own rows from q/k/v too (bf16, no conversion: a lone
+  // prompt reads no e4m3 at all), so on both kinds of layers the history is e4m3, the chunk exact.
   __device__ __forceinline__ const kv_t* row(int kp, bool v) const {
-    if (table) {
+    if (table && (!KV_FP8 || kp < s)) {
       const long long r = (long long)table[kp / page_rows] * page_rows + kp % page_rows;
       return (v ? v_pool : k_pool) + r * pool_stride + head_col;
     }
@@ -78,7 +81,7 @@ struct KeySource {
     return reinterpret_cast<const kv_t*>(qkv + (long long)(row0 + kp - s) * qkv_stride + (v ? v_col : k_col) +
                                          head_col);
   }
-  __device__ __forceinline__ bool fresh(int kp) const { return !table && kp >= s; }
+  __device__ __forceinline__ bool fresh(int kp) const { return kp >= s && (!table || KV_FP8); }
 
   // Entry e's sources for KV head kvh (block_tables null: a sliding layer).
   __device__ __forceinline__ void set(const u16* qkv_, const kv_t* k_pool_, const kv_t* v_pool_,

@@ -313,7 +313,7 @@ prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const kv_t* k_pool, const
       kv_rows[1][tid] = kp <= hi ? src.row(kp, true) : nullptr;
       named_bar_sync(3, 128);
 #if KV_FP8
-      const int fresh_from = src.table ? PW_KEYS : src.s - k0;  // rows from here on: q/k/v (bf16)
+      const int fresh_from = src.s - k0;  // rows from here on: q/k/v (bf16; KeySource::row)
       load_kv_tile_e4m3(k_dst, kv_rows[0], fresh_from, tid, bars + 16, phase ^ 1, i >= PW_STAGES);
       arrive_full(bars);
       load_kv_tile_e4m3(k_dst + 2 * PW_KV_SUB, kv_rows[1], fresh_from, tid, bars + 24, phase ^ 1, i >= PW_STAGES);

@@ -41,7 +41,8 @@ def test_launcher_constants_match_the_kernel_source():
     assert "#define ATTN_WARPS 4" in text and "#define ATTN_STAGES 2" in text
     assert attention.ATTN_THREADS == 4 * 32
     assert attention.ATTN_SMEM_BYTES == 4 * 2 * 2 * 16 * 272 and 3 * (attention.ATTN_SMEM_BYTES + 1024) <= 228 * 1024
-    assert attention.ATTN_SMEM_BYTES_FP8 == 4 * 2 * 2 * 16 * 144
+    assert attention.fp8_smem_bytes(2) == 4 * 2 * 2 * 16 * 144
+    assert 3 * (attention.fp8_smem_bytes(attention.FP8_STAGES) + 1024) <= 228 * 1024
     assert attention.PARTIAL_FLOATS * 4 % 16 == 0 and attention.TICKET_SLOTS * 4 % 16 == 0  # float4 partials
     assert "#define QKN_WARPS 8" in (_runtime.source_dir() / "qk_norm_rope_kv.cu").read_text()
 

@@ -27,7 +27,8 @@ MAX_KV_HEADS = 8
 NORM_WARPS = 8               # cuda/qk_norm_rope_kv.cu QKN_WARPS: heads per CTA
 ATTN_THREADS = 128           # cuda/decode_attention.cu: 4 warps ...
 ATTN_SMEM_BYTES = 4 * 2 * 2 * 16 * (HEAD_DIM * 2 + 16)   # ... x 2 stages x (K + V) x 16 keys x 272 B = 68 KiB
-ATTN_SMEM_BYTES_FP8 = 4 * 2 * 2 * 16 * (HEAD_DIM + 16)   # e4m3 rows of 144 B: 36 KiB
+# e4m3 rows of 144 B: a tile is half the bytes, so FP8_STAGES stages keep as many bytes in flight
+FP8_STAGES = 4
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)        # the cache's element types (KV_FP8 compiles)
 MIN_SPLIT_KEYS = 64          # cuda/decode_attention.cu ATTN_MIN_SPLIT_KEYS (a define from here)
 MAX_SPLITS = 128
@@ -57,6 +58,11 @@ LOG2E = 1.4426950408889634
 @functools.cache
 def _kernel(source: str, name: str, defines: tuple = ()) -> Kernel:
     return compile_kernel(source, name, dict(defines))
+
+
+def fp8_smem_bytes(stages: int) -> int:
+    """The e4m3 kernel's tiles: 4 warps x stages x (K + V) x 16 keys x 144 B."""
+    return 4 * stages * 2 * 16 * (HEAD_DIM + 16)
 
 
 def kv_defines(pool: torch.Tensor) -> tuple:
@@ -255,13 +261,14 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
     check_tensor(out, "out", torch.bfloat16, (b, h, HEAD_DIM), dev)
     scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else softmax_scale
     fp8 = k_pool.dtype == torch.float8_e4m3fn
-    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *kv_defines(k_pool))
+    stages = (("ATTN_STAGES", FP8_STAGES),) if fp8 else ()
+    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *kv_defines(k_pool), *stages)
     _kernel("decode_attention.cu", "decode_attention_bf16", defines).launch(
         (splits, g, b), (ATTN_THREADS,),
         [out, q, k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window),
          seq_lens, I32(one_below), sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E), workspace,
          workspace[TICKET_SLOTS:]],
-        shared_bytes=ATTN_SMEM_BYTES_FP8 if fp8 else ATTN_SMEM_BYTES, pdl=pdl, device=dev.index)
+        shared_bytes=fp8_smem_bytes(FP8_STAGES) if fp8 else ATTN_SMEM_BYTES, pdl=pdl, device=dev.index)
     return out
 
 

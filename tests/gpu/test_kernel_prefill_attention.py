@@ -6,8 +6,8 @@ outside a request's keys shows up as NaN. Checks: the attention output of every 
 `attention_with_sinks` on the torch-normed q/k (bf16 bounds), and the cache left bit for bit as the
 decode kernels (qk_norm_rope_kv_*) leave it token by token: the chunk's rows of the paged pool, or
 the last <= 513 rows of the ring, the rest untouched. FP8 caches (e4m3, scale 1): the same cases on
-the pools converted to e4m3; the reference reads what the kernels read (the e4m3 history, and on full
-layers the chunk's own rows as written to the pool), and the cache must be the bf16 one as e4m3.
+the pools converted to e4m3; the reference reads what the kernels read (the e4m3 history and the
+chunk's own rows exact, from q/k/v), and the cache must be the bf16 one as e4m3.
 """
 
 import pytest
@@ -120,10 +120,8 @@ def run_case(case: Case, kernel: str = "mma", kv_dtype: torch.dtype = torch.bflo
         pos = torch.arange(s, s + n, device="cuda")
         q, k, v = reference_qkv(raw[rows], case.q_w, case.k_w, pos, case.sliding)
         hist_pos, hist_k, hist_v = case.history[b]
-        if fp8:     # e4m3 history; full layers read their own rows back from the pool too
+        if fp8:     # e4m3 history; the chunk's own rows exact (from q/k/v) on both kinds of layers
             hist_k, hist_v = read[0][case.rows(b, hist_pos)], read[1][case.rows(b, hist_pos)]
-            if not case.sliding:
-                k, v = read[0][case.rows(b, pos)], read[1][case.rows(b, pos)]
         k_all, v_all, k_pos = torch.cat((hist_k, k)), torch.cat((hist_v, v)), torch.cat((hist_pos, pos))
         window = WINDOW if case.sliding else None
         idx = checked_rows(n)
