@@ -38,7 +38,8 @@ def summary_lines(parts: EngineParts, extra: dict[str, str] | None = None) -> li
     total, active = config.parameter_counts()
     origins = parts.origins
     kv_tokens = sched.num_blocks * sched.block_size
-    kv_dtype = str(parts.executor.kv.dtype).removeprefix("torch.")
+    kv = getattr(parts.executor, "kv", None)      # test executors may have none
+    kv_dtype = f"; {str(kv.dtype).removeprefix('torch.')}" if kv is not None else ""
     lines = {
         "model": f"{config.num_hidden_layers} layers, {_count(total)} parameters ({_count(active)} active per token)",
         "from": origins.get("model", str(ckpt.source)),
@@ -50,7 +51,7 @@ def summary_lines(parts: EngineParts, extra: dict[str, str] | None = None) -> li
         "executor": executor_description(parts),
         "KV cache": (f"{kv_tokens:,} tokens of full-attention KV ({sched.num_blocks:,} blocks of {sched.block_size}); "
                      f"{sched.max_num_seqs} concurrent sliding windows of {config.sliding_window} tokens "
-                     f"(at most that many requests at once); {kv_dtype}"),
+                     f"(at most that many requests at once){kv_dtype}"),
         "max model len": f"{sched.max_model_len:,} tokens",
         "weights": f"{ckpt.nbytes / 2**30:.2f} GiB",
     }

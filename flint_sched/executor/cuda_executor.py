@@ -66,9 +66,9 @@ FUSED_MAX_BATCH = MAX_TOKENS      # the GEMV and small-batch MoE kernels' limit 
 ONE_FORWARD_MAX_CONTEXT = 32768
 # Mixed steps (prompt chunks beside decodes) of at least this many rows run the hybrid expert GEMMs
 # (kernels/grouped_moe.py: experts of many rows tiled, the rest on the decode GEMMs): the decode
-# rows' experts the prompts do not touch leave the 128-row tiles. Full model, NVFP4 (RESULTS.md,
-# session 18): 64-256 decodes + 1,024 prompt rows -10 to -19 %, 256 + 7,936 -2.7 %; a prompt
-# alone loses with them (+2-16 %) and keeps the tiled GEMMs. 0: never.
+# rows' experts the prompts do not touch leave the 128-row tiles. Full model, NVFP4, 1,536 tokens of
+# context (RESULTS.md, session 19): 64-256 decodes + 512-1,024 prompt rows -10 to -16 %, 256 + 7,936
+# -2.7 % (session 18); a prompt alone loses with them (+2-16 %) and keeps the tiled GEMMs. 0: never.
 HYBRID_MIXED_MIN_ROWS = 512
 
 
