@@ -31,6 +31,7 @@ from flint_sched.kernels.attention import (
     LOG2E,
     MAX_KV_HEADS,
     _check_pools,
+    kv_defines,
     rope_inv_freq,
 )
 from flint_sched.kernels.linear import check_tensor
@@ -66,8 +67,7 @@ def _kernel(source: str, name: str, defines: tuple = ()) -> Kernel:
 
 def _check_kv(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[int, tuple]:
     """(G, defines) of a K/V pool or ring pair of one KV_DTYPES dtype: KV_FP8 for e4m3."""
-    g = _check_pools(k_pool, v_pool, KV_DTYPES)
-    return g, (("KV_FP8", 1),) if k_pool.dtype == torch.float8_e4m3fn else ()
+    return _check_pools(k_pool, v_pool, KV_DTYPES), kv_defines(k_pool)
 
 
 _pool_maps: dict[tuple, TensorMap] = {}
