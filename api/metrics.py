@@ -25,9 +25,18 @@ TOKEN_GAP_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
+def cache_dtype(engine) -> str:
+    """vLLM's cache_dtype label: "fp8_e4m3" for an e4m3 KV cache (--kv-cache-dtype fp8), else "auto"."""
+    executor = getattr(engine, "executor", None)
+    executor = getattr(executor, "executor", executor)      # MeteredExecutor wraps the executor
+    kv = getattr(executor, "kv", None)
+    return "fp8_e4m3" if kv is not None and str(kv.dtype) == "torch.float8_e4m3fn" else "auto"
+
+
 class EngineCollector:
-    """Scrape-time gauges of the engine's state: requests, KV blocks, ring slots; counters of
-    preemptions and of prefix-cache queries and hits (tokens)."""
+    """Scrape-time gauges of the engine's state: requests, KV blocks, ring slots; the cache's
+    configuration (vLLM's cache_config_info); counters of preemptions and of prefix-cache queries
+    and hits (tokens)."""
 
     def __init__(self, get_engine: Callable, model_name: str):
         self.get_engine = get_engine
@@ -57,6 +66,14 @@ class EngineCollector:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(value))
             yield family
+        config = scheduler.config
+        info = {"block_size": config.block_size, "cache_dtype": cache_dtype(engine),
+                "num_gpu_blocks": config.num_blocks, "num_ring_slots": config.max_num_seqs + config.num_ring_snapshots,
+                "enable_prefix_caching": config.enable_prefix_caching}
+        family = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache's configuration.",
+                                   labels=["model_name", *info])
+        family.add_metric([self.model_name, *map(str, info.values())], 1.0)
+        yield family
         cache, timeline = scheduler.prefix_cache, engine.gpu_timeline
         counters = [
             ("num_preemptions", "Cumulative number of preemptions.", engine.num_preemptions),

@@ -165,6 +165,9 @@ def test_metrics_after_traffic(client, http):
                  "flint:time_to_first_token_seconds_count", "flint:inter_token_latency_seconds_count",
                  "flint:e2e_request_latency_seconds_count", "flint:request_queue_time_seconds_count"):
         assert metric(text, name) > 0, name
+    info = [line for line in text.splitlines() if line.startswith("flint:cache_config_info{")]
+    blocks = int(metric(text, "flint:num_kv_blocks_total"))
+    assert len(info) == 1 and 'cache_dtype="auto"' in info[0] and f'num_gpu_blocks="{blocks}"' in info[0], info
 
 
 def test_tokenize_detokenize_round_trip(http):

@@ -71,6 +71,22 @@ def test_metrics_show_the_timeline_when_the_executor_has_one():
     assert "gpu_busy" not in text[False]                      # the torch executor has no timeline
 
 
+def test_cache_config_info_names_the_kv_dtype():
+    """vLLM's cache_config_info: the cache's block size, dtype label and sizes, value 1."""
+    text = {}
+    for dtype in ("torch.bfloat16", "torch.float8_e4m3fn"):
+        executor = SimpleNamespace(kv=SimpleNamespace(dtype=dtype))
+        engine = SimpleNamespace(scheduler=Scheduler(CONFIG), num_preemptions=0, gpu_timeline=None,
+                                 executor=MeteredExecutor(executor, lambda plan: None))
+        registry = CollectorRegistry()
+        registry.register(EngineCollector(lambda engine=engine: engine, "m"))
+        text[dtype] = generate_latest(registry).decode()
+    line = [x for x in text["torch.bfloat16"].splitlines() if x.startswith("flint:cache_config_info{")]
+    assert len(line) == 1 and 'cache_dtype="auto"' in line[0] and line[0].endswith(" 1.0"), line
+    assert 'cache_dtype="fp8_e4m3"' in text["torch.float8_e4m3fn"]
+    assert 'num_gpu_blocks="20"' in line[0] and 'block_size="4"' in line[0] and 'num_ring_slots="2"' in line[0]
+
+
 @pytest.fixture(scope="module")
 def ckpt(tiny_short_window):
     return dummy_checkpoint(tiny_short_window, "bf16", seed=11, device="cpu")
