@@ -35,10 +35,11 @@ struct KvPages {
 
 // FP8 KV cache (e4m3, scale 1, kernels/attention.py KV_DTYPES): 4 values per 32-bit word, byte i
 // = value i. Writes saturate to +-448 (no NaN from a large value); reads are exact in f16 and bf16.
-__device__ __forceinline__ u32 e4m3x4_from_f32(float x0, float x1, float x2, float x3) {
+// Four bf16 values (two bf16x2 words, the cache's bf16 row) as four e4m3.
+__device__ __forceinline__ u32 e4m3x4_from_bf16x4(uint2 v) {
   u16 lo, hi;  // cvt puts its first operand in the upper byte
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(x1), "f"(x0));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(x3), "f"(x2));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(bf16x2_hi(v.x)), "f"(bf16x2_lo(v.x)));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(bf16x2_hi(v.y)), "f"(bf16x2_lo(v.y)));
   return (u32)lo | ((u32)hi << 16);
 }
 // Two e4m3 values (the low 16 bits of v: byte 0 -> the low half) as f16x2.

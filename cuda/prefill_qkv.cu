@@ -15,15 +15,6 @@
 
 #define PQK_WARPS 8
 
-// Four bf16 values (dims 4l .. 4l+3 of a lane) to a pool row as they are, or as e4m3.
-__device__ __forceinline__ void store_kv4(kv_t* dst, uint2 v) {
-#if KV_FP8
-  *reinterpret_cast<u32*>(dst) = e4m3x4_from_f32(bf16x2_lo(v.x), bf16x2_hi(v.x), bf16x2_lo(v.y), bf16x2_hi(v.y));
-#else
-  *reinterpret_cast<uint2*>(dst) = v;
-#endif
-}
-
 // Grid (T), 256 threads: warp w handles heads w, w + 8, ...; lane l holds dims 4l .. 4l+3.
 extern "C" __global__ void __launch_bounds__(PQK_WARPS * 32)
 prefill_qk_norm_rope_bf16(u16* qkv, kv_t* k_pool, kv_t* v_pool, const int* kv_rows, const u16* q_norm_weight,
@@ -84,8 +75,7 @@ prefill_kv_copy_bf16(kv_t* k_pool, kv_t* v_pool, const u16* qkv, const int* src_
 #if KV_FP8
     const uint4 x = *reinterpret_cast<const uint4*>(qkv + src + (v ? G * HEAD_DIM : 0) + 8 * c);
     *reinterpret_cast<uint2*>((v ? v_pool : k_pool) + dst + 8 * c) =
-        make_uint2(e4m3x4_from_f32(bf16x2_lo(x.x), bf16x2_hi(x.x), bf16x2_lo(x.y), bf16x2_hi(x.y)),
-                   e4m3x4_from_f32(bf16x2_lo(x.z), bf16x2_hi(x.z), bf16x2_lo(x.w), bf16x2_hi(x.w)));
+        make_uint2(e4m3x4_from_bf16x4(make_uint2(x.x, x.y)), e4m3x4_from_bf16x4(make_uint2(x.z, x.w)));
 #else
     *reinterpret_cast<uint4*>((v ? v_pool : k_pool) + dst + 8 * c) =
         *reinterpret_cast<const uint4*>(qkv + src + (v ? G * HEAD_DIM : 0) + 8 * c);

@@ -8,6 +8,15 @@
 
 __device__ __forceinline__ float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
+// Four bf16 values (a lane's dims 4l .. 4l+3) into a cache row: as they are, or as e4m3 (KV_FP8).
+__device__ __forceinline__ void store_kv4(kv_t* dst, uint2 v) {
+#if KV_FP8
+  *reinterpret_cast<u32*>(dst) = e4m3x4_from_bf16x4(v);
+#else
+  *reinterpret_cast<uint2*>(dst) = v;
+#endif
+}
+
 // cos/sin of position p for the 64 frequencies (threads 0..63 write; the caller syncs): as
 // rope_cos_sin, the fp64 angle p * inv_freq (inv_freq computed by torch, bit for bit), cos/sin
 // rounded to fp32.

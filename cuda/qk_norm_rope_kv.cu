@@ -21,16 +21,6 @@ __device__ __forceinline__ void store_bf16x4(u16* p, const float (&x)[4]) {
   *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
 }
 
-// Four values into the cache: bf16 as store_bf16x4, or e4m3 of their bf16 rounding.
-__device__ __forceinline__ void store_kv4(kv_t* p, const float (&x)[4]) {
-#if KV_FP8
-  const u32 lo = pack_bf16x2(x[0], x[1]), hi = pack_bf16x2(x[2], x[3]);
-  *reinterpret_cast<u32*>(p) = e4m3x4_from_f32(bf16x2_lo(lo), bf16x2_hi(lo), bf16x2_lo(hi), bf16x2_hi(hi));
-#else
-  store_bf16x4(p, x);
-#endif
-}
-
 extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32)
 qk_norm_rope_kv_bf16(u16* q_out, kv_t* k_cache, kv_t* v_cache, const u16* qkv, const u16* q_norm_weight,
                      const u16* k_norm_weight, const int* positions, const int* block_tables,
@@ -57,15 +47,8 @@ qk_norm_rope_kv_bf16(u16* q_out, kv_t* k_cache, kv_t* v_cache, const u16* qkv, c
   if (head < H + G) load_bf16x4((is_q ? q_norm_weight : k_norm_weight) + 4 * lane, w);
   pdl_wait();
   if (head >= H + G) {  // v: copied as is
-    if (p >= 0) {
-#if KV_FP8
-      load_bf16x4(src, x);
-      store_kv4(v_cache + kv_offset + (head - H - G) * HEAD_DIM + 4 * lane, x);
-#else
-      *reinterpret_cast<uint2*>(v_cache + kv_offset + (head - H - G) * HEAD_DIM + 4 * lane) =
-          *reinterpret_cast<const uint2*>(src);
-#endif
-    }
+    if (p >= 0)
+      store_kv4(v_cache + kv_offset + (head - H - G) * HEAD_DIM + 4 * lane, *reinterpret_cast<const uint2*>(src));
     return;
   }
   load_bf16x4(src, x);
@@ -74,5 +57,6 @@ qk_norm_rope_kv_bf16(u16* q_out, kv_t* k_cache, kv_t* v_cache, const u16* qkv, c
   if (is_q)
     store_bf16x4(q_out + ((long long)b * H + head) * HEAD_DIM + 4 * lane, y);
   else if (p >= 0)
-    store_kv4(k_cache + kv_offset + (head - H) * HEAD_DIM + 4 * lane, y);
+    store_kv4(k_cache + kv_offset + (head - H) * HEAD_DIM + 4 * lane,
+              make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3])));
 }
