@@ -25,7 +25,7 @@ from flint_sched.core.plan import ScheduledRequest, StepPlan
 from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.torch_executor import TorchExecutor
-from flint_sched.quant.fp8 import KV_CACHE_DTYPES
+from flint_sched.quant.fp8 import KV_CACHE_DTYPES, kv_cache_dtype
 from flint_sched.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -235,7 +235,7 @@ def build(args: argparse.Namespace):
     if not batches and not prefills:
         raise SystemExit("nothing to measure: give --batch-sizes (with --contexts) or --prefill-lens")
     max_seqs = max(batches, default=1) + bool(args.mixed_chunks)     # the mixed steps' prompt: one more slot
-    kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or dtype
+    kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)
     placeholder = KVCache(config, 1, args.block_size, 1, kv_dtype, device)
     if args.executor == "cuda":
         max_len = max(contexts + prefills) + 1
@@ -252,7 +252,7 @@ def build(args: argparse.Namespace):
     num_blocks = min(largest, fit)
     kv = KVCache(config, num_blocks, args.block_size, max_seqs, kv_dtype, device)
     for pool in (kv.full, kv.ring):            # random keys (e4m3 has no normal_: made in 512 MB slices)
-        if pool.dtype == kv_dtype == dtype:
+        if kv_dtype == dtype:
             pool.normal_()
             continue
         for part in pool.view(-1).split(1 << 28):

@@ -23,7 +23,7 @@ from flint_sched.engine.config import EngineConfig
 from flint_sched.executor.grammar_masks import GrammarMasks
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.torch_executor import TorchExecutor
-from flint_sched.quant.fp8 import KV_CACHE_DTYPES
+from flint_sched.quant.fp8 import kv_cache_dtype
 from flint_sched.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -107,11 +107,6 @@ def num_ring_snapshots(config: EngineConfig) -> int:
     return config.max_num_seqs if config.num_ring_snapshots is None else config.num_ring_snapshots
 
 
-def kv_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: the compute dtype, or e4m3 with --kv-cache-dtype fp8."""
-    return KV_CACHE_DTYPES[config.kv_cache_dtype] or dtype
-
-
 def _num_blocks(config: EngineConfig, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
                 reserved: int = 0) -> int:
     """KV blocks that fit the memory left; `reserved`: bytes the executor will still allocate."""
@@ -150,12 +145,12 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
     if use_cuda:                       # the executor's bf16 copies of NVFP4 dense weights
         from flint_sched.executor.dense_copies import copies_bytes
         reserved = copies_bytes(ckpt.weights)
-    num_blocks = config.num_kv_blocks or _num_blocks(config, ckpt, device, kv_dtype(config, dtype), reserved)
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
+    num_blocks = config.num_kv_blocks or _num_blocks(config, ckpt, device, kv_dtype, reserved)
     max_model_len = min(config.max_model_len or ckpt.config.max_position_embeddings,
                         ckpt.config.max_position_embeddings, num_blocks * config.block_size)
     num_snapshots = num_ring_snapshots(config)
-    kv = KVCache(ckpt.config, num_blocks, config.block_size, config.max_num_seqs + num_snapshots,
-                 kv_dtype(config, dtype), device)
+    kv = KVCache(ckpt.config, num_blocks, config.block_size, config.max_num_seqs + num_snapshots, kv_dtype, device)
     if use_cuda:
         from flint_sched.executor.cuda_executor import CudaExecutor
         executor = CudaExecutor(ckpt.config, ckpt.weights, kv, ckpt.tokenizer.eos_token_ids, max_model_len,

@@ -275,15 +275,15 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
 # ---- checks ------------------------------------------------------------------------------------
 
 
-def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, dtypes: tuple = KV_DTYPES) -> int:
-    """KV heads G of a K/V pool pair [pages, page_rows, G, 128], both of one dtype of `dtypes`."""
+def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> int:
+    """KV heads G of a K/V pool pair [pages, page_rows, G, 128], both of one dtype of KV_DTYPES."""
     if not isinstance(k_pool, torch.Tensor) or k_pool.dim() != 4 or k_pool.shape[-1] != HEAD_DIM:
         raise ValueError(f"k pool must be [pages, rows, kv_heads, {HEAD_DIM}]")
     g = k_pool.shape[2]
     if not 1 <= g <= MAX_KV_HEADS:
         raise ValueError(f"kv_heads {g} outside 1..{MAX_KV_HEADS}")
-    if k_pool.dtype not in dtypes:
-        raise ValueError(f"KV pools must be {' or '.join(map(str, dtypes))}, got {k_pool.dtype}")
+    if k_pool.dtype not in KV_DTYPES:
+        raise ValueError(f"KV pools must be {' or '.join(map(str, KV_DTYPES))}, got {k_pool.dtype}")
     if isinstance(v_pool, torch.Tensor) and v_pool.dtype != k_pool.dtype:
         raise ValueError(f"K and V pools must have one dtype, got {k_pool.dtype} and {v_pool.dtype}")
     check_tensor(k_pool, "k pool", k_pool.dtype, tuple(k_pool.shape), k_pool.device)

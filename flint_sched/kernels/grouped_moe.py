@@ -325,11 +325,12 @@ FUSED_DECODE_CONFIGS = frozenset({"g1t2", "g2w8t4", "g1t2d4", "g2w8t4p"})
 # NVFP4 steps of at least HYBRID_MIN_TOKENS tokens split the experts by their rows (route_and_split):
 # those of more than HYBRID_SPLIT_ROWS take the tiled GEMMs (each weight decoded once a 128-row tile;
 # on the decode GEMMs once an item of 8-16 rows), the others the decode GEMMs (no tile of 128 rows
-# padded around a few). Both write their own rows of the same h / y buffers. Off by default: full
-# model, NVFP4, split 32 (RESULTS.md, session 18), it takes 10-19 % off mixed steps of 64-256 decodes
-# + 1,024 prompt rows and 2.7 % off 256 + 7,936, but adds 16 % to a lone 1K prompt, 2 % to an 8K
-# one, and 25-65 % to decode-only steps (the tiled GEMMs' few long CTAs): it wants the step's
-# composition (decode rows beside the prompt), which moe_grouped does not see.
+# padded around a few). Both write their own rows of the same h / y buffers. Not by token count:
+# full model, NVFP4, split 32 (RESULTS.md, session 18), it takes 10-19 % off mixed steps of 64-256
+# decodes + 1,024 prompt rows and 2.7 % off 256 + 7,936, but adds 16 % to a lone 1K prompt, 2 % to
+# an 8K one, and 25-65 % to decode-only steps (the tiled GEMMs' few long CTAs): it wants the step's
+# composition, which moe_grouped does not see, so the CUDA executor asks for it (gemms="hybrid")
+# for mixed steps (cuda_executor.HYBRID_MIXED_MIN_ROWS).
 HYBRID_MIN_TOKENS = 1 << 30
 HYBRID_SPLIT_ROWS = 32
 GEMMS = ("swap-ab", "decode", "tiled", "hybrid")

@@ -27,7 +27,6 @@ from flint_sched.kernels._runtime import F32, I32, Kernel, TensorMap, compile_ke
 from flint_sched.kernels.attention import (
     GROUP,
     HEAD_DIM,
-    KV_DTYPES,
     LOG2E,
     MAX_KV_HEADS,
     _check_pools,
@@ -67,7 +66,7 @@ def _kernel(source: str, name: str, defines: tuple = ()) -> Kernel:
 
 def _check_kv(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[int, tuple]:
     """(G, defines) of a K/V pool or ring pair of one KV_DTYPES dtype: KV_FP8 for e4m3."""
-    return _check_pools(k_pool, v_pool, KV_DTYPES), kv_defines(k_pool)
+    return _check_pools(k_pool, v_pool), kv_defines(k_pool)
 
 
 _pool_maps: dict[tuple, TensorMap] = {}

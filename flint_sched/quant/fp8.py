@@ -11,6 +11,11 @@ E4M3_MAX = 448.0
 KV_CACHE_DTYPES = {"auto": None, "fp8": E4M3, "fp8_e4m3": E4M3}   # --kv-cache-dtype -> the cache's dtype
 
 
+def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type for a --kv-cache-dtype name: e4m3, or the compute dtype ("auto")."""
+    return KV_CACHE_DTYPES[name] or compute_dtype
+
+
 def to_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x as the cache stores it: e4m3 of its bf16 rounding (as the kernels write), saturated; other
     dtypes a plain cast."""
