@@ -5,7 +5,8 @@ Each case is captured in a CUDA graph that replays the kernel over rotating KV p
 ~256 MB; the 100K pools are 200 MB each), so KV comes from HBM as in a real step. µs per launch
 include the graph's inter-kernel gap (shorter with --pdl). GB/s counts the K and V bytes read.
 Run on the GPU machine: python benchmarks/bench_attention.py [--pdl] [--batches 64,256 --contexts 1024
---num-splits 0,1,2,3] (0: the splits `decode_splits` picks; others forced, to see whether the choice is right).
+--num-splits 0,1,2,3] (0: the splits `decode_splits` picks; others forced, to see whether the choice is right)
+[--kv-cache-dtype fp8] (e4m3 pools) [--loads bulk,cp_async] (attention.CP_ASYNC_DTYPES none / all, each case).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from flint_sched.benchmarks.graph_timing import num_sets, reps_for, time_graph  # noqa: E402
+from flint_sched.kernels import attention  # noqa: E402
 from flint_sched.kernels.attention import (
     attention_workspace,
     decode_attention_full,
@@ -30,9 +32,14 @@ from flint_sched.kernels.attention import (
 )
 
 H, G, D, WINDOW, BLOCK = 32, 4, 128, 513, 16
-KV_BYTES_PER_TOKEN = 2 * G * D * 2            # K and V of one layer
 MAX_SETS = 256
 PDL = {"pdl": False}
+KV = {"dtype": torch.bfloat16}                 # the pools' element type (--kv-cache-dtype)
+
+
+def kv_bytes_per_token() -> int:
+    """K and V of one layer."""
+    return 2 * G * D * KV["dtype"].itemsize
 
 
 def _num_sets(bytes_per_set: int) -> int:
@@ -59,12 +66,12 @@ class Result:
 
 def bench_full(batch: int, context: int, num_splits: int | None = None) -> Result:
     blocks_per = -(-context // BLOCK)
-    sets = _num_sets(batch * context * KV_BYTES_PER_TOKEN)
+    sets = _num_sets(batch * context * kv_bytes_per_token())
     pools = []
     for _ in range(sets):
-        k = torch.randn(batch * blocks_per, BLOCK, G, D, device="cuda").bfloat16()
+        k = torch.randn(batch * blocks_per, BLOCK, G, D, device="cuda").to(KV["dtype"])
         tables = torch.randperm(batch * blocks_per, device="cuda").int().view(batch, blocks_per)
-        pools.append((k, torch.randn_like(k), tables))
+        pools.append((k, torch.randn(k.shape, device="cuda").to(KV["dtype"]), tables))
     q = torch.randn(batch, H, D, device="cuda").bfloat16()
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     sinks = torch.zeros(H, device="cuda").bfloat16()
@@ -75,12 +82,12 @@ def bench_full(batch: int, context: int, num_splits: int | None = None) -> Resul
                                                             num_splits=splits, **PDL)
                 for k, v, t in pools]
     us = time_graph(launches, reps_for(sets))
-    return Result("attention full (paged, bs 16)", batch, context, splits, us, batch * context * KV_BYTES_PER_TOKEN)
+    return Result("attention full (paged, bs 16)", batch, context, splits, us, batch * context * kv_bytes_per_token())
 
 
 def bench_sliding(batch: int, position: int = 5000, num_splits: int | None = None) -> Result:
-    sets = _num_sets(batch * WINDOW * KV_BYTES_PER_TOKEN)
-    rings = [torch.randn(batch, WINDOW, G, D, device="cuda").bfloat16() for _ in range(2 * sets)]
+    sets = _num_sets(batch * WINDOW * kv_bytes_per_token())
+    rings = [torch.randn(batch, WINDOW, G, D, device="cuda").to(KV["dtype"]) for _ in range(2 * sets)]
     slots = torch.arange(batch, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, H, D, device="cuda").bfloat16()
     seq_lens = torch.full((batch,), position + 1, dtype=torch.int32, device="cuda")
@@ -92,7 +99,7 @@ def bench_sliding(batch: int, position: int = 5000, num_splits: int | None = Non
                                                           num_splits=splits, **PDL)
                 for k, v in zip(rings[::2], rings[1::2])]
     us = time_graph(launches, reps_for(sets))
-    return Result("attention sliding (ring 513)", batch, WINDOW, splits, us, batch * WINDOW * KV_BYTES_PER_TOKEN)
+    return Result("attention sliding (ring 513)", batch, WINDOW, splits, us, batch * WINDOW * kv_bytes_per_token())
 
 
 def bench_norm_rope_kv(batch: int, sliding: bool) -> Result:
@@ -122,21 +129,35 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,32768,100000", help="full layers' keys a request (%(default)s)")
     parser.add_argument("--num-splits", default="0", help="splits a (request, KV head): 0 = decode_splits' choice, "
                         "or a comma list to force each (%(default)s)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="auto: bf16 pools; fp8: e4m3 (%(default)s)")
+    parser.add_argument("--loads", default="",
+                        help="comma list of the attention kernel's tile loads to time: bulk (one bulk copy a row), "
+                             "cp_async (attention.CP_ASYNC_DTYPES); default: the dtype's own")
     args = parser.parse_args()
     PDL["pdl"] = args.pdl
+    KV["dtype"] = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
+    loads = args.loads.split(",") if args.loads else [
+        "cp_async" if KV["dtype"] in attention.CP_ASYNC_DTYPES else "bulk"]
+    if not set(loads) <= {"bulk", "cp_async"}:
+        raise SystemExit(f"--loads takes bulk and cp_async, got {args.loads}")
     results = []
     for batch in (int(b) for b in args.batches.split(",")):
-        results.append(bench_norm_rope_kv(batch, sliding=True))
-        results.append(bench_norm_rope_kv(batch, sliding=False))
+        if KV["dtype"] == torch.bfloat16:
+            results.append(("", bench_norm_rope_kv(batch, sliding=True)))
+            results.append(("", bench_norm_rope_kv(batch, sliding=False)))
         for splits in (int(s) for s in args.num_splits.split(",")):
-            results.append(bench_sliding(batch, num_splits=splits))
-            for context in (int(c) for c in args.contexts.split(",")):
-                results.append(bench_full(batch, context, num_splits=splits))
-                torch.cuda.empty_cache()
-    print(f"{'kernel':36} {'batch':>5} {'context':>8} {'splits':>6} {'CTAs':>5} {'µs':>8} {'GB/s':>7}")
-    for r in results:
+            for load in loads:
+                attention.CP_ASYNC_DTYPES = attention.KV_DTYPES if load == "cp_async" else ()
+                results.append((load, bench_sliding(batch, num_splits=splits)))
+                for context in (int(c) for c in args.contexts.split(",")):
+                    results.append((load, bench_full(batch, context, num_splits=splits)))
+                    torch.cuda.empty_cache()
+    print(f"KV {KV['dtype']}")
+    print(f"{'kernel':36} {'loads':>8} {'batch':>5} {'context':>8} {'splits':>6} {'CTAs':>5} {'µs':>8} {'GB/s':>7}")
+    for load, r in results:
         ctas = r.batch * G * r.splits if r.kernel.startswith("attention") else r.batch * 5
-        print(f"{r.kernel:36} {r.batch:5d} {r.context:8d} {r.splits:6d} {ctas:5d} {r.us:8.2f} {r.gbps:7.0f}")
+        print(f"{r.kernel:36} {load:>8} {r.batch:5d} {r.context:8d} {r.splits:6d} {ctas:5d} {r.us:8.2f} {r.gbps:7.0f}")
 
 
 if __name__ == "__main__":

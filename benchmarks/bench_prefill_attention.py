@@ -7,6 +7,7 @@ ring write. FLOPs: 4 * D * H per visible (query, key) pair (Q.K and P.V, 32 head
 chunk: the usual causal count, ~550 GFLOP for a full layer's 8K chunk. Medians of CUDA-event
 timings after warm-up.
 Run on the GPU machine: python benchmarks/bench_prefill_attention.py [--lens 1024,8192,32768]
+[--kv-cache-dtype fp8] (e4m3 pools and rings)
 
 `--mixed CHUNK,DECODES,CONTEXT` (e.g. 512,16,8192): what decode rows cost inside a prompt step. A
 chunk of CHUNK tokens ending at CONTEXT beside DECODES one-token rows at CONTEXT (each its own
@@ -39,6 +40,7 @@ from flint_sched.kernels.prefill_attention import (  # noqa: E402
 )
 
 H, G, D, WINDOW, BLOCK = 32, 4, 128, 513, 16
+KV = {"dtype": torch.bfloat16}     # the pools' and rings' element type (--kv-cache-dtype)
 
 
 def time_us(fn, reps: int = 20, warmup: int = 3) -> float:
@@ -65,19 +67,18 @@ def bench(n: int) -> list[tuple[str, int, float, float]]:
     blocks = -(-n // BLOCK)
     meta = prefill_metadata([Chunk(0, n, 0, list(range(blocks)))], BLOCK, WINDOW, "cuda")
     qkv = torch.randn(n, (H + 2 * G) * D, device="cuda").bfloat16()
-    k_pool = torch.randn(blocks, BLOCK, G, D, device="cuda").bfloat16()
-    v_pool = torch.randn_like(k_pool)
-    k_ring = torch.randn(1, WINDOW, G, D, device="cuda").bfloat16()
-    v_ring = torch.randn_like(k_ring)
+    k_pool, v_pool = (torch.randn(blocks, BLOCK, G, D, device="cuda").to(KV["dtype"]) for _ in range(2))
+    k_ring, v_ring = (torch.randn(1, WINDOW, G, D, device="cuda").to(KV["dtype"]) for _ in range(2))
     sinks = torch.randn(H, device="cuda").bfloat16()
     out = torch.empty(n, H, D, dtype=torch.bfloat16, device="cuda")
     w = torch.ones(D, dtype=torch.bfloat16, device="cuda")
     rows = []
     for kernel in KERNELS:
+        label = kernel + (" fp8" if KV["dtype"] == torch.float8_e4m3fn else "")
         full = time_us(lambda: prefill_attention(qkv, k_pool, v_pool, meta, sinks, False, out=out, kernel=kernel))
-        rows.append((f"prefill attention, full, {kernel}", n, full, causal_flop(n, None) / full / 1e6))
+        rows.append((f"prefill attention, full, {label}", n, full, causal_flop(n, None) / full / 1e6))
         sliding = time_us(lambda: prefill_attention(qkv, k_ring, v_ring, meta, sinks, True, out=out, kernel=kernel))
-        rows.append((f"prefill attention, sliding, {kernel}", n, sliding, causal_flop(n, WINDOW) / sliding / 1e6))
+        rows.append((f"prefill attention, sliding, {label}", n, sliding, causal_flop(n, WINDOW) / sliding / 1e6))
     q = torch.randn(1, H, n, D, device="cuda").bfloat16()
     k, v = torch.randn(1, G, n, D, device="cuda").bfloat16(), torch.randn(1, G, n, D, device="cuda").bfloat16()
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -132,8 +133,12 @@ def main() -> None:
     parser.add_argument("--lens", default="1024,8192,32768")
     parser.add_argument("--mixed", default="", metavar="CHUNK,DECODES,CONTEXT",
                         help="also time a mixed step's full-layer attention (module docstring)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="auto: bf16 pools and rings; fp8: e4m3 (%(default)s)")
     args = parser.parse_args()
-    print(f"{torch.cuda.get_device_name()}; chunk from position 0, block size {BLOCK}, window {WINDOW}")
+    KV["dtype"] = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
+    print(f"{torch.cuda.get_device_name()}; chunk from position 0, block size {BLOCK}, window {WINDOW}, "
+          f"KV {KV['dtype']}")
     print(f"{'kernel':<36} {'tokens':>7} {'us':>10} {'TFLOP/s':>8}")
     if args.mixed:
         for name, rows, us, _ in bench_mixed(*map(int, args.mixed.split(","))):

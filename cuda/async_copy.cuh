@@ -1,5 +1,5 @@
 // Shared-memory staging and exchange on sm_90: ldmatrix, bulk copies (the copy engine, no
-// registers) completing on an mbarrier, and thread block clusters (barriers, distributed shared
+// registers) completing on an mbarrier, cp.async, and thread block clusters (barriers, distributed shared
 // memory). Used by decode attention (KV tiles, the split merge) and the cluster router.
 #pragma once
 #include "common.cuh"
@@ -57,6 +57,29 @@ __device__ __forceinline__ void mbarrier_wait_parity(u32 bar, u32 parity) {
 __device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// ---- cp.async (sm_80): 16 or 4 bytes a thread, global -> shared through L2 ------------------------
+// Completion by groups (commit / wait, this thread's copies) or on an mbarrier (arrive_noinc).
+
+// src_bytes < 16 zero-fills the rest: 0 writes zeros and reads nothing (src must still be a
+// valid address).
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+// The mbarrier's pending count drops by one once all of this thread's earlier cp.async have landed
+// (noinc: the arrival is one of those the barrier was initialized with).
+__device__ __forceinline__ void cp_async_arrive_noinc(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
 // ---- thread block clusters (sm_90) -------------------------------------------------------------

@@ -8,7 +8,7 @@
 //   |--- split 0 ---|--- split 1 ---| ... |- split active-1 -|   splits >= active exit at once
 // so one CUDA graph serves every L up to the bound. A grid of several waves (attention.py
 // one_split_below) gives requests of n < one_split_below keys one split: chunk = n. Warps stream
-// 16-key tiles (warp w: tiles w, w+4, ...) through their own 2-stage ring of bulk copies. Active
+// 16-key tiles (warp w: tiles w, w+4, ...) through their own 2-stage ring of bulk copies (or cp.async). Active
 // splits write (m, l, o) partials merged by ticket-elected last CTAs (a two-level tree, below),
 // which add the sink once; tickets reset themselves for graph replay. Softmax runs in the log2
 // domain (x = s * scale * log2 e).
@@ -26,6 +26,11 @@
 #endif
 #ifndef ATTN_STAGES
 #define ATTN_STAGES 2
+#endif
+// 1: the tiles' rows come by cp.async (16 bytes a lane, whole rows per warp instruction) instead of
+// one bulk copy a row (kernels/attention.py CP_ASYNC_DTYPES)
+#ifndef ATTN_CP_ASYNC
+#define ATTN_CP_ASYNC 0
 #endif
 #define ATTN_THREADS (ATTN_WARPS * 32)
 #define ATTN_TILE 16            // keys per warp step
@@ -144,13 +149,33 @@ __device__ __forceinline__ void attend_tile(SplitState& st, const u32 (&qa)[8][2
 #endif
 }
 
-// Starts one tile (K and V of 16 keys from `first_pos`) into a pipeline stage: lanes 0-15 copy K
-// rows, lanes 16-31 V rows, one 256-byte bulk copy each, all completing on the stage's mbarrier.
-// Keys at or past `end` are zeroed instead (finite zeros: 0 * NaN would poison P.V).
+// Starts one tile (K and V of 16 keys from `first_pos`) into a pipeline stage. Keys at or past
+// `end` are zeroed instead (finite zeros: 0 * NaN would poison P.V).
+//   bulk copies: lanes 0-15 copy K rows, lanes 16-31 V rows, one row each, completing on the
+//     stage's mbarrier by bytes (one arrival)
+//   ATTN_CP_ASYNC: lane k < 16 looks up key k's row; each warp instruction then moves 512 bytes,
+//     whole rows (16-byte chunk lane % CHUNKS of row lane / CHUNKS), and every lane arrives on the
+//     mbarrier when its copies land (32 arrivals)
 __device__ __forceinline__ void load_tile(u32 stage, u32 bar, const kv_t* k_cache, const kv_t* v_cache,
                                           const KvPages& pages, long long head_offset, int kv_row_elems,
                                           int first_pos, int end, int lane) {
-  const int key = lane & 15, pos = first_pos + key, valid_keys = min(ATTN_TILE, end - first_pos);
+  const int key = lane & 15, pos = first_pos + key;
+#if ATTN_CP_ASYNC
+  constexpr int CHUNKS = ROW_BYTES / 16, ROWS_PER_COPY = 32 / CHUNKS;
+  const long long my_row = pos < end ? pages.row(pos) * kv_row_elems + head_offset : -1;
+  const int c = lane % CHUNKS;
+#pragma unroll
+  for (int i = 0; i < ATTN_TILE / ROWS_PER_COPY; ++i) {
+    const int k = i * ROWS_PER_COPY + lane / CHUNKS;
+    const long long row = __shfl_sync(0xFFFFFFFFu, my_row, k);
+    const long long elem = row < 0 ? head_offset : row + c * (16 / (int)sizeof(kv_t));
+    const u32 dst = stage + k * SMEM_ROW_BYTES + 16 * c, bytes = row < 0 ? 0u : 16u;
+    cp_async_16(dst, k_cache + elem, bytes);
+    cp_async_16(dst + TILE_BYTES, v_cache + elem, bytes);
+  }
+  cp_async_arrive_noinc(bar);
+#else
+  const int valid_keys = min(ATTN_TILE, end - first_pos);
   const u32 dst = stage + (lane >> 4) * TILE_BYTES + key * SMEM_ROW_BYTES;
   if (lane == 0) mbarrier_arrive_expect_tx(bar, 2 * valid_keys * ROW_BYTES);
   __syncwarp();
@@ -163,6 +188,7 @@ __device__ __forceinline__ void load_tile(u32 stage, u32 bar, const kv_t* k_cach
     for (int c = 0; c < ROW_BYTES / 16; ++c)
       asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(dst + 16 * c), "r"(0u) : "memory");
   }
+#endif
 }
 
 __device__ __forceinline__ float load_sink(const void* sinks, int sinks_bf16, int h) {
@@ -266,7 +292,7 @@ decode_attention_bf16(u16* out, const u16* q, const kv_t* k_cache, const kv_t* v
   if (split >= active) return;
   const int begin = L - n_keys + split * chunk, end = min(L, begin + chunk);
 
-  // Each warp streams tiles warp, warp + W, ... through its own ATTN_STAGES-deep cp.async ring.
+  // Each warp streams tiles warp, warp + W, ... through its own ATTN_STAGES-deep ring (load_tile).
   const int kv_row_elems = G * HEAD_DIM;
   const long long head_offset = (long long)g * HEAD_DIM;
   const int n_tiles = cdiv_i(end - begin, ATTN_TILE);
@@ -274,7 +300,7 @@ decode_attention_bf16(u16* out, const u16* q, const kv_t* k_cache, const kv_t* v
   unsigned char* warp_smem = reinterpret_cast<unsigned char*>(smem) + warp * WARP_SMEM_BYTES;
   const u32 stage0 = smem_addr(warp_smem), bar0 = smem_addr(&stage_bars[warp][0]);
   if (lane == 0)
-    for (int s = 0; s < ATTN_STAGES; ++s) mbarrier_init(bar0 + 8 * s, 1);
+    for (int s = 0; s < ATTN_STAGES; ++s) mbarrier_init(bar0 + 8 * s, ATTN_CP_ASYNC ? 32 : 1);
   fence_mbarrier_init();
   __syncwarp();
   // The first tiles of the pipeline go out before the wait when they end before the new key.

@@ -60,19 +60,6 @@
 #define EG_A_BYTES (EG_BM * 128)
 #define EG_B_BYTES (EG_BN * 128)
 
-// 16 bytes global -> shared; src_bytes 0 writes zeros (rows past the tile's count).
-__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_4(u32 dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 __device__ __forceinline__ float eg_silu(float v) { return v / (1.0f + expf(-v)); }
 
 struct Bf16B {

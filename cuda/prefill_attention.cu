@@ -39,7 +39,7 @@ __device__ __forceinline__ void load_kv_tile(u32 dst, const KeySource& src, bool
 #pragma unroll
   for (int i = 0; i < PF_KEYS / 8; ++i) {
     const int kr = (tid >> 4) + 8 * i, kp = k0 + kr;
-    if (kp <= hi && src.fresh(kp)) cp_async_16(dst + srow(kr, c), src.row(kp, v) + 16 * c, true);
+    if (kp <= hi && src.fresh(kp)) cp_async_16(dst + srow(kr, c), src.row(kp, v) + 16 * c, 16u);
     else st_shared_bf16x8_from_e4m3(dst + srow(kr, c), raw[i]);
   }
 #else
@@ -47,7 +47,7 @@ __device__ __forceinline__ void load_kv_tile(u32 dst, const KeySource& src, bool
   for (int i = 0; i < PF_KEYS / 8; ++i) {
     const int kr = (tid >> 4) + 8 * i, kp = k0 + kr;
     const bool valid = kp <= hi;
-    cp_async_16(dst + srow(kr, c), valid ? src.row(kp, v) + 8 * c : src.qkv, valid);
+    cp_async_16(dst + srow(kr, c), valid ? src.row(kp, v) + 8 * c : src.qkv, valid ? 16u : 0u);
   }
 #endif
 }
@@ -83,7 +83,7 @@ prefill_attention_bf16(u16* out, const u16* qkv, const kv_t* k_pool, const kv_t*
     const u16* q_src = qkv + (long long)(row0 + t0) * q_stride + (kvh * GROUP + hh) * HEAD_DIM + 8 * c;
 #pragma unroll
     for (int i = 0; i < PF_TOKENS; ++i)
-      cp_async_16(q_smem + srow(8 * i + hh, c), i < n_q ? q_src + i * q_stride : qkv, i < n_q);
+      cp_async_16(q_smem + srow(8 * i + hh, c), i < n_q ? q_src + i * q_stride : qkv, i < n_q ? 16u : 0u);
   }
   load_kv_tile(k_smem, src, false, lo + (n_tiles - 1) * PF_KEYS, hi, tid);
   cp_async_commit();
@@ -102,7 +102,7 @@ prefill_attention_bf16(u16* out, const u16* qkv, const kv_t* k_pool, const kv_t*
 
   for (int j = n_tiles - 1; j >= 0; --j) {
     const int k0 = lo + j * PF_KEYS;
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();  // K(j) (and Q) landed; every warp is done with V(j+1)
     load_kv_tile(v_smem, src, true, k0, hi, tid);
     cp_async_commit();
@@ -171,7 +171,7 @@ prefill_attention_bf16(u16* out, const u16* qkv, const kv_t* k_pool, const kv_t*
         for (int nn = 0; nn < 16; ++nn) o[a][nn][2 * half] *= alpha, o[a][nn][2 * half + 1] *= alpha;
       }
 
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();  // V(j) landed; every warp is done with K(j)
     if (j > 0) {
       load_kv_tile(k_smem, src, false, k0 - PF_KEYS, hi, tid);

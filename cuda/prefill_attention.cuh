@@ -27,14 +27,6 @@
 #define PF_TOKENS 16                   // query tokens per tile (flint_sched/kernels/prefill_attention.py)
 #define PF_ROWS (PF_TOKENS * GROUP)    // 128 (token, head) rows
 
-// 16 bytes global -> shared through L2 (cp.async.cg); `valid` false writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
 __device__ __forceinline__ float ex2(float x) {  // 2^x; -inf -> 0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

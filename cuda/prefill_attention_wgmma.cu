@@ -29,10 +29,6 @@
 // Q (2 sub-tiles), then per stage K (2) and V (2), each 1024-byte aligned; the launcher adds 1 KB.
 static_assert(2 * PW_Q_SUB + PW_STAGES * 4 * PW_KV_SUB == 163840, "kernels/prefill_attention.py WGMMA_SMEM_BYTES");
 
-// The arrival counts once all of this thread's earlier cp.async have landed.
-__device__ __forceinline__ void cp_async_arrive_noinc(u32 bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
 __device__ __forceinline__ void mbarrier_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
@@ -96,7 +92,7 @@ __device__ __forceinline__ void load_kv_tile_sw(u32 dst, const u16* const* rows,
   for (int i = 0; i < PW_KEYS / 8; ++i) {
     const int kr = (p >> 4) + 8 * i;
     const u16* row = rows[kr];
-    cp_async_16(dst + (c >> 3) * PW_KV_SUB + sw128(kr, c & 7), row ? row + 8 * c : dummy, row != nullptr);
+    cp_async_16(dst + (c >> 3) * PW_KV_SUB + sw128(kr, c & 7), row ? row + 8 * c : dummy, row ? 16u : 0u);
   }
 }
 
@@ -141,7 +137,7 @@ __device__ __forceinline__ void load_kv_tile_e4m3(u32 dst, const kv_t* const* ro
     const kv_t* row = rows[kr];
     if (!row || kr >= fresh_from)
       cp_async_16(dst + (c >> 3) * PW_KV_SUB + sw128(kr, c & 7), row ? static_cast<const void*>(row + 16 * c) : dummy,
-                  row != nullptr);
+                  row ? 16u : 0u);
   }
   cp_async_arrive_noinc(full);
 }
@@ -297,7 +293,7 @@ prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const kv_t* k_pool, const
       for (int i = 0; i < PF_ROWS / 8; ++i) {
         const int r = (tid >> 4) + 8 * i, token = r >> 3, head = r & 7;
         const u16* q_src = qkv + (long long)(row0 + t0 + token) * q_stride + (kvh * GROUP + head) * HEAD_DIM + 8 * c;
-        cp_async_16(q_smem + (c >> 3) * PW_Q_SUB + sw128(r, c & 7), token < n_q ? q_src : qkv, token < n_q);
+        cp_async_16(q_smem + (c >> 3) * PW_Q_SUB + sw128(r, c & 7), token < n_q ? q_src : qkv, token < n_q ? 16u : 0u);
       }
       cp_async_arrive_noinc(bar_q);
     }
@@ -322,6 +318,20 @@ prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const kv_t* k_pool, const
       named_bar_sync(3, 128);
 #if KV_FP8
       const int fresh_from = src.s - k0;  // rows from here on: q/k/v (bf16; KeySource::row)
+      // A tile of fresh rows only (every tile of a lone prompt) takes the bf16 copies, both arrivals
+      // after them: load_kv_tile_e4m3 made an 8K prompt's full layer 2.35x slower (RESULTS.md, session 20).
+      if (fresh_from <= 0) {
+        const u16* const* rows = reinterpret_cast<const u16* const*>(kv_rows);
+        if (i >= PW_STAGES) mbarrier_wait_parity(bars + 16, phase ^ 1);
+        load_kv_tile_sw(k_dst, rows, qkv, tid);
+        mbarrier_arrive(bars);
+        cp_async_arrive_noinc(bars);
+        if (i >= PW_STAGES) mbarrier_wait_parity(bars + 24, phase ^ 1);
+        load_kv_tile_sw(k_dst + 2 * PW_KV_SUB, rows + PW_KEYS, qkv, tid);
+        mbarrier_arrive(bars + 8);
+        cp_async_arrive_noinc(bars + 8);
+        continue;
+      }
       load_kv_tile_e4m3(k_dst, kv_rows[0], qkv, fresh_from, tid, bars, bars + 16, phase ^ 1, i >= PW_STAGES);
       load_kv_tile_e4m3(k_dst + 2 * PW_KV_SUB, kv_rows[1], qkv, fresh_from, tid, bars + 8, bars + 24, phase ^ 1,
                         i >= PW_STAGES);
@@ -334,7 +344,7 @@ prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const kv_t* k_pool, const
       cp_async_arrive_noinc(bars + 8);
 #endif
     }
-    cp_async_wait_all();
+    cp_async_wait<0>();
     return;
   }
 

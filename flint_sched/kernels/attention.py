@@ -29,6 +29,12 @@ ATTN_THREADS = 128           # cuda/decode_attention.cu: 4 warps ...
 ATTN_SMEM_BYTES = 4 * 2 * 2 * 16 * (HEAD_DIM * 2 + 16)   # ... x 2 stages x (K + V) x 16 keys x 272 B = 68 KiB
 # e4m3 rows of 144 B: a tile is half the bytes, so FP8_STAGES stages keep as many bytes in flight
 FP8_STAGES = 4
+# KV dtypes whose tiles come by cp.async (16 bytes a lane, whole rows per warp instruction, 32
+# arrivals a stage) rather than one bulk copy a row. Bulk copies cap near ~17 G rows/s: e4m3's
+# 128-byte rows then read at 2.2 TB/s, by cp.async at 3.1 TB/s (-28 % at 256 requests, 1,536 keys);
+# bf16 rows are bandwidth-bound either way (3.8 TB/s, +-2 %). bench_attention.py --loads, RESULTS.md
+# session 20.
+CP_ASYNC_DTYPES = (torch.float8_e4m3fn,)
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)        # the cache's element types (KV_FP8 compiles)
 MIN_SPLIT_KEYS = 64          # cuda/decode_attention.cu ATTN_MIN_SPLIT_KEYS (a define from here)
 MAX_SPLITS = 128
@@ -262,7 +268,8 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
     scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else softmax_scale
     fp8 = k_pool.dtype == torch.float8_e4m3fn
     stages = (("ATTN_STAGES", FP8_STAGES),) if fp8 else ()
-    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *kv_defines(k_pool), *stages)
+    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), ("ATTN_CP_ASYNC", int(k_pool.dtype in CP_ASYNC_DTYPES)), *kv_defines(k_pool),
+               *stages)
     _kernel("decode_attention.cu", "decode_attention_bf16", defines).launch(
         (splits, g, b), (ATTN_THREADS,),
         [out, q, k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window),

@@ -8,6 +8,7 @@ Failures name the case, the request, its context length and the worst (head, dim
 import pytest
 import torch
 
+from flint_sched.kernels import attention
 from flint_sched.kernels.attention import (
     TICKET_SLOTS,
     attention_workspace,
@@ -247,6 +248,22 @@ def test_fp8_sliding(batch):
 
 def test_fp8_block_sizes_and_padding():
     run_full([0, 5, 300, 1000], block_size=7, sinks_dtype=torch.float32, seed=90, kv_dtype=FP8)
+
+
+# ---- tile rows by bulk copies or cp.async (attention.CP_ASYNC_DTYPES) -----------------------------
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("cp_async", [False, True], ids=["bulk", "cp_async"])
+def test_tile_loaders(kv_dtype, cp_async, monkeypatch):
+    """Both loaders for both dtypes (each dtype's default is tested above): partial tiles zero-filled
+    (NaN pools), paged and ring rows, several split counts."""
+    monkeypatch.setattr(attention, "CP_ASYNC_DTYPES", attention.KV_DTYPES if cp_async else ())
+    run_full([1, 7, 513, 1000, 4097, LONG], block_size=7, seed=100, kv_dtype=kv_dtype)
+    run_full([CONTEXTS[i % len(CONTEXTS)] for i in range(300)], seed=101, kv_dtype=kv_dtype)
+    run_full([1, 700, 4097], num_splits=5, seed=102, kv_dtype=kv_dtype)
+    run_sliding([CONTEXTS[(5 * i) % len(CONTEXTS)] + 1000 * (i % 3) for i in range(19)], seed=103, rows=WINDOW + 15,
+                kv_dtype=kv_dtype)
 
 
 # ---- one graph, growing lengths --------------------------------------------------------------------

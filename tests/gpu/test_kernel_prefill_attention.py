@@ -287,6 +287,17 @@ def test_fp8_cache_against_the_reference(kernel, chunks, block_size, sliding):
 
 
 @pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
+@pytest.mark.parametrize("chunks", [[(0, 2000)], [(0, 1), (0, 513), (700, 300), (2000, 514), (16, 17)]],
+                         ids=["lone", "several"])
+def test_fp8_fresh_tiles_by_the_bf16_copies(chunks, sliding):
+    """With an e4m3 cache, tiles of fresh rows only take the bf16 producer path (a lone prompt: all
+    of them, over many tiles), tiles with history the e4m3 one, in one launch."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90a")
+    run_case(Case(chunks, sliding, seed=len(chunks) * 13 + 5), "wgmma", FP8)
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
 def test_fp8_cache_rows_are_the_bf16_rows_as_e4m3(sliding):
     """prefill_qk_norm_rope (full layers: K normed, V as is, to the pool) and prefill_ring_write
     (sliding layers) on e4m3 pools store exactly the bf16 run's values converted by torch (values well
