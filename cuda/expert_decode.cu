@@ -20,9 +20,10 @@
 // g), down 16 rows. With ED_GROUPS 2 the items have up to 16 rows (routing chunk 16) and an item of
 // 8 or fewer runs the one-group code: an expert's weights are decoded once for up to 16 of its rows.
 // A warp's work is a flat sequence of rounds (ED_KR = 512 weights of K for its tile's 16 rows; the
-// next round's loads in flight while this one is computed). In a round lane (g, t) takes the 128
-// consecutive weights kb + 128t .. of tile rows g and g + 8 (k-step u: 32 of them, code word i: 8),
-// so its codes are 4 contiguous 16-byte loads and its block scales one 8-byte load per row.
+// next round's loads in flight while this one is computed). In a round lane (g, t) takes, at k-step
+// u, the 32 weights kb + 128u + 32t .. of tile rows g and g + 8 (code word i: 8 of them), so the 4
+// lanes of a row read 64 contiguous bytes of codes a load; the row's 32 scale bytes of the round
+// come as one 8-byte load a lane, exchanged between the 4 (scales_of_lane).
 //
 // PDL as grouped_gemm.cu: gate/up waits first (its work list comes from the launch before) and then
 // lets the down kernel start, which reads the work list and its first weights before its own wait.
@@ -66,12 +67,12 @@ static_assert(ED_GROUPS == 1 || ED_GROUPS == 2, "items of one or two 8-row group
 #define ED_TABLE_BYTES 1024  // the scale table, then the x rows
 
 // x row r, 16-byte chunk c (elements 8c .. 8c + 7, pair order) at byte r * x_row_bytes(K) +
-// x_slot(c) * 16: one padding slot after every 16 chunks and rows of 4 (mod 8) slots, so that the
-// 8 lanes of an LDS.128 phase (g = 2p, 2p + 1; t = 0..3 reading chunks 16t apart) hit 8 different
-// 16-byte bank groups.
-__device__ __forceinline__ u32 x_slot(u32 c) { return c + (c >> 4); }
+// x_slot(c) * 16, rows of 4 (mod 8) slots. Lane t reads chunks 4t + i + 16u + .. (i = 0..3), so the
+// chunk's two low bits are XORed with bits 2-3: the 4 lanes t of a row hit 4 different 16-byte bank
+// groups, and with rows 4 slots (mod 8) apart the 8 lanes of an LDS.128 phase (g = 2p, 2p + 1) 8.
+__device__ __forceinline__ u32 x_slot(u32 c) { return c ^ ((c >> 2) & 3u); }
 __device__ __forceinline__ u32 x_row_bytes(int K) {
-  const u32 slots = (u32)K / 8 + (u32)K / 128;
+  const u32 slots = (u32)K / 8;
   return (slots + ((4u - slots) & 7u)) * 16u;  // the next count = 4 (mod 8)
 }
 
@@ -86,6 +87,26 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+
+// Lane t of a 4-lane group loads the 8 scale bytes of blocks 8t .. 8t + 7 of its row's round (one
+// 32-byte sector for the 4), which belong to k-step t of the 4 lanes (16 bits each); it needs
+// k-step u's bytes of its own chunk from lane u. A 4 x 4 transpose of 16-bit elements over the lanes
+// t (two exchanges): returns bytes 2u, 2u + 1 = the two blocks of the lane's chunk at k-step u.
+__device__ __forceinline__ uint2 scales_of_lane(uint2 s, int t) {
+  // lanes t, t ^ 2: lanes t < 2 keep their elements 0, 1 and get the partner's; lanes t >= 2 elements 2, 3
+  const bool hi = t & 2;
+  const u32 keep = hi ? s.y : s.x, recv = __shfl_xor_sync(0xFFFFFFFFu, hi ? s.x : s.y, 2);
+  // lanes t, t ^ 1: each keeps element c = t & 1 of both words and sends the other to its partner
+  const bool c = t & 1;
+  const u32 mine = prmt(keep, recv, c ? 0x7632u : 0x5410u);  // lanes t, t ^ 2: k-steps t, t ^ 2
+  const u32 got = __shfl_xor_sync(0xFFFFFFFFu, prmt(keep, recv, c ? 0x5410u : 0x7632u), 1);  // t ^ 1, t ^ 3
+  // k-step u = t ^ d sits at byte base(d) of (mine, got): d = 0, 1, 2, 3 -> 0, 4, 2, 6
+  auto sel = [](int d0, int d1) {
+    const u32 b0 = (d0 & 1) * 4 + (d0 & 2), b1 = (d1 & 1) * 4 + (d1 & 2);
+    return b0 | (b0 + 1) << 4 | b1 << 8 | (b1 + 1) << 12;
+  };
+  return make_uint2(prmt(mine, got, sel(t, t ^ 1)), prmt(mine, got, sel(t ^ 2, t ^ 3)));
 }
 
 struct EdRound {  // one round of a lane: 128 weights of tile rows g and g + 8
@@ -127,10 +148,13 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
   auto load_round = [&](EdRound& f, int j, int kb) {
     const int r0 = (first + ED_WARPS * j) * R + g, r1 = GATE_UP ? r0 : r0 + 8;  // gate/up: gate and up row r0
     const EdWeights& w1 = GATE_UP ? b : a;
-    const u8* c0 = a.codes + (size_t)r0 * (K / 2) + (kb + 128 * t) / 2;
-    const u8* c1 = w1.codes + (size_t)r1 * (K / 2) + (kb + 128 * t) / 2;
+    // k-step u: bytes 64 u + 16 t (the 4 lanes of a row: 64 contiguous bytes, whole sectors; lane t
+    // taking bytes 64 t .. 64 t + 63 instead read each sector as two halves, 45 % of the sectors in
+    // excess by ncu)
+    const u8* c0 = a.codes + (size_t)r0 * (K / 2) + kb / 2 + 16 * t;
+    const u8* c1 = w1.codes + (size_t)r1 * (K / 2) + kb / 2 + 16 * t;
 #pragma unroll
-    for (int u = 0; u < 4; ++u) f.c0[u] = ld_stream_v4(c0 + 16 * u), f.c1[u] = ld_stream_v4(c1 + 16 * u);
+    for (int u = 0; u < 4; ++u) f.c0[u] = ld_stream_v4(c0 + 64 * u), f.c1[u] = ld_stream_v4(c1 + 64 * u);
     f.s0 = ld_stream_v2(a.scales + (size_t)r0 * (K / 16) + (kb + 128 * t) / 16);
     f.s1 = ld_stream_v2(w1.scales + (size_t)r1 * (K / 16) + (kb + 128 * t) / 16);
   };
@@ -176,9 +200,9 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
   }
   __syncthreads();
 
-  // Lane (g, t)'s x in group 0 at round kb: x_lane + kb * 17 / 8 bytes (x_slot of chunk kb/8 + 16t),
-  // then 16 bytes per part: chunk kb/8 + 16t + 4u + i.
-  const u32 x_lane = x_base + g * row_bytes + 272u * t;
+  // Lane (g, t)'s x in group 0, round kb, part (u, i): chunk kb/8 + 16u + 4t + i at slot chunk ^ t,
+  // byte 2 kb + 256 u + 64 t + 16 (i ^ t).
+  const u32 x_lane = x_base + g * row_bytes + 64u * t;
   const float scale_a = __ldg(a.tensor_scale) * NVFP4_SUM_SCALE;
   const float scale_b = GATE_UP ? __ldg(b.tensor_scale) * NVFP4_SUM_SCALE : scale_a;
   float acc[ED_ACCS][G][4];
@@ -191,13 +215,14 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
         for (int grp = 0; grp < G; ++grp)
           acc[a2][grp][0] = acc[a2][grp][1] = acc[a2][grp][2] = acc[a2][grp][3] = 0.0f;
     }
-    const u32 xr = x_lane + (u32)comp_kb * 17u / 8u;
+    const u32 xr = x_lane + (u32)comp_kb * 2u;
+    const uint2 s0 = scales_of_lane(f.s0, t), s1 = scales_of_lane(f.s1, t);
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const u32 words0[4] = {f.c0[u].x, f.c0[u].y, f.c0[u].z, f.c0[u].w};
       const u32 words1[4] = {f.c1[u].x, f.c1[u].y, f.c1[u].z, f.c1[u].w};
       // blocks 2u (words 0, 1) and 2u + 1 (words 2, 3) of the lane's 8
-      const u32 sw0 = u < 2 ? f.s0.x : f.s0.y, sw1 = u < 2 ? f.s1.x : f.s1.y;
+      const u32 sw0 = u < 2 ? s0.x : s0.y, sw1 = u < 2 ? s1.x : s1.y;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int byte = (2 * u + (i >> 1)) & 3;
@@ -212,7 +237,7 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
         }
 #pragma unroll
         for (int grp = 0; grp < G; ++grp) {
-          const uint4 xv = lds_v4(xr + grp * 8 * row_bytes + (4 * u + i) * 16);
+          const uint4 xv = lds_v4(xr + grp * 8 * row_bytes + 256 * u + 16 * (i ^ t));
           float (&d)[4] = acc[i % ED_ACCS][grp];
           mma_bf16_16x8x16(d, p0[0], p1[0], p0[1], p1[1], xv.x, xv.y);
           mma_bf16_16x8x16(d, p0[2], p1[2], p0[3], p1[3], xv.z, xv.w);

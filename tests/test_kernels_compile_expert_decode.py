@@ -46,12 +46,12 @@ def test_grid_per_config():
 
 def test_shapes_and_shared_memory():
     assert expert_decode.rows_per_item("g1t4") == 8 and expert_decode.rows_per_item("g2t4") == 16
-    assert expert_decode.x_row_bytes(2048) == 276 * 16 and expert_decode.x_row_bytes(512) == 68 * 16
-    assert expert_decode.shared_bytes("g1t4", 2048) == 1024 + 8 * 276 * 16
+    assert expert_decode.x_row_bytes(2048) == 260 * 16 and expert_decode.x_row_bytes(512) == 68 * 16
+    assert expert_decode.shared_bytes("g1t4", 2048) == 1024 + 8 * 260 * 16
     assert expert_decode.supported("nvfp4", 2048, 512)                 # Flint
     assert not expert_decode.supported("bf16", 2048, 512)
     assert not expert_decode.supported("nvfp4", 2048, 256)             # down's K below a load round
-    assert not expert_decode.supported("nvfp4", 16384, 512)            # x rows past shared memory (g1: 277 KB)
+    assert not expert_decode.supported("nvfp4", 16384, 512)            # x rows past shared memory (g1: 263 KB)
     assert expert_decode.supported("nvfp4", 8192, 512, "g1t4")
     assert not expert_decode.supported("nvfp4", 8192, 512, "g2t4")
 

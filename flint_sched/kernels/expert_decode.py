@@ -92,9 +92,9 @@ def _kernel(name: str, config: str) -> Kernel:
 
 
 def x_row_bytes(k: int) -> int:
-    """An x row in shared memory (cuda/expert_decode.cu x_row_bytes): K/8 16-byte chunks, one padding
-    slot per 16, rounded up to 4 (mod 8) slots."""
-    slots = k // 8 + k // 128
+    """An x row in shared memory (cuda/expert_decode.cu x_row_bytes): K/8 16-byte chunks, rounded up
+    to 4 (mod 8)."""
+    slots = k // 8
     return (slots + (4 - slots) % 8) * 16
 
 
