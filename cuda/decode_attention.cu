@@ -8,10 +8,10 @@
 //   |--- split 0 ---|--- split 1 ---| ... |- split active-1 -|   splits >= active exit at once
 // so one CUDA graph serves every L up to the bound. A grid of several waves (attention.py
 // one_split_below) gives requests of n < one_split_below keys one split: chunk = n. Warps stream
-// 16-key tiles (warp w: tiles w, w+4, ...) through their own 2-stage ring of bulk copies (or cp.async). Active
-// splits write (m, l, o) partials merged by ticket-elected last CTAs (a two-level tree, below),
-// which add the sink once; tickets reset themselves for graph replay. Softmax runs in the log2
-// domain (x = s * scale * log2 e).
+// 16-key tiles (warp w: tiles w, w+4, ...) through their own 2-stage ring of bulk copies (e4m3:
+// cp.async, load_tile). Active splits write (m, l, o) partials merged by ticket-elected last CTAs (a
+// two-level tree, below), which add the sink once; tickets reset themselves for graph replay.
+// Softmax runs in the log2 domain (x = s * scale * log2 e).
 //
 // KV_FP8 (an e4m3 cache, attention_common.cuh): the tiles hold 128-byte rows and the MMAs take f16
 // (e4m3 -> f16x2 is one instruction a pair). The dims of a key are summed in another order so that
