@@ -41,6 +41,10 @@
 #ifndef ED_PREFETCH
 #define ED_PREFETCH 1  // 1: a warp loads its next round while computing this one
 #endif
+#ifndef ED_ONE_BODY
+#define ED_ONE_BODY 0  // 1: the prefetch loop keeps one copy of the round's code (the next round's
+                       // registers moved, not a second unrolled body): less instruction-cache pressure
+#endif
 #ifndef ED_ACCS
 #define ED_ACCS 1  // accumulators per group: 2 halves the chain of dependent mmas (parts alternate)
 #endif
@@ -271,7 +275,14 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
       }
   };
 
-#if ED_PREFETCH
+#if ED_PREFETCH && ED_ONE_BODY
+#pragma unroll 1
+  for (int q = 0; q < rounds; ++q) {
+    if (q + 1 < rounds) next_load(fb);
+    compute(fa);
+    fa = fb;
+  }
+#elif ED_PREFETCH
 #pragma unroll 1
   for (int q = 0; q < rounds; q += 2) {
     if (q + 1 < rounds) next_load(fb);

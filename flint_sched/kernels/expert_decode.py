@@ -55,6 +55,12 @@ CONFIGS = {
     "g1t2p": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_DOWN_PAIRS": 1},
     "g1t4d8p": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_DOWN_PAIRS": 1},
     "g2w8t4p": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1},
+    # the picks with one copy of a round's code in the prefetch loop (ED_ONE_BODY; not measured yet):
+    # ncu put 16 % of g2w8t4p's not-issued stall samples at 256 tokens on "no instructions"
+    # (RESULTS.md, session 20), its one launch holding ten unrolled round bodies
+    "g1t2d4o": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 4, "ED_ONE_BODY": 1},
+    "g1t4d8o": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_ONE_BODY": 1},
+    "g2w8t4po": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1, "ED_ONE_BODY": 1},
 }
 # Measured on the H200, Flint's MoE layer (benchmarks/bench_grouped.py --pdl --paths swap-ab decode
 # --decode-configs ...), µs at 16 / 64 / 256 / 512 / 1024 tokens: swap-AB GEMMs 76 / 133 / 242 / 389
