@@ -143,9 +143,9 @@ def test_each_of_64_requests_in_a_crowd_gets_the_logits_it_gets_alone(tiny_confi
 def test_an_fp8_kv_cache_matches_the_reference_reading_the_same_rounded_keys(tiny_short_window, seed):
     """--kv-cache-dtype fp8 on the torch path: attention reads every key and value as e4m3 of its
     bf16 rounding (quant/fp8.py), fresh or from the cache, so the logits are the reference's with
-    that rounding to fp32 accuracy; now and then an fp32 sum order flips one element's e4m3 rounding
-    (flint-tiny, seed 0: 2 of 25 positions off by 3e-4 / 9e-4, the rest by ~1e-6). Without the
-    rounding the reference is 0.03-0.6 away."""
+    that rounding to fp32 accuracy; now and then an fp32 sum order flips one element's e4m3 rounding,
+    which later positions of the request see too (flint-tiny, seed 0: 2 to 6 of ~25 positions off by
+    3e-4 - 5e-3, the rest by ~1e-6, by the machine). Without the rounding the reference is 0.03-0.6 away."""
     rng = random.Random(seed)
     config = tiny_short_window
     weights = fp32_weights(config, seed)
@@ -159,7 +159,11 @@ def test_an_fp8_kv_cache_matches_the_reference_reading_the_same_rounded_keys(tin
         for rid, prompt, _ in requests:
             full = ref.forward(list(prompt) + outputs[rid])
             errors[name] += [float((row - full[pos]).abs().max()) for (r, pos), row in ex.logits.items() if r == rid]
+    # every position far nearer the rounded reference than the exact one (a flip moves a few logits
+    # by 1e-4-5e-3; how many positions it reaches depends on the CPU's fp32 sum orders: 2 of 25 on
+    # one machine, 6 of 22 on another), most to fp32 accuracy
+    print("worst rounded / exact:", max(r / e for r, e in zip(errors["rounded"], errors["exact"])))
+    assert all(r < 0.2 * e for r, e in zip(errors["rounded"], errors["exact"])), errors
     rounded, exact = sorted(errors["rounded"]), sorted(errors["exact"])
     assert len(rounded) > 20 and rounded[len(rounded) // 2] < 1e-5 and rounded[-1] < 5e-3, rounded
-    assert sum(e < 2e-4 for e in rounded) >= 0.8 * len(rounded), rounded
     assert exact[len(exact) // 2] > 1e-2, exact
