@@ -73,7 +73,8 @@ static_assert(ED_GROUPS == 1 || ED_GROUPS == 2, "items of one or two 8-row group
 // x row r, 16-byte chunk c (elements 8c .. 8c + 7, pair order) at byte r * x_row_bytes(K) +
 // x_slot(c) * 16, rows of 4 (mod 8) slots. Lane t reads chunks 4t + i + 16u + .. (i = 0..3), so the
 // chunk's two low bits are XORed with bits 2-3: the 4 lanes t of a row hit 4 different 16-byte bank
-// groups, and with rows 4 slots (mod 8) apart the 8 lanes of an LDS.128 phase (g = 2p, 2p + 1) 8.
+// groups, and with rows 4 slots (mod 8) apart the 8 lanes of an LDS.128 phase (g = 2p, 2p + 1) hit
+// 8 different ones.
 __device__ __forceinline__ u32 x_slot(u32 c) { return c ^ ((c >> 2) & 3u); }
 __device__ __forceinline__ u32 x_row_bytes(int K) {
   const u32 slots = (u32)K / 8;
