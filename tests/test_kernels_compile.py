@@ -40,6 +40,41 @@ def test_compile_error_carries_the_log():
     assert "broken.cu" in str(info.value)
 
 
+SPILLER = '''
+extern "C" __global__ void __launch_bounds__(1024, 2) spills(float* y, const float* x, int n) {
+  float acc[48];
+#pragma unroll
+  for (int j = 0; j < 48; ++j) acc[j] = x[threadIdx.x + j];
+  for (int i = 0; i < n; ++i)
+#pragma unroll
+    for (int j = 0; j < 48; ++j) acc[j] = acc[j] * acc[(j + 7) % 48] + x[i * 48 + j];
+#pragma unroll
+  for (int j = 0; j < 48; ++j) y[threadIdx.x * 48 + j] = acc[j];
+}
+extern "C" __global__ void tiny(float* y) { *y = 1.0f; }
+'''
+
+
+def test_resource_usage_reports_registers_and_spills():
+    """ptxas -v through NVRTC (benchmarks/kernel_resources.py): 48 live floats under a 32-register cap
+    (1024 threads, 2 blocks a SM) spill; a one-store kernel does not."""
+    usage = _runtime.resource_usage("spill_probe.cu", source_text=SPILLER)
+    assert set(usage) == {"spills", "tiny"}
+    assert usage["spills"].registers <= 32 and usage["spills"].spill_store_bytes > 0 and usage["spills"].stack_bytes > 0
+    assert usage["tiny"].registers >= 1 and usage["tiny"].spill_store_bytes == usage["tiny"].spill_load_bytes == 0
+
+
+def test_kernel_resources_command(monkeypatch, capsys):
+    from flint_sched.benchmarks import kernel_resources
+
+    assert kernel_resources.parse_defines("KV_FP8=1, B") == {"KV_FP8": "1", "B": None}
+    monkeypatch.setattr("sys.argv", ["kernel_resources", "--source", "rmsnorm.cu", "--defines", "UNUSED_PROBE=1"])
+    kernel_resources.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| rmsnorm.cu")]
+    assert {row.split("|")[3].strip() for row in rows} == {"add_rmsnorm_f32", "rmsnorm_bf16"}
+    assert all(row.split("|")[2].strip() == "UNUSED_PROBE=1" and int(row.split("|")[4]) > 0 for row in rows)
+
+
 def test_disk_cache_is_keyed_by_headers_and_defines(tmp_path):
     text = '#include "common.cuh"\nextern "C" __global__ void k(float* y) { *y = VALUE; }\n'
     first = _runtime.compile_only("probe.cu", {"VALUE": "1.0f"}, source_text=text)

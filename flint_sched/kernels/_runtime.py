@@ -16,6 +16,7 @@ import re
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -191,7 +192,8 @@ _cubin_lock = threading.Lock()
 _cubins: dict[str, bytes] = {}
 
 
-def _nvrtc_compile(source_name: str, text: str, options: Sequence[str]) -> bytes:
+def _nvrtc_compile(source_name: str, text: str, options: Sequence[str], want_log: bool = False):
+    """The CUBIN bytes, or with want_log (CUBIN, NVRTC's log)."""
     nvrtc = _nvrtc()
     err, prog = nvrtc.nvrtcCreateProgram(text.encode(), source_name.encode(), 0, [], [])
     _check_nvrtc(err, "nvrtcCreateProgram")
@@ -205,7 +207,7 @@ def _nvrtc_compile(source_name: str, text: str, options: Sequence[str]) -> bytes
         cubin = b" " * size
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         _check_nvrtc(err, "nvrtcGetCUBIN")
-        return cubin
+        return (cubin, _program_log(prog)) if want_log else cubin
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -240,6 +242,34 @@ def compile_only(source_name: str, defines: Mapping[str, object] | None = None, 
     with _cubin_lock:
         _cubins[key] = cubin
     return cubin
+
+
+@dataclass(frozen=True)
+class ResourceUsage:
+    """What ptxas reports for one entry point: registers a thread, stack frame and spill bytes."""
+    registers: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry function|\Z)", re.S)
+
+
+def resource_usage(source_name: str, defines: Mapping[str, object] | None = None, arch: str = DEFAULT_ARCH,
+                   *, source_text: str | None = None) -> dict[str, ResourceUsage]:
+    """Entry point -> its ResourceUsage, from ptxas -v through NVRTC (compiled afresh, not cached;
+    no GPU needed): spills and register counts of every build, on the CPU machine."""
+    text = source_text if source_text is not None else (source_dir() / source_name).read_text()
+    _, log = _nvrtc_compile(source_name, text, compile_options(arch, defines) + ["--ptxas-options=-v"], True)
+
+    def number(pattern: str, body: str) -> int:
+        found = re.search(pattern, body)
+        return int(found.group(1)) if found else 0
+
+    return {name: ResourceUsage(number(r"Used (\d+) registers", body), number(r"(\d+) bytes stack frame", body),
+                                number(r"(\d+) bytes spill stores", body), number(r"(\d+) bytes spill loads", body))
+            for name, body in _PTXAS_ENTRY.findall(log)}
 
 
 def _read_cached(path: Path) -> bytes | None:
