@@ -12,9 +12,9 @@ from flint_sched.model.weights import tensor_specs
 @pytest.fixture
 def private_cache(tmp_path, monkeypatch):
     """A fresh kernel cache, so a compile test really compiles."""
-    from flint_sched.kernels import _runtime
+    from flint_sched.kernels import _compiler
     monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
-    monkeypatch.setattr(_runtime, "_cubins", {})
+    monkeypatch.setattr(_compiler, "_cubins", {})
 
 
 def final_outputs(parts, requests):
