@@ -30,6 +30,7 @@ from flint_sched.kernels.attention import (
     qk_norm_rope_kv_full,
     qk_norm_rope_kv_sliding,
 )
+from flint_sched.quant.fp8 import KV_CACHE_DTYPES, kv_cache_dtype  # noqa: E402
 
 H, G, D, WINDOW, BLOCK = 32, 4, 128, 513, 16
 MAX_SETS = 256
@@ -129,14 +130,14 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,32768,100000", help="full layers' keys a request (%(default)s)")
     parser.add_argument("--num-splits", default="0", help="splits a (request, KV head): 0 = decode_splits' choice, "
                         "or a comma list to force each (%(default)s)")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+    parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
                         help="auto: bf16 pools; fp8: e4m3 (%(default)s)")
     parser.add_argument("--loads", default="",
                         help="comma list of the attention kernel's tile loads to time: bulk (one bulk copy a row), "
                              "cp_async (attention.CP_ASYNC_DTYPES); default: the dtype's own")
     args = parser.parse_args()
     PDL["pdl"] = args.pdl
-    KV["dtype"] = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
+    KV["dtype"] = kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16)
     loads = args.loads.split(",") if args.loads else [
         "cp_async" if KV["dtype"] in attention.CP_ASYNC_DTYPES else "bulk"]
     if not set(loads) <= {"bulk", "cp_async"}:

@@ -38,6 +38,7 @@ from flint_sched.kernels.prefill_attention import (  # noqa: E402
     prefill_qk_norm_rope,
     prefill_ring_write,
 )
+from flint_sched.quant.fp8 import KV_CACHE_DTYPES, kv_cache_dtype  # noqa: E402
 
 H, G, D, WINDOW, BLOCK = 32, 4, 128, 513, 16
 KV = {"dtype": torch.bfloat16}     # the pools' and rings' element type (--kv-cache-dtype)
@@ -133,10 +134,10 @@ def main() -> None:
     parser.add_argument("--lens", default="1024,8192,32768")
     parser.add_argument("--mixed", default="", metavar="CHUNK,DECODES,CONTEXT",
                         help="also time a mixed step's full-layer attention (module docstring)")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+    parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
                         help="auto: bf16 pools and rings; fp8: e4m3 (%(default)s)")
     args = parser.parse_args()
-    KV["dtype"] = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
+    KV["dtype"] = kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16)
     print(f"{torch.cuda.get_device_name()}; chunk from position 0, block size {BLOCK}, window {WINDOW}, "
           f"KV {KV['dtype']}")
     print(f"{'kernel':<36} {'tokens':>7} {'us':>10} {'TFLOP/s':>8}")
