@@ -318,31 +318,25 @@ prefill_attention_wgmma_bf16(u16* out, const u16* qkv, const kv_t* k_pool, const
       named_bar_sync(3, 128);
 #if KV_FP8
       const int fresh_from = src.s - k0;  // rows from here on: q/k/v (bf16; KeySource::row)
-      // A tile of fresh rows only (every tile of a lone prompt) takes the bf16 copies, both arrivals
-      // after them: load_kv_tile_e4m3 made an 8K prompt's full layer 2.35x slower (RESULTS.md, session 20).
-      if (fresh_from <= 0) {
-        const u16* const* rows = reinterpret_cast<const u16* const*>(kv_rows);
-        if (i >= PW_STAGES) mbarrier_wait_parity(bars + 16, phase ^ 1);
-        load_kv_tile_sw(k_dst, rows, qkv, tid);
-        mbarrier_arrive(bars);
-        cp_async_arrive_noinc(bars);
-        if (i >= PW_STAGES) mbarrier_wait_parity(bars + 24, phase ^ 1);
-        load_kv_tile_sw(k_dst + 2 * PW_KV_SUB, rows + PW_KEYS, qkv, tid);
-        mbarrier_arrive(bars + 8);
-        cp_async_arrive_noinc(bars + 8);
+      if (fresh_from > 0) {  // e4m3 rows of the pool or ring: converted on their way in
+        load_kv_tile_e4m3(k_dst, kv_rows[0], qkv, fresh_from, tid, bars, bars + 16, phase ^ 1, i >= PW_STAGES);
+        load_kv_tile_e4m3(k_dst + 2 * PW_KV_SUB, kv_rows[1], qkv, fresh_from, tid, bars + 8, bars + 24, phase ^ 1,
+                          i >= PW_STAGES);
         continue;
       }
-      load_kv_tile_e4m3(k_dst, kv_rows[0], qkv, fresh_from, tid, bars, bars + 16, phase ^ 1, i >= PW_STAGES);
-      load_kv_tile_e4m3(k_dst + 2 * PW_KV_SUB, kv_rows[1], qkv, fresh_from, tid, bars + 8, bars + 24, phase ^ 1,
-                        i >= PW_STAGES);
-#else
+      // A tile of fresh rows only (every tile of a lone prompt) takes the bf16 copies below, with the
+      // e4m3 path's plain arrival too: load_kv_tile_e4m3 made an 8K prompt's full layer 2.35x slower
+      // (RESULTS.md, session 20).
+#endif
+      const u16* const* rows = reinterpret_cast<const u16* const*>(kv_rows);  // bf16 rows (KV_FP8: fresh)
       if (i >= PW_STAGES) mbarrier_wait_parity(bars + 16, phase ^ 1);
-      load_kv_tile_sw(k_dst, kv_rows[0], qkv, tid);
+      load_kv_tile_sw(k_dst, rows, qkv, tid);
+      if (KV_FP8) mbarrier_arrive(bars);  // PW_FULL_ARRIVALS
       cp_async_arrive_noinc(bars);
       if (i >= PW_STAGES) mbarrier_wait_parity(bars + 24, phase ^ 1);
-      load_kv_tile_sw(k_dst + 2 * PW_KV_SUB, kv_rows[1], qkv, tid);
+      load_kv_tile_sw(k_dst + 2 * PW_KV_SUB, rows + PW_KEYS, qkv, tid);
+      if (KV_FP8) mbarrier_arrive(bars + 8);
       cp_async_arrive_noinc(bars + 8);
-#endif
     }
     cp_async_wait<0>();
     return;
