@@ -5,7 +5,7 @@ before a device run (spills in the one-launch decode MoE showed up here first, s
 
     python3 -m flint_sched.benchmarks.kernel_resources                 # every source, its compile-test builds
     python3 -m flint_sched.benchmarks.kernel_resources --source decode_attention.cu --defines KV_FP8=1,ATTN_CP_ASYNC=1
-    python3 -m flint_sched.benchmarks.kernel_resources --decode-configs g2w8t4p g2w8t4po   # expert_decode.CONFIGS
+    python3 -m flint_sched.benchmarks.kernel_resources --decode-configs g2w8t4p g2w8t4   # expert_decode.CONFIGS
 """
 
 from __future__ import annotations

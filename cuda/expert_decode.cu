@@ -41,10 +41,6 @@
 #ifndef ED_PREFETCH
 #define ED_PREFETCH 1  // 1: a warp loads its next round while computing this one
 #endif
-#ifndef ED_ONE_BODY
-#define ED_ONE_BODY 0  // 1: the prefetch loop keeps one copy of the round's code (the next round's
-                       // registers moved, not a second unrolled body): less instruction-cache pressure
-#endif
 #ifndef ED_ACCS
 #define ED_ACCS 1  // accumulators per group: 2 halves the chain of dependent mmas (parts alternate)
 #endif
@@ -276,21 +272,15 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
       }
   };
 
-#if ED_PREFETCH && ED_ONE_BODY
+#if ED_PREFETCH
+  // One copy of the round's code, the next round's registers moved (two unrolled bodies swapping
+  // fa and fb made the one-launch kernel's text 189 KB for g2w8t4p: 16 % of its not-issued stall
+  // samples were "no instructions"; one body, 118 KB, -3 to -5 % a step at 16-256 requests)
 #pragma unroll 1
   for (int q = 0; q < rounds; ++q) {
     if (q + 1 < rounds) next_load(fb);
     compute(fa);
     fa = fb;
-  }
-#elif ED_PREFETCH
-#pragma unroll 1
-  for (int q = 0; q < rounds; q += 2) {
-    if (q + 1 < rounds) next_load(fb);
-    compute(fa);
-    if (q + 1 >= rounds) break;
-    if (q + 2 < rounds) next_load(fa);
-    compute(fb);
   }
 #else
 #pragma unroll 1

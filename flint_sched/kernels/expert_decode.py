@@ -55,12 +55,6 @@ CONFIGS = {
     "g1t2p": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_DOWN_PAIRS": 1},
     "g1t4d8p": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_DOWN_PAIRS": 1},
     "g2w8t4p": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1},
-    # the picks with one copy of a round's code in the prefetch loop (ED_ONE_BODY; not measured yet):
-    # ncu put 16 % of g2w8t4p's not-issued stall samples at 256 tokens on "no instructions"
-    # (RESULTS.md, session 20), its one launch holding ten unrolled round bodies
-    "g1t2d4o": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 4, "ED_ONE_BODY": 1},
-    "g1t4d8o": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_ONE_BODY": 1},
-    "g2w8t4po": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1, "ED_ONE_BODY": 1},
 }
 # Measured on the H200, Flint's MoE layer (benchmarks/bench_grouped.py --pdl --paths swap-ab decode
 # --decode-configs ...), µs at 16 / 64 / 256 / 512 / 1024 tokens: swap-AB GEMMs 76 / 133 / 242 / 389
@@ -76,7 +70,9 @@ CONFIGS = {
 CONFIG: str | None = None   # a CONFIGS key for every call (benchmarks), or None: pick_config
 # pick_config's choice: the first config whose token bound the call's tokens do not pass
 # (session 17, ab_decode.py: g1t2d4 16: 4.97 / 4.98 against g1t2 5.07 / 5.04, 32: a tie; g2w8t4p 192:
-# 12.44 / 12.41 against 12.58 / 12.49, 256: 14.78 / 14.83 against 15.01 / 14.96)
+# 12.44 / 12.41 against 12.58 / 12.49, 256: 14.78 / 14.83 against 15.01 / 14.96). Since session 21
+# every config's prefetch loop has one copy of the round body (was two): 16 / 64 / 256 requests
+# 5.40 / 5.34, 8.07 / 8.01, 15.33 / 15.41 -> 5.11 / 5.10, 7.97 / 7.95, 14.92 / 14.92 ms.
 PICKS: tuple[tuple[int, str], ...] = ((32, "g1t2d4"), (160, "g1t4d8"), (1 << 30, "g2w8t4p"))
 
 
