@@ -23,6 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+
 from flint_sched.benchmarks import latency  # noqa: E402
 from flint_sched.kernels.attention import attention_workspace  # noqa: E402
 
@@ -51,8 +53,23 @@ def parse_variant(text: str) -> tuple[str, list[tuple[object, str, object]]]:
         module = importlib.import_module(module_name)
         if not hasattr(module, attr):
             raise ValueError(f"variant {name}: {module_name} has no {attr}")
-        sets.append((module, attr, ast.literal_eval(value)))
+        sets.append((module, attr, value_of(value)))
     return name, sets
+
+
+def value_of(text: str) -> object:
+    """A Python literal, where `torch.NAME` may stand for a torch attribute (a dtype: `(torch.bfloat16,)`)."""
+    def convert(node: ast.expr) -> object:
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
+            return getattr(torch, node.attr)
+        if isinstance(node, (ast.Tuple, ast.List)):
+            items = [convert(e) for e in node.elts]
+            return tuple(items) if isinstance(node, ast.Tuple) else items
+        return ast.literal_eval(node)
+    try:
+        return convert(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, AttributeError) as e:
+        raise ValueError(f"value {text!r}: {e}") from None
 
 
 def main() -> int:

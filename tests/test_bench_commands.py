@@ -149,8 +149,13 @@ def test_ab_decode_parses_variants_and_says_what_is_wrong(monkeypatch):
     assert name == "fast" and [(m.__name__, a, v) for m, a, v in sets] == [
         ("flint_sched.kernels.attention", "CTAS_PER_SM", 6), ("flint_sched.kernels.expert_decode", "CONFIG", "g1t4")]
     assert ab_decode.parse_variant("base:") == ("base", [])
+    _, [(_, _, dtypes)] = ab_decode.parse_variant(
+        "cp:flint_sched.kernels.attention.CP_ASYNC_DTYPES=(torch.bfloat16, torch.float8_e4m3fn)")
+    assert dtypes == (torch.bfloat16, torch.float8_e4m3fn)
     for bad, message in [(":x.Y=1", "NAME:"), ("v:CTAS=6", "not module.ATTR=value"),
-                         ("v:flint_sched.kernels.attention.NOPE=1", "has no NOPE")]:
+                         ("v:flint_sched.kernels.attention.NOPE=1", "has no NOPE"),
+                         ("v:flint_sched.kernels.attention.CTAS_PER_SM=os.sep", "value 'os.sep'"),
+                         ("v:flint_sched.kernels.attention.CTAS_PER_SM=torch.nope", "value 'torch.nope'")]:
         with pytest.raises(ValueError, match=message):
             ab_decode.parse_variant(bad)
     monkeypatch.setattr("sys.argv", ["ab_decode", "--variant", "v:flint_sched.kernels.attention.NOPE=1"])
