@@ -61,6 +61,23 @@
                     // the NVFP4 decode (code words straight into the MMAs), 2 the weight loads after a warp's
                     // first two rounds (later rounds reuse their registers)
 #endif
+#ifndef ED_TRACE
+#define ED_TRACE 0  // 1: expert_decode_moe_nvfp4 takes a last argument u64 trace[grid][ED_TRACE_SLOTS], each CTA's
+                    // %globaltimer at its phases, and its unit and SM (benchmarks/decode_moe_trace.py)
+#endif
+#define ED_TRACE_SLOTS 8  // entry, unit taken, inputs ready, x staged, warp 0's rounds done, end, SM, unit
+#if ED_TRACE
+__shared__ unsigned long long* ed_trace_row;  // this CTA's row of trace
+__device__ __forceinline__ void ed_mark(int slot) {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  if (threadIdx.x == 0 && ed_trace_row) ed_trace_row[slot] = t;
+}
+#define ED_TRACE_PARAM , unsigned long long* trace
+#else
+__device__ __forceinline__ void ed_mark(int) {}
+#define ED_TRACE_PARAM
+#endif
 #define ED_KR 512            // weights of K per round: 4 lanes x 4 k-steps x 32
 #define ED_ROWS (ED_GROUPS * 8)
 static_assert(ED_GROUPS == 1 || ED_GROUPS == 2, "items of one or two 8-row groups");
@@ -172,6 +189,7 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
   if (ready && threadIdx.x == 0)  // or from this one (the __syncthreads below releases the CTA)
     for (int i = 0; i < ready_items; ++i)
       while (ld_acquire_gpu(ready + i) < ready_count) __nanosleep(100);
+  ed_mark(2);
 
   // Stage x: 8 G rows of K, pair order, zero past `rows`. The rows' sources first, then a thread's
   // chunks ED_STAGE_LOADS at a time, all in flight together (one L2 round trip per batch, not two
@@ -200,6 +218,7 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
     }
   }
   __syncthreads();
+  ed_mark(3);
 
   // Lane (g, t)'s x in group 0, round kb, part (u, i): chunk kb/8 + 16u + 4t + i at slot chunk ^ t,
   // byte 2 kb + 256 u + 64 t + 16 (i ^ t).
@@ -282,6 +301,7 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
     compute(fa);
     fa = fb;
   }
+  ed_mark(4);
 #else
 #pragma unroll 1
   for (int q = 0; q < rounds; ++q) {
@@ -289,6 +309,7 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
     compute(fa);
   }
   (void)fb;
+  ed_mark(4);
 #endif
 }
 
@@ -321,6 +342,9 @@ __device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int*
   extern __shared__ __align__(16) unsigned char smem[];
   u32* table = reinterpret_cast<u32*>(smem);  // ue4m3_scale_bf16x2 of every scale byte
   for (int i = threadIdx.x; i < 256; i += blockDim.x) table[i] = ue4m3_scale_bf16x2(i);
+#if ED_TRACE
+  if (threadIdx.x == 0) ed_trace_row = nullptr;  // the two-launch kernels are not traced
+#endif
 
   if (GATE_UP) pdl_wait();
   pdl_launch_dependents();
@@ -367,9 +391,19 @@ ED_KERNEL expert_decode_down_nvfp4(u16* y, const u16* h, Q_ARGS(d), Q_ARGS(sd), 
 
 ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorted_token, Q_ARGS(g), Q_ARGS(u),
                                   Q_ARGS(sg), Q_ARGS(su), Q_ARGS(d), Q_ARGS(sd), WORK_ARGS, int* queue,
-                                  int I, int H, int E) {
+                                  int I, int H, int E ED_TRACE_PARAM) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int unit_s;
+#if ED_TRACE
+  if (threadIdx.x == 0) {
+    ed_trace_row = trace + (size_t)blockIdx.x * ED_TRACE_SLOTS;
+    for (int i = 0; i < ED_TRACE_SLOTS; ++i) ed_trace_row[i] = 0;
+    u32 sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    ed_trace_row[6] = sm;
+  }
+  ed_mark(0);
+#endif
   u32* table = reinterpret_cast<u32*>(smem);
   for (int i = threadIdx.x; i < 256; i += blockDim.x) table[i] = ue4m3_scale_bf16x2(i);
   pdl_wait();  // the work list and the queue come from the routing launch
@@ -382,6 +416,10 @@ ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorte
   if (threadIdx.x == 0) unit_s = atomicAdd(queue, 1);  // the CTAs left take units 0, 1, ... as they start
   __syncthreads();
   const int unit = unit_s;
+  ed_mark(1);
+#if ED_TRACE
+  if (threadIdx.x == 0) ed_trace_row[7] = unit;
+#endif
   const bool is_gate_up = unit < gate_up_units;
   const int rel = is_gate_up ? unit : unit - gate_up_units, groups = is_gate_up ? gate_up_groups : down_groups;
   const int item = rel / groups, tile_group = rel - item * groups;
@@ -393,6 +431,7 @@ ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorte
     __threadfence();  // this thread's h stores, before the item's count
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(queue + 1 + item, 1);
+    ed_mark(5);
     return;
   }
   const EdWeights w[4] = {Q(d), Q(d), Q(sd), Q(sd)};
@@ -406,4 +445,5 @@ ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorte
   expert_decode_unit<false>(y, h, nullptr, w, expert, row0, rows, H, I, E, tile_group, queue + 1 + item,
                             gate_up_groups);
 #endif
+  ed_mark(5);
 }

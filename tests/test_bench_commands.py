@@ -210,3 +210,21 @@ def test_decode_cases_keep_the_cases_whose_kv_fits():
     assert latency.decode_cases(args, 7) == ([(2, 15, 1), (4, 15, 1), (2, 16, 2)], [(4, 16)])
     assert latency.decode_cases(args, 7, extra_seqs=1) == ([(2, 15, 1), (4, 15, 1), (2, 16, 2)], [(4, 16)])
     assert latency.decode_cases(args, 5, extra_seqs=1) == ([(2, 15, 1), (4, 15, 1)], [(2, 16), (4, 16)])
+
+
+def test_decode_moe_trace_needs_a_gpu(monkeypatch):
+    """benchmarks/decode_moe_trace.py (the ED_TRACE build; tests/gpu covers the trace) says what it
+    needs on a machine without CUDA, and offers only one-launch configs."""
+    import torch
+
+    from flint_sched.benchmarks import decode_moe_trace
+    from flint_sched.kernels import grouped_moe
+
+    monkeypatch.setattr("sys.argv", ["decode_moe_trace", "--config", "g1t4d8"])
+    with pytest.raises(SystemExit):
+        decode_moe_trace.main()
+    assert "g1t4d8" not in grouped_moe.FUSED_DECODE_CONFIGS
+    if not torch.cuda.is_available():
+        monkeypatch.setattr("sys.argv", ["decode_moe_trace", "--tokens", "16"])
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            decode_moe_trace.main()

@@ -26,11 +26,20 @@ def test_timing_probes_compile(probe, private_cache):
     assert _runtime.compile_only("expert_decode.cu", defines, arch="sm_90a")[:4] == b"\x7fELF"
 
 
+@needs_nvrtc
+@pytest.mark.parametrize("config", ["g1t2d4", "g2w8t4p"])
+def test_trace_build_compiles(config, private_cache):
+    """The ED_TRACE build benchmarks/decode_moe_trace.py launches (one more kernel argument)."""
+    cubin = _runtime.compile_only("expert_decode.cu", dict(expert_decode.CONFIGS[config], ED_TRACE=1), arch="sm_90a")
+    assert cubin[:4] == b"\x7fELF" and b"expert_decode_moe_nvfp4" in cubin
+
+
 def test_launcher_constants_match_the_kernel_source():
     text = (_runtime.source_dir() / "expert_decode.cu").read_text()
     assert f"#define ED_WARPS {expert_decode.WARPS}" in text
     assert f"#define ED_KR {expert_decode.K_ROUND}" in text
     assert f"#define ED_TABLE_BYTES {expert_decode.TABLE_BYTES}" in text
+    assert f"#define ED_TRACE_SLOTS {expert_decode.TRACE_SLOTS}" in text
 
 
 def test_grid_per_config():
@@ -42,6 +51,9 @@ def test_grid_per_config():
     assert expert_decode._grid(Routing, 2048 // 16, "g1t4d8", down=True) == (300, 4)
     assert expert_decode._grid(Routing, 512 // 8, "g2w8t4") == (300, 2)
     assert expert_decode._grid(Routing, 2048 // 16, "g2w8t4", down=True) == (300, 4)
+    assert expert_decode.moe_units("g1t2d4", 2048, 512) == (8, 8)          # 64 / (4 x 2), 128 / (4 x 4)
+    assert expert_decode.moe_units("g2w8t4p", 2048, 512) == (2, 4)
+    assert expert_decode.moe_grid_ctas(300, "g2w8t4p", 2048, 512) == 1800
 
 
 def test_shapes_and_shared_memory():

@@ -88,9 +88,12 @@ def rows_per_item(config: str) -> int:
     return 8 * CONFIGS[config]["ED_GROUPS"]
 
 
+TRACE_SLOTS = 8   # cuda/expert_decode.cu ED_TRACE_SLOTS: u64 a CTA of expert_decode_moe's trace
+
+
 @functools.cache
-def _kernel(name: str, config: str) -> Kernel:
-    return compile_kernel("expert_decode.cu", name, CONFIGS[config])
+def _kernel(name: str, config: str, trace: bool = False) -> Kernel:
+    return compile_kernel("expert_decode.cu", name, {**CONFIGS[config], **({"ED_TRACE": 1} if trace else {})})
 
 
 def x_row_bytes(k: int) -> int:
@@ -123,10 +126,14 @@ def warps(config: str) -> int:
     return CONFIGS[config].get("ED_WARPS", WARPS)
 
 
-def _grid(routing, num_tiles: int, config: str, down: bool = False) -> tuple[int, int]:
+def _tile_groups(num_tiles: int, config: str, down: bool = False) -> int:
+    """CTAs an item takes for num_tiles 16-row tiles (warps x tiles a warp each)."""
     tiles = CONFIGS[config]["ED_TILES"]
-    per_cta = warps(config) * (CONFIGS[config].get("ED_TILES_DOWN", tiles) if down else tiles)
-    return routing.max_items, cdiv(num_tiles, per_cta)
+    return cdiv(num_tiles, warps(config) * (CONFIGS[config].get("ED_TILES_DOWN", tiles) if down else tiles))
+
+
+def _grid(routing, num_tiles: int, config: str, down: bool = False) -> tuple[int, int]:
+    return routing.max_items, _tile_groups(num_tiles, config, down)
 
 
 def _check_routing(routing, rows_needed: int, num_experts: int, config: str) -> None:
@@ -192,11 +199,14 @@ def expert_decode_down(h: torch.Tensor, routing, down: Weight, shared_down: Weig
 def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weight, up: Weight,
                       shared_gate: Weight, shared_up: Weight, down: Weight, shared_down: Weight,
                       h_out: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False,
-                      config: str | None = None) -> torch.Tensor:
+                      config: str | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
     """expert_decode_gate_up then expert_decode_down in one launch (cuda/expert_decode.cu
     expert_decode_moe_nvfp4): CTAs take gate/up units, then down units, each down unit starting
     once its item's gate/up units are done. h_out: the h_sorted buffer [P, I]; queue: the routing
-    workspace's (route_and_sort zeroes it). Returns y_sorted [P, N]."""
+    workspace's (route_and_sort zeroes it). Returns y_sorted [P, N].
+    trace: int64 [grid CTAs, TRACE_SLOTS] (moe_grid_ctas): the ED_TRACE build, writing each CTA's
+    %globaltimer (ns) at entry, unit taken, inputs ready, x staged, warp 0's rounds done and end
+    (0 where a CTA did not get there), its SM and its unit (benchmarks/decode_moe_trace.py)."""
     config = config or pick_config(x.shape[0])
     e, i, n = gate.shape[0], gate.shape[1], down.shape[1]
     p = routing.sorted_token.numel()
@@ -210,12 +220,23 @@ def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weigh
     fmt = weight_format(gate, up, shared_gate, shared_up, down, shared_down)
     _check(fmt, k, i, config, gate, up, shared_gate, shared_up, down, shared_down)
     y = output(out, "out", (p, n), x)
-    gate_up_units = _grid(routing, i // (TILE_ROWS // 2), config)[1]
-    down_units = _grid(routing, n // TILE_ROWS, config, down=True)[1]
-    _kernel("expert_decode_moe_nvfp4", config).launch(
-        (routing.max_items * (gate_up_units + down_units),), (32 * warps(config),),
+    ctas = moe_grid_ctas(routing.max_items, config, k, i)
+    if trace is not None:
+        check_tensor(trace, "trace", torch.int64, (ctas, TRACE_SLOTS), x.device, 8)
+    _kernel("expert_decode_moe_nvfp4", config, trace is not None).launch(
+        (ctas,), (32 * warps(config),),
         [y, h_out, x, routing.sorted_token, *moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device),
          *expert_args(down, shared_down, ("down", "shared_down"), n, i, e, x.device), *routing.work_args, queue,
-         I32(i), I32(k), I32(e)],
+         I32(i), I32(k), I32(e), *([] if trace is None else [trace])],
         shared_bytes=moe_shared_bytes(config, k, i), pdl=pdl, device=x.device.index)
     return y
+
+
+def moe_units(config: str, hidden: int, inter: int) -> tuple[int, int]:
+    """expert_decode_moe's (gate/up, down) units an item: its tile groups."""
+    return _tile_groups(inter // (TILE_ROWS // 2), config), _tile_groups(hidden // TILE_ROWS, config, down=True)
+
+
+def moe_grid_ctas(max_items: int, config: str, hidden: int, inter: int) -> int:
+    """expert_decode_moe's grid: every unit of the work list's most items."""
+    return max_items * sum(moe_units(config, hidden, inter))

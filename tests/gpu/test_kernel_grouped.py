@@ -423,3 +423,39 @@ def test_clear_errors():
     ws = moe_routing_workspace(4, 32, 6, "cuda")
     with pytest.raises(ValueError, match="do not fit"):
         route_and_sort(torch.randn(5, 32, device="cuda"), torch.zeros(32, device="cuda"), 6, SCALING, ws)
+
+
+@pytest.mark.parametrize("config,tokens", [("g1t2d4", 16), ("g2w8t4p", 256)])
+def test_decode_moe_trace_build(flint_nvfp4_moe, config, tokens):
+    """expert_decode_moe's ED_TRACE build (benchmarks/decode_moe_trace.py): the same y_sorted bit for
+    bit as the untraced build, every unit taken once, and each CTA's phase times in order."""
+    p = flint_nvfp4_moe
+    x = torch.randn(tokens, FLINT["hidden"], device="cuda", generator=gen(5)).bfloat16()
+    ws = moe_routing_workspace(tokens, FLINT["experts"], FLINT["top_k"], "cuda", hidden_size=FLINT["hidden"],
+                               intermediate_size=FLINT["inter"])
+    logits = torch.mm(x, p["router"].t(), out_dtype=torch.float32)
+    pairs = tokens * (FLINT["top_k"] + 1)
+    ys = []
+    for traced in (False, True):
+        routing = route_and_sort(logits, p["bias"], FLINT["top_k"], SCALING, ws,
+                                 chunk=expert_decode.rows_per_item(config))
+        ctas = expert_decode.moe_grid_ctas(routing.max_items, config, FLINT["hidden"], FLINT["inter"])
+        trace = torch.zeros(ctas, expert_decode.TRACE_SLOTS, dtype=torch.int64, device="cuda") if traced else None
+        y = expert_decode.expert_decode_moe(x, routing, ws.queue, p["gate"], p["up"], p["shared_gate"], p["shared_up"],
+                                            p["down"], p["shared_down"], ws.h_sorted[:pairs],
+                                            out=ws.y_sorted[:pairs].clone(), config=config, trace=trace)
+        ys.append(y[:int(ws.offsets[-1])].clone())
+    assert torch.equal(ys[0], ys[1])
+    items = int(routing.work_args[3].item())
+    units = items * sum(expert_decode.moe_units(config, FLINT["hidden"], FLINT["inter"]))
+    t = trace.cpu()
+    took = t[:, 1] > 0
+    assert sorted(t[took, 7].tolist()) == list(range(units))
+    done = took & (t[:, 5] > 0)
+    assert int(done.sum()) >= items * expert_decode.moe_units(config, FLINT["hidden"], FLINT["inter"])[0]
+    for a, b in [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]:
+        assert bool((t[done, a] <= t[done, b]).all()), f"phase {a} after phase {b}"
+    with pytest.raises(ValueError, match="trace"):
+        expert_decode.expert_decode_moe(x, routing, ws.queue, p["gate"], p["up"], p["shared_gate"], p["shared_up"],
+                                        p["down"], p["shared_down"], ws.h_sorted[:pairs], config=config,
+                                        trace=torch.zeros(3, 8, dtype=torch.int64, device="cuda"))
