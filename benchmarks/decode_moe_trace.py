@@ -79,13 +79,12 @@ def report(m: int, config: str, trace: torch.Tensor, items: int, gate_up_per_ite
         print(f"| {name}, from the first entry | {cells[0]} | {cells[1]} |")
     print("| slice (µs from first entry) | gate/up running | down waiting | down running |")
     print("|---|---|---|---|")
+    rel = t[:, :6] - t0                   # ns from the first entry, int64 (a float mid-point would round)
     for i in range(SLICES):
-        mid = t0 + span * (i + 0.5) / SLICES
+        mid = span * (2 * i + 1) // (2 * SLICES)
         def active(sel, a, b):
-            return int(((t[:, a] <= mid) & (mid < t[:, b]) & sel & ran).sum())
-        print(f"| {span * (i + 0.5) / SLICES / 1e3:6.1f} | {active(gate_up, 0, 5)} | {active(~gate_up, 0, 2)} | "
-              f"{active(~gate_up, 2, 5)} |")
-
+            return int(((rel[:, a] <= mid) & (mid < rel[:, b]) & sel & ran).sum())
+        print(f"| {mid / 1e3:6.1f} | {active(gate_up, 0, 5)} | {active(~gate_up, 0, 2)} | {active(~gate_up, 2, 5)} |")
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
