@@ -27,11 +27,14 @@ from flint_sched.benchmarks import latency
 from flint_sched.benchmarks.kernel_breakdown import critical_path, format_breakdown
 from flint_sched.executor import graphs as step_graphs
 from flint_sched.executor import kernel_ops as ko
-from flint_sched.kernels import attention
+from flint_sched.kernels import attention, grouped_moe
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
+# rmsnorm, router, moe_gate_up and moe_down are the fused path's launches (batches of at most 8);
+# moe_grouped (router logits, routing, expert GEMMs and finalize) and expert_gemms (the decode
+# expert GEMMs alone) the grouped path's; the rest both paths'.
 CLASSES = ("rmsnorm", "qkv", "qk_norm_rope_kv", "attention", "o_proj", "router", "moe_gate_up", "moe_down",
-           "dense_mlp", "lm_head+argmax")
+           "dense_mlp", "lm_head+argmax", "moe_grouped", "expert_gemms")
 
 
 def _key(w) -> int:
@@ -54,11 +57,12 @@ def _linear_class(executor) -> dict[int, str]:
 
 @contextmanager
 def without(executor, removed: set[str]):
-    """Patch executor/kernel_ops.py so that launches of the removed classes do nothing (the fused
-    path's kernels: batches of at most 8)."""
+    """Patch executor/kernel_ops.py (and grouped_moe's decode GEMMs) so that launches of the removed
+    classes do nothing."""
     kinds = _linear_class(executor)
     real = {name: getattr(ko, name) for name in ("rms_norm", "linear", "gate_up_silu", "route", "moe_gate_up",
-                                                 "moe_down", "greedy", "attn")}
+                                                 "moe_down", "greedy", "attn", "moe_grouped")}
+    real_gemms = grouped_moe._decode_gemms
 
     def keep(kind, fn, result):
         return fn if kind not in removed else (lambda *a, **k: result(*a, **k))
@@ -81,15 +85,19 @@ def without(executor, removed: set[str]):
         "moe_gate_up": keep("moe_gate_up", real["moe_gate_up"], lambda *a, **k: k["out"]),
         "moe_down": keep("moe_down", real["moe_down"], lambda *a, **k: k["out"]),
         "greedy": keep("lm_head+argmax", real["greedy"], lambda *a, **k: k["out"]),
-        "attn": attn}
+        "attn": attn,
+        "moe_grouped": keep("moe_grouped", real["moe_grouped"], lambda *a, **k: k["out"])}
     for name, fn in patched.items():
         setattr(ko, name, fn)
+    # (x, routing, queue, config, six weights, h_out, y_out, pdl) -> y_out, nothing launched
+    grouped_moe._decode_gemms = keep("expert_gemms", real_gemms, lambda *a: a[11])
     executor.clear_graphs()
     try:
         yield
     finally:
         for name, fn in real.items():
             setattr(ko, name, fn)
+        grouped_moe._decode_gemms = real_gemms
         executor.clear_graphs()
 
 
