@@ -47,6 +47,9 @@
 #ifndef ED_STAGE_LOADS
 #define ED_STAGE_LOADS 4  // x chunks a thread loads at once while staging (1: one at a time)
 #endif
+#ifndef ED_STAGE_ROTATE
+#define ED_STAGE_ROTATE 0  // 1: each CTA stages its x chunks from its own starting line (not measured yet)
+#endif
 #ifndef ED_MIN_CTAS
 #define ED_MIN_CTAS 4
 #endif
@@ -199,24 +202,34 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
     src_row[threadIdx.x] = threadIdx.x >= rows ? -1 : gather ? __ldcg(gather + row0 + threadIdx.x) : row0 + threadIdx.x;
   __syncthreads();
   const int chunks = K / 8, total = 8 * G * chunks;
+  // ED_STAGE_ROTATE: the chunks from a line that depends on the CTA (a bijection of 0 .. total - 1).
+  // At 16 tokens every gate/up unit stages at once (~416 CTAs, 4.5 µs to stage 32 KB: RESULTS.md,
+  // session 21), reading the same 16 tokens' rows in the same order.
+#if ED_STAGE_ROTATE
+  const int rot = (int)((blockIdx.x * 97u) % (u32)(total / 8)) * 8;
+#define ED_CHUNK(i) ((i) + rot < total ? (i) + rot : (i) + rot - total)
+#else
+#define ED_CHUNK(i) (i)
+#endif
   for (int base = threadIdx.x; base < total; base += ED_STAGE_LOADS * blockDim.x) {
     uint4 v[ED_STAGE_LOADS];
 #pragma unroll
     for (int j = 0; j < ED_STAGE_LOADS; ++j) {
-      const int idx = base + j * blockDim.x, r = idx / chunks;
-      const int src = idx < total ? src_row[r] : -1;
+      const int i = base + j * blockDim.x, idx = ED_CHUNK(i), r = idx / chunks;
+      const int src = i < total ? src_row[r] : -1;
       const u16* p = x + (size_t)src * K + 8 * (idx - r * chunks);
       v[j] = src < 0 ? make_uint4(0, 0, 0, 0) : ready ? __ldcg(reinterpret_cast<const uint4*>(p)) : ld_act_v4(p);
     }
 #pragma unroll
     for (int j = 0; j < ED_STAGE_LOADS; ++j) {
-      const int idx = base + j * blockDim.x, r = idx / chunks;
-      if (idx >= total) break;
+      const int i = base + j * blockDim.x, idx = ED_CHUNK(i), r = idx / chunks;
+      if (i >= total) break;
       u32 p[4];
       x_pairs_for_e2m1(v[j], p);
       sts_v4(x_base + r * row_bytes + x_slot(idx - r * chunks) * 16u, make_uint4(p[0], p[1], p[2], p[3]));
     }
   }
+#undef ED_CHUNK
   __syncthreads();
   ed_mark(3);
 

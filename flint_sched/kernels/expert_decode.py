@@ -55,6 +55,13 @@ CONFIGS = {
     "g1t2p": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_DOWN_PAIRS": 1},
     "g1t4d8p": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_DOWN_PAIRS": 1},
     "g2w8t4p": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1},
+    # the picks staging x from a line that depends on the CTA (ED_STAGE_ROTATE; not measured yet):
+    # decode_moe_trace.py at 16 tokens put 4.5 µs of a gate/up unit's ~25 on staging 32 KB from L2,
+    # every unit at once over the same 16 tokens' rows (RESULTS.md, session 21)
+    "g1t2d4x": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 4, "ED_STAGE_ROTATE": 1},
+    "g1t4d8x": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_STAGE_ROTATE": 1},
+    "g2w8t4px": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1,
+                 "ED_STAGE_ROTATE": 1},
 }
 # Measured on the H200, Flint's MoE layer (benchmarks/bench_grouped.py --pdl --paths swap-ab decode
 # --decode-configs ...), µs at 16 / 64 / 256 / 512 / 1024 tokens: swap-AB GEMMs 76 / 133 / 242 / 389
