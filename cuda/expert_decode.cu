@@ -50,6 +50,10 @@
 #ifndef ED_STAGE_ROTATE
 #define ED_STAGE_ROTATE 0  // 1: each CTA stages its x chunks from its own starting line (not measured yet)
 #endif
+#ifndef ED_PREFETCH_L2
+#define ED_PREFETCH_L2 0  // bit 0: a down unit asks L2 for all its weight rows as it starts (one bulk prefetch a
+                          // tile), bit 1: a gate/up unit too (not measured yet)
+#endif
 #ifndef ED_MIN_CTAS
 #define ED_MIN_CTAS 4
 #endif
@@ -187,6 +191,22 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
     load_kb += ED_KR;
     if (load_kb == K) load_kb = 0, ++load_j;
   };
+#if ED_PREFETCH_L2
+  // Rounds after the first two then come from L2: a down unit's 4-8 rounds otherwise each wait a
+  // DRAM latency (decode_moe_trace.py at 16 tokens: ~1.9 µs a round with little else in flight).
+  if ((ED_PREFETCH_L2 & (GATE_UP ? 2 : 1)) && lane < tiles) {
+    const int r0 = (first + ED_WARPS * lane) * R;
+    constexpr u32 ROWS = GATE_UP ? 8 : 16;  // gate/up: 8 gate rows and the same 8 up rows
+    const EdWeights* parts[2] = {&a, &b};
+#pragma unroll
+    for (int i = 0; i < (GATE_UP ? 2 : 1); ++i) {
+      const u8* c = parts[i]->codes + (size_t)r0 * (K / 2);
+      const u8* sc = parts[i]->scales + (size_t)r0 * (K / 16);
+      if (((reinterpret_cast<size_t>(c) | reinterpret_cast<size_t>(sc)) & 15) == 0)
+        prefetch_l2(c, ROWS * (K / 2)), prefetch_l2(sc, ROWS * (K / 16));
+    }
+  }
+#endif
   if (rounds > 0) next_load(fa);  // in flight while x is staged
   if (!GATE_UP) pdl_wait();       // h comes from the gate/up launch
   if (ready && threadIdx.x == 0)  // or from this one (the __syncthreads below releases the CTA)

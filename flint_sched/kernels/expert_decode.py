@@ -62,6 +62,16 @@ CONFIGS = {
     "g1t4d8x": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_STAGE_ROTATE": 1},
     "g2w8t4px": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1,
                  "ED_STAGE_ROTATE": 1},
+    # the picks with a unit's weight rows asked of L2 as it starts (ED_PREFETCH_L2; not measured yet):
+    # l down units only, ll gate/up units too. decode_moe_trace.py at 16 tokens: a down unit's 4
+    # rounds take ~1.9 µs each, one DRAM latency a round, at ~2.5 TB/s (RESULTS.md, session 21)
+    "g1t2d4l": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 4, "ED_PREFETCH_L2": 1},
+    "g1t2d4ll": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 4, "ED_PREFETCH_L2": 3},
+    "g1t4d8l": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_PREFETCH_L2": 1},
+    "g2w8t4pl": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1,
+                 "ED_PREFETCH_L2": 1},
+    "g2w8t4pll": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1,
+                  "ED_PREFETCH_L2": 3},
 }
 # Measured on the H200, Flint's MoE layer (benchmarks/bench_grouped.py --pdl --paths swap-ab decode
 # --decode-configs ...), µs at 16 / 64 / 256 / 512 / 1024 tokens: swap-AB GEMMs 76 / 133 / 242 / 389
