@@ -54,6 +54,10 @@
 #define ED_PREFETCH_L2 0  // bit 0: a down unit asks L2 for all its weight rows as it starts (one bulk prefetch a
                           // tile), bit 1: a gate/up unit too (not measured yet)
 #endif
+#ifndef ED_L2_AHEAD
+#define ED_L2_AHEAD 0  // D > 1: a warp asks L2 for its round q + D while computing round q (the register
+                       // prefetch holds round q + 1 only); 0: off (not measured yet)
+#endif
 #ifndef ED_MIN_CTAS
 #define ED_MIN_CTAS 4
 #endif
@@ -208,6 +212,20 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
   }
 #endif
   if (rounds > 0) next_load(fa);  // in flight while x is staged
+#if ED_L2_AHEAD
+  // Round n's lines into L2: lanes t = 0, 1 the two 128-byte lines of row r0's 256 code bytes, t =
+  // 2, 3 row r1's, and t = 0 / 1 the 32-byte sector of r0's / r1's scales.
+  auto prefetch_round = [&](int n) {
+    if (n >= rounds) return;
+    const int j = n / per_tile, kb = (n - j * per_tile) * ED_KR;
+    const int r0 = (first + ED_WARPS * j) * R + g, r1 = GATE_UP ? r0 : r0 + 8;  // as load_round
+    const EdWeights& w1 = GATE_UP ? b : a;
+    const bool second = t >= 2;
+    prefetch_line_l2((second ? w1 : a).codes + (size_t)(second ? r1 : r0) * (K / 2) + kb / 2 + 128 * (t & 1));
+    if (t < 2) prefetch_line_l2((t ? w1 : a).scales + (size_t)(t ? r1 : r0) * (K / 16) + kb / 16);
+  };
+  for (int n = 1; n < ED_L2_AHEAD; ++n) prefetch_round(n);
+#endif
   if (!GATE_UP) pdl_wait();       // h comes from the gate/up launch
   if (ready && threadIdx.x == 0)  // or from this one (the __syncthreads below releases the CTA)
     for (int i = 0; i < ready_items; ++i)
@@ -331,6 +349,9 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
 #pragma unroll 1
   for (int q = 0; q < rounds; ++q) {
     if (q + 1 < rounds) next_load(fb);
+#if ED_L2_AHEAD
+    prefetch_round(q + ED_L2_AHEAD);
+#endif
     compute(fa);
     fa = fb;
   }

@@ -72,6 +72,16 @@ CONFIGS = {
                  "ED_PREFETCH_L2": 1},
     "g2w8t4pll": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1,
                   "ED_PREFETCH_L2": 3},
+    # the picks with rounds q + 2 / q + 3 asked of L2 while round q computes (ED_L2_AHEAD; not measured
+    # yet): depth without registers. decode_moe_trace.py: rounds of ~2.2 µs (16 tokens) and ~2.9 µs
+    # (256) with only round q + 1 in flight (RESULTS.md, session 21)
+    "g1t2d4a2": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 4, "ED_L2_AHEAD": 2},
+    "g1t2d4a3": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 4, "ED_L2_AHEAD": 3},
+    "g1t4d8a2": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_L2_AHEAD": 2},
+    "g2w8t4pa2": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1,
+                  "ED_L2_AHEAD": 2},
+    "g2w8t4pa3": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1,
+                  "ED_L2_AHEAD": 3},
 }
 # Measured on the H200, Flint's MoE layer (benchmarks/bench_grouped.py --pdl --paths swap-ab decode
 # --decode-configs ...), µs at 16 / 64 / 256 / 512 / 1024 tokens: swap-AB GEMMs 76 / 133 / 242 / 389
