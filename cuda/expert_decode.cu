@@ -27,6 +27,7 @@
 //
 // PDL as grouped_gemm.cu: gate/up waits first (its work list comes from the launch before) and then
 // lets the down kernel start, which reads the work list and its first weights before its own wait.
+#include "expert_decode_trace.cuh"
 #include "gemv_tile.cuh"  // nvfp4.cuh, silu
 
 #ifndef ED_GROUPS
@@ -71,23 +72,6 @@
 #define ED_PROBE 0  // timing probes, wrong results (benchmarks/bench_grouped.py --decode-probes): 1 leaves out
                     // the NVFP4 decode (code words straight into the MMAs), 2 the weight loads after a warp's
                     // first two rounds (later rounds reuse their registers)
-#endif
-#ifndef ED_TRACE
-#define ED_TRACE 0  // 1: expert_decode_moe_nvfp4 takes a last argument u64 trace[grid][ED_TRACE_SLOTS], each CTA's
-                    // %globaltimer at its phases, and its unit and SM (benchmarks/decode_moe_trace.py)
-#endif
-#define ED_TRACE_SLOTS 8  // entry, unit taken, inputs ready, x staged, warp 0's rounds done, end, SM, unit
-#if ED_TRACE
-__shared__ unsigned long long* ed_trace_row;  // this CTA's row of trace
-__device__ __forceinline__ void ed_mark(int slot) {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  if (threadIdx.x == 0 && ed_trace_row) ed_trace_row[slot] = t;
-}
-#define ED_TRACE_PARAM , unsigned long long* trace
-#else
-__device__ __forceinline__ void ed_mark(int) {}
-#define ED_TRACE_PARAM
 #endif
 #define ED_KR 512            // weights of K per round: 4 lanes x 4 k-steps x 32
 #define ED_ROWS (ED_GROUPS * 8)
@@ -174,9 +158,15 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
   const int first = tile_group * ED_WARPS * TILES + warp;
   const int tiles = max(0, min(TILES, (N / R - first + ED_WARPS - 1) / ED_WARPS));  // warp-uniform
   const int per_tile = K / ED_KR, rounds = tiles * per_tile;
+  // Tile j's rows of lane group g: r0 of a and r1 of w1 (gate/up: gate and up row r0; down: r0, r0 + 8).
+  const EdWeights& w1 = GATE_UP ? b : a;
+  auto tile_rows = [&](int j) {
+    const int r0 = (first + ED_WARPS * j) * R + g;
+    return make_int2(r0, GATE_UP ? r0 : r0 + 8);
+  };
   auto load_round = [&](EdRound& f, int j, int kb) {
-    const int r0 = (first + ED_WARPS * j) * R + g, r1 = GATE_UP ? r0 : r0 + 8;  // gate/up: gate and up row r0
-    const EdWeights& w1 = GATE_UP ? b : a;
+    const int2 rows01 = tile_rows(j);
+    const int r0 = rows01.x, r1 = rows01.y;
     // k-step u: bytes 64 u + 16 t (the 4 lanes of a row: 64 contiguous bytes, whole sectors; lane t
     // taking bytes 64 t .. 64 t + 63 instead read each sector as two halves, 45 % of the sectors in
     // excess by ncu)
@@ -218,8 +208,8 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
   auto prefetch_round = [&](int n) {
     if (n >= rounds) return;
     const int j = n / per_tile, kb = (n - j * per_tile) * ED_KR;
-    const int r0 = (first + ED_WARPS * j) * R + g, r1 = GATE_UP ? r0 : r0 + 8;  // as load_round
-    const EdWeights& w1 = GATE_UP ? b : a;
+    const int2 rows01 = tile_rows(j);
+    const int r0 = rows01.x, r1 = rows01.y;
     const bool second = t >= 2;
     prefetch_line_l2((second ? w1 : a).codes + (size_t)(second ? r1 : r0) * (K / 2) + kb / 2 + 128 * (t & 1));
     if (t < 2) prefetch_line_l2((t ? w1 : a).scales + (size_t)(t ? r1 : r0) * (K / 16) + kb / 16);
@@ -396,9 +386,7 @@ __device__ __forceinline__ void expert_decode(u16* out, const u16* x, const int*
   extern __shared__ __align__(16) unsigned char smem[];
   u32* table = reinterpret_cast<u32*>(smem);  // ue4m3_scale_bf16x2 of every scale byte
   for (int i = threadIdx.x; i < 256; i += blockDim.x) table[i] = ue4m3_scale_bf16x2(i);
-#if ED_TRACE
-  if (threadIdx.x == 0) ed_trace_row = nullptr;  // the two-launch kernels are not traced
-#endif
+  ed_trace_begin(nullptr);  // the two-launch kernels are not traced
 
   if (GATE_UP) pdl_wait();
   pdl_launch_dependents();
@@ -448,16 +436,7 @@ ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorte
                                   int I, int H, int E ED_TRACE_PARAM) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int unit_s;
-#if ED_TRACE
-  if (threadIdx.x == 0) {
-    ed_trace_row = trace + (size_t)blockIdx.x * ED_TRACE_SLOTS;
-    for (int i = 0; i < ED_TRACE_SLOTS; ++i) ed_trace_row[i] = 0;
-    u32 sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    ed_trace_row[6] = sm;
-  }
-  ed_mark(0);
-#endif
+  ed_trace_begin(ED_TRACE_ARG);
   u32* table = reinterpret_cast<u32*>(smem);
   for (int i = threadIdx.x; i < 256; i += blockDim.x) table[i] = ue4m3_scale_bf16x2(i);
   pdl_wait();  // the work list and the queue come from the routing launch
@@ -471,9 +450,7 @@ ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorte
   __syncthreads();
   const int unit = unit_s;
   ed_mark(1);
-#if ED_TRACE
-  if (threadIdx.x == 0) ed_trace_row[7] = unit;
-#endif
+  ed_record(ED_TRACE_UNIT, unit);
   const bool is_gate_up = unit < gate_up_units;
   const int rel = is_gate_up ? unit : unit - gate_up_units, groups = is_gate_up ? gate_up_groups : down_groups;
   const int item = rel / groups, tile_group = rel - item * groups;

@@ -99,7 +99,7 @@ def rows_per_item(config: str) -> int:
     return 8 * CONFIGS[config]["ED_GROUPS"]
 
 
-TRACE_SLOTS = 8   # cuda/expert_decode.cu ED_TRACE_SLOTS: u64 a CTA of expert_decode_moe's trace
+TRACE_SLOTS = 8   # cuda/expert_decode_trace.cuh ED_TRACE_SLOTS: u64 a CTA of expert_decode_moe's trace
 
 
 @functools.cache
