@@ -90,8 +90,10 @@ PATHS = {"auto": None, "swap-ab": "swap-ab", "decode": "decode", "tiled": "tiled
 
 def bench_moe(fmt: str, sets: list[dict], m: int, pdl: bool, impl: str = "moe_grouped", gemms: str | None = None,
               peers: bool = True) -> list[Row]:
-    x = torch.randn(m, HIDDEN, device="cuda").bfloat16()
-    residual = torch.randn_like(x)
+    # the same x for every config and path of one size: the same routing, the same experts read
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, HIDDEN, device="cuda", generator=gen).bfloat16()
+    residual = torch.randn(m, HIDDEN, device="cuda", generator=gen).bfloat16()
     out = torch.empty_like(x)
     ws = moe_routing_workspace(m, EXPERTS, TOP_K, "cuda", hidden_size=HIDDEN, intermediate_size=INTER)
 

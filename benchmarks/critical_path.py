@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from flint_sched.benchmarks import latency
-from flint_sched.benchmarks.kernel_breakdown import critical_path, format_breakdown
+from flint_sched.benchmarks.kernel_breakdown import critical_path, format_breakdown, layer_timeline
 from flint_sched.executor import graphs as step_graphs
 from flint_sched.executor import kernel_ops as ko
 from flint_sched.kernels import attention, grouped_moe
@@ -32,9 +32,10 @@ from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 # rmsnorm, router, moe_gate_up and moe_down are the fused path's launches (batches of at most 8);
 # moe_grouped (router logits, routing, expert GEMMs and finalize) and expert_gemms (the decode
-# expert GEMMs alone) the grouped path's; the rest both paths'.
+# expert GEMMs alone), router_logits (its router GEMM) and moe_finalize (the weighted sum with the
+# next layer's norm) the grouped path's; the rest both paths'.
 CLASSES = ("rmsnorm", "qkv", "qk_norm_rope_kv", "attention", "o_proj", "router", "moe_gate_up", "moe_down",
-           "dense_mlp", "lm_head+argmax", "moe_grouped", "expert_gemms")
+           "dense_mlp", "lm_head+argmax", "moe_grouped", "expert_gemms", "router_logits", "moe_finalize")
 
 
 def _key(w) -> int:
@@ -63,6 +64,7 @@ def without(executor, removed: set[str]):
     real = {name: getattr(ko, name) for name in ("rms_norm", "linear", "gate_up_silu", "route", "moe_gate_up",
                                                  "moe_down", "greedy", "attn", "moe_grouped")}
     real_gemms = grouped_moe._decode_gemms
+    real_moe = {name: getattr(grouped_moe, name) for name in ("linear", "grouped_linear", "moe_finalize")}
 
     def keep(kind, fn, result):
         return fn if kind not in removed else (lambda *a, **k: result(*a, **k))
@@ -91,6 +93,10 @@ def without(executor, removed: set[str]):
         setattr(ko, name, fn)
     # (x, routing, queue, config, six weights, h_out, y_out, pdl) -> y_out, nothing launched
     grouped_moe._decode_gemms = keep("expert_gemms", real_gemms, lambda *a: a[11])
+    for name in ("linear", "grouped_linear"):   # moe_grouped's router logits
+        setattr(grouped_moe, name, keep("router_logits", real_moe[name], lambda *a, **k: k["out"]))
+    grouped_moe.moe_finalize = keep("moe_finalize", real_moe["moe_finalize"],
+                                    lambda y, routing, residual, **k: residual if k["out"] is None else k["out"])
     executor.clear_graphs()
     try:
         yield
@@ -98,6 +104,8 @@ def without(executor, removed: set[str]):
         for name, fn in real.items():
             setattr(ko, name, fn)
         grouped_moe._decode_gemms = real_gemms
+        for name, fn in real_moe.items():
+            setattr(grouped_moe, name, fn)
         executor.clear_graphs()
 
 
@@ -143,11 +151,18 @@ def main() -> int:
     latency.add_arguments(parser)
     parser.set_defaults(executor="cuda", batch_sizes="1,8", contexts="1024", prefill_lens="", num_steps=60)
     parser.add_argument("--no-ablation", action="store_true", help="only the traced critical path")
+    parser.add_argument("--classes", default=",".join(CLASSES),
+                        help=f"comma-separated classes to leave out one at a time (default: all of {', '.join(CLASSES)})")
+    parser.add_argument("--timeline", default="", metavar="LAYERS",
+                        help="print these layers' kernels on a time line (each from its Q/K norm launch to the next)")
     parser.add_argument("--first-graph-layers", default="",
                         help="also time the step with these first-graph sizes (executor.graph_segments; 0: one graph)")
     parser.add_argument("--min-split-keys", default="",
                         help="also time the step with each of these attention MIN_SPLIT_KEYS (e.g. 64,128,256)")
     args = parser.parse_args()
+    classes = [c for c in args.classes.split(",") if c]
+    if unknown := set(classes) - set(CLASSES):
+        parser.error(f"unknown classes {sorted(unknown)}; choose from {', '.join(CLASSES)}")
     executor, _, bandwidth, _ = latency.build(args)
     # Without the router, the MoE kernels read the experts the last full step chose.
     print(f"{args.weight_format}, bandwidth {bandwidth:.0f} GB/s; ms per step, and what removing each class saves")
@@ -160,6 +175,8 @@ def main() -> int:
             print("  charged to each kernel: how far it moves the step's end (graph replay, traced)")
             print(format_breakdown(critical_path(lambda plan=plan: executor.execute(plan)), full, top=20), flush=True)
             print("  host: " + host_times(executor, plan), flush=True)
+            for layer in latency._ints(args.timeline):
+                print(layer_timeline(lambda plan=plan: executor.execute(plan), "qk_norm_rope_kv", layer), flush=True)
             for layers in latency._ints(args.first_graph_layers):
                 default = executor.graphs.segments
                 executor.graphs.segments = step_graphs.graph_segments(executor.config.num_hidden_layers, layers)
@@ -178,7 +195,7 @@ def main() -> int:
                 print(f"  attention MIN_SPLIT_KEYS {keys:4d}: {step:7.3f} ms", flush=True)
             if args.no_ablation:
                 continue
-            for kind in (*CLASSES, "none"):
+            for kind in (*classes, "none"):
                 with without(executor, set(CLASSES) if kind == "none" else {kind}):
                     step = latency.run_decode(executor, args, batch, context, bandwidth).step_ms
                 print(f"  without {kind:<16} {step:7.3f} ms  saves {full - step:6.3f} ms "

@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes: the kernels of a few steps, traced by torch's profiler
 (CUPTI sees kernels launched through cuda-python and inside CUDA graphs alike), summed by name:
-their durations (`kernel_breakdown`), or how far each moves the step's end (`critical_path`)."""
+their durations (`kernel_breakdown`), how far each moves the step's end (`critical_path`), or one
+layer's kernels on a time line (`layer_timeline`)."""
 
 from __future__ import annotations
 
@@ -55,10 +56,7 @@ def critical_path(step: Callable[[], object], num_steps: int = 5) -> list[tuple[
     time from the first kernel's start to the last one's end, and a kernel that finishes in the
     shadow of an earlier one costs nothing.
     """
-    prof = _traced(step, num_steps)
-    kernels = sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
-                     if e.device_type() == torch.autograd.DeviceType.CUDA
-                     and not e.name().startswith(("Memcpy", "Memset")))
+    kernels = _kernels(_traced(step, num_steps))
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     frontier = None
     for start, end, name in kernels:
@@ -69,3 +67,31 @@ def critical_path(step: Callable[[], object], num_steps: int = 5) -> list[tuple[
         entry[1] += 1
         frontier = max(frontier, end)
     return _per_step(totals, num_steps)
+
+
+def _kernels(prof: torch.profiler.profile) -> list[tuple[int, int, str]]:
+    """(start ns, end ns, name) of every traced kernel, in start order."""
+    return sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+                  if e.device_type() == torch.autograd.DeviceType.CUDA
+                  and not e.name().startswith(("Memcpy", "Memset")))
+
+
+def layer_timeline(step: Callable[[], object], marker: str, layer: int, num_steps: int = 3) -> str:
+    """The kernels of the last traced step from the `layer`-th launch whose name contains `marker`
+    to the next one: each one's start and end in µs from the marker's start, its duration and its
+    start against the previous kernel's end (negative: it overlapped, as programmatic dependent
+    launch allows)."""
+    kernels = _kernels(_traced(step, num_steps))
+    marks = [i for i, (_, _, name) in enumerate(kernels) if marker in name]
+    per_step = len(marks) // num_steps
+    if layer + 1 >= per_step:
+        raise ValueError(f"{per_step} launches of {marker!r} a step: no layer {layer} with one after it")
+    first, last = marks[(num_steps - 1) * per_step + layer], marks[(num_steps - 1) * per_step + layer + 1]
+    t0, prev_end = kernels[first][0], None
+    lines = [f"  {'start':>8} {'end':>8} {'µs':>7} {'gap':>7}  kernel (µs from {marker} of layer {layer})"]
+    for start, end, name in kernels[first:last + 1]:
+        gap = "" if prev_end is None else f"{(start - prev_end) / 1e3:7.2f}"
+        lines.append(f"  {(start - t0) / 1e3:8.2f} {(end - t0) / 1e3:8.2f} {(end - start) / 1e3:7.2f} {gap:>7}  "
+                     f"{name[:70]}")
+        prev_end = end if prev_end is None else max(prev_end, end)
+    return "\n".join(lines)

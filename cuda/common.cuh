@@ -103,10 +103,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
   bytes &= ~15u;
   if (bytes) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
-// The line holding p into L2 (a hint: no registers, nothing to wait for).
-__device__ __forceinline__ void prefetch_line_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
 
 // ---- tensor cores ----------------------------------------------------------------------------
 

@@ -48,17 +48,6 @@
 #ifndef ED_STAGE_LOADS
 #define ED_STAGE_LOADS 4  // x chunks a thread loads at once while staging (1: one at a time)
 #endif
-#ifndef ED_STAGE_ROTATE
-#define ED_STAGE_ROTATE 0  // 1: each CTA stages its x chunks from its own starting line (not measured yet)
-#endif
-#ifndef ED_PREFETCH_L2
-#define ED_PREFETCH_L2 0  // bit 0: a down unit asks L2 for all its weight rows as it starts (one bulk prefetch a
-                          // tile), bit 1: a gate/up unit too (not measured yet)
-#endif
-#ifndef ED_L2_AHEAD
-#define ED_L2_AHEAD 0  // D > 1: a warp asks L2 for its round q + D while computing round q (the register
-                       // prefetch holds round q + 1 only); 0: off (not measured yet)
-#endif
 #ifndef ED_MIN_CTAS
 #define ED_MIN_CTAS 4
 #endif
@@ -185,37 +174,7 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
     load_kb += ED_KR;
     if (load_kb == K) load_kb = 0, ++load_j;
   };
-#if ED_PREFETCH_L2
-  // Rounds after the first two then come from L2: a down unit's 4-8 rounds otherwise each wait a
-  // DRAM latency (decode_moe_trace.py at 16 tokens: ~1.9 µs a round with little else in flight).
-  if ((ED_PREFETCH_L2 & (GATE_UP ? 2 : 1)) && lane < tiles) {
-    const int r0 = (first + ED_WARPS * lane) * R;
-    constexpr u32 ROWS = GATE_UP ? 8 : 16;  // gate/up: 8 gate rows and the same 8 up rows
-    const EdWeights* parts[2] = {&a, &b};
-#pragma unroll
-    for (int i = 0; i < (GATE_UP ? 2 : 1); ++i) {
-      const u8* c = parts[i]->codes + (size_t)r0 * (K / 2);
-      const u8* sc = parts[i]->scales + (size_t)r0 * (K / 16);
-      if (((reinterpret_cast<size_t>(c) | reinterpret_cast<size_t>(sc)) & 15) == 0)
-        prefetch_l2(c, ROWS * (K / 2)), prefetch_l2(sc, ROWS * (K / 16));
-    }
-  }
-#endif
   if (rounds > 0) next_load(fa);  // in flight while x is staged
-#if ED_L2_AHEAD
-  // Round n's lines into L2: lanes t = 0, 1 the two 128-byte lines of row r0's 256 code bytes, t =
-  // 2, 3 row r1's, and t = 0 / 1 the 32-byte sector of r0's / r1's scales.
-  auto prefetch_round = [&](int n) {
-    if (n >= rounds) return;
-    const int j = n / per_tile, kb = (n - j * per_tile) * ED_KR;
-    const int2 rows01 = tile_rows(j);
-    const int r0 = rows01.x, r1 = rows01.y;
-    const bool second = t >= 2;
-    prefetch_line_l2((second ? w1 : a).codes + (size_t)(second ? r1 : r0) * (K / 2) + kb / 2 + 128 * (t & 1));
-    if (t < 2) prefetch_line_l2((t ? w1 : a).scales + (size_t)(t ? r1 : r0) * (K / 16) + kb / 16);
-  };
-  for (int n = 1; n < ED_L2_AHEAD; ++n) prefetch_round(n);
-#endif
   if (!GATE_UP) pdl_wait();       // h comes from the gate/up launch
   if (ready && threadIdx.x == 0)  // or from this one (the __syncthreads below releases the CTA)
     for (int i = 0; i < ready_items; ++i)
@@ -230,34 +189,24 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
     src_row[threadIdx.x] = threadIdx.x >= rows ? -1 : gather ? __ldcg(gather + row0 + threadIdx.x) : row0 + threadIdx.x;
   __syncthreads();
   const int chunks = K / 8, total = 8 * G * chunks;
-  // ED_STAGE_ROTATE: the chunks from a line that depends on the CTA (a bijection of 0 .. total - 1).
-  // At 16 tokens every gate/up unit stages at once (~416 CTAs, 4.5 µs to stage 32 KB: RESULTS.md,
-  // session 21), reading the same 16 tokens' rows in the same order.
-#if ED_STAGE_ROTATE
-  const int rot = (int)((blockIdx.x * 97u) % (u32)(total / 8)) * 8;
-#define ED_CHUNK(i) ((i) + rot < total ? (i) + rot : (i) + rot - total)
-#else
-#define ED_CHUNK(i) (i)
-#endif
   for (int base = threadIdx.x; base < total; base += ED_STAGE_LOADS * blockDim.x) {
     uint4 v[ED_STAGE_LOADS];
 #pragma unroll
     for (int j = 0; j < ED_STAGE_LOADS; ++j) {
-      const int i = base + j * blockDim.x, idx = ED_CHUNK(i), r = idx / chunks;
-      const int src = i < total ? src_row[r] : -1;
+      const int idx = base + j * blockDim.x, r = idx / chunks;
+      const int src = idx < total ? src_row[r] : -1;
       const u16* p = x + (size_t)src * K + 8 * (idx - r * chunks);
       v[j] = src < 0 ? make_uint4(0, 0, 0, 0) : ready ? __ldcg(reinterpret_cast<const uint4*>(p)) : ld_act_v4(p);
     }
 #pragma unroll
     for (int j = 0; j < ED_STAGE_LOADS; ++j) {
-      const int i = base + j * blockDim.x, idx = ED_CHUNK(i), r = idx / chunks;
-      if (i >= total) break;
+      const int idx = base + j * blockDim.x, r = idx / chunks;
+      if (idx >= total) break;
       u32 p[4];
       x_pairs_for_e2m1(v[j], p);
       sts_v4(x_base + r * row_bytes + x_slot(idx - r * chunks) * 16u, make_uint4(p[0], p[1], p[2], p[3]));
     }
   }
-#undef ED_CHUNK
   __syncthreads();
   ed_mark(3);
 
@@ -339,9 +288,6 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
 #pragma unroll 1
   for (int q = 0; q < rounds; ++q) {
     if (q + 1 < rounds) next_load(fb);
-#if ED_L2_AHEAD
-    prefetch_round(q + ED_L2_AHEAD);
-#endif
     compute(fa);
     fa = fb;
   }

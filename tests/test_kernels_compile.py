@@ -131,6 +131,23 @@ def test_importing_the_package_needs_no_gpu():
     assert callable(kernels.linear) and callable(kernels.greedy)
 
 
+def test_gemv_register_table_matches_the_builds():
+    """kernels/linear.py REGISTERS (what gemv_warps sizes its waves by) is ptxas's most registers
+    over the GEMV builds of each format and group count, rounded up to the allocation unit."""
+    import importlib
+
+    linear_mod = importlib.import_module("flint_sched.kernels.linear")
+    entries = {"bf16": ("gemv_bf16", "gemv_bf16_f32", "gate_up_bf16"), "nvfp4": ("gemv_nvfp4", "gate_up_nvfp4")}
+    for (fmt, groups), table in linear_mod.REGISTERS.items():
+        most = 0
+        for warps in (4, 8, 16) if groups <= 2 else (4, 8):
+            use = _runtime.resource_usage("gemv.cu", {"GEMV_WARPS": warps, "X_BATCH": linear_mod.x_batch(fmt),
+                                                      "GEMV_GROUPS": groups})
+            most = max(most, *(use[name].registers for name in entries[fmt]))
+        unit = linear_mod.REGISTER_UNIT
+        assert table == -(-most // unit) * unit, (fmt, groups, most, table)
+
+
 def test_every_launch_shape_of_flint_uses_a_compiled_variant():
     """The warps each launcher picks for Flint's shapes, at every decode batch size, are among the
     variants CI compiles; BF16 q/k/v stays at 4 warps (one wave of CTAs, see gemv_warps)."""
@@ -153,4 +170,5 @@ def test_every_launch_shape_of_flint_uses_a_compiled_variant():
             assert picked in VARIANTS["moe.cu"], (fmt, tokens, picked)
     assert linear_mod.gemv_warps(5120 // 16, 2048, "bf16") == 4
     assert linear_mod.gemv_warps(5120 // 16, 2048, "nvfp4") == 8
+    assert linear_mod.gemv_warps(5120 // 16, 2048, "nvfp4", 2) == 4    # 9-16 tokens: 8 warps would take 1.2 waves
     assert [moe_mod.gate_up_warps("bf16", t) for t in (1, 3, 4, 8)] == [8, 8, 4, 4]

@@ -121,6 +121,10 @@ def _ensure_context(device: int) -> None:
 
 
 _MAX_CONFIGS = 512
+# Kernels (by entry-point name) launched without programmatic dependent launch whatever the caller
+# asks: an A/B knob for how early launches interact (benchmarks/ab_decode.py --variant
+# "x:flint_sched.kernels._runtime.NO_PDL={'moe_route'}"); their griddepcontrol instructions are no-ops.
+NO_PDL: frozenset[str] = frozenset()
 # torch's raw current-stream handle without building a Stream object (CUDA builds of torch have it).
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -271,7 +275,7 @@ class Kernel:
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
         driver = _driver()
-        if pdl:
+        if pdl and self.name not in NO_PDL:
             key = (gx, gy, gz, bx, by, bz, shared_bytes, handle)
             config = self._configs.get(key)
             if config is None:

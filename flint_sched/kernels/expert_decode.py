@@ -56,17 +56,10 @@ CONFIGS = {
     "g1t4d8p": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_DOWN_PAIRS": 1},
     "g2w8t4p": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1},
 }
-# Variants of the picks prepared in session 21 from benchmarks/decode_moe_trace.py, not measured yet
-# (suffix: defines). At 16 tokens a gate/up unit spent 4.5 µs of its ~25 staging 32 KB of x, every
-# unit at once over the same 16 tokens' rows; rounds took ~2.2 µs (16 tokens) / ~2.9 µs (256) with
-# only round q + 1 in flight; a down unit's rounds ~1.9 µs each, one DRAM latency a round
-# (RESULTS.md, session 21). x: each CTA stages its x chunks from its own starting line; l / ll: a
-# down unit (ll: every unit) asks L2 for all its weight rows as it starts; a2 / a3: round q + 2 / q + 3
-# asked of L2 while round q computes.
-PREPARED = {"x": {"ED_STAGE_ROTATE": 1}, "l": {"ED_PREFETCH_L2": 1}, "ll": {"ED_PREFETCH_L2": 3},
-            "a2": {"ED_L2_AHEAD": 2}, "a3": {"ED_L2_AHEAD": 3}}
-PREPARED_FROM = {pick + suffix: pick for pick in ("g1t2d4", "g1t4d8", "g2w8t4p") for suffix in PREPARED}
-CONFIGS.update({name: {**CONFIGS[pick], **PREPARED[name[len(pick):]]} for name, pick in PREPARED_FROM.items()})
+# Tried from benchmarks/decode_moe_trace.py and not kept (MoE layer, bench_grouped, RESULTS.md session
+# 22): x chunks staged from a line that depends on the CTA (all units read the same tokens' rows at
+# once at 16 tokens), a unit's weight rows asked of L2 as it starts (down units, or every unit), and
+# round q + 2 / q + 3 asked of L2 while round q computes: none faster, the L2 requests 4-20 % slower.
 # Measured on the H200, Flint's MoE layer (benchmarks/bench_grouped.py --pdl --paths swap-ab decode
 # --decode-configs ...), µs at 16 / 64 / 256 / 512 / 1024 tokens: swap-AB GEMMs 76 / 133 / 242 / 389
 # / 726; g1t2 65 / 115 / 231 / 380 / 668; g1t4 81 / 106 / 212 / 326 / 574; g1t8 126 / 138 / 218 /

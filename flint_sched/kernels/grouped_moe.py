@@ -322,7 +322,6 @@ ROUTER_GEMV_WARPS = 4
 # 256: 15.70 / 14.87. The picks of session 17 (g1t2d4, g2w8t4p) run one launch; g2w8t4p's down
 # units take two items of an expert (ED_DOWN_PAIRS), which only the one-launch kernel does.
 FUSED_DECODE_CONFIGS = frozenset({"g1t2", "g2w8t4", "g1t2d4", "g2w8t4p"})
-FUSED_DECODE_CONFIGS |= {name for name, pick in expert_decode.PREPARED_FROM.items() if pick in FUSED_DECODE_CONFIGS}
 # NVFP4 steps of at least HYBRID_MIN_TOKENS tokens split the experts by their rows (route_and_split):
 # those of more than HYBRID_SPLIT_ROWS take the tiled GEMMs (each weight decoded once a 128-row tile;
 # on the decode GEMMs once an item of 8-16 rows), the others the decode GEMMs (no tile of 128 rows

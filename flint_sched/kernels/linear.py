@@ -29,8 +29,14 @@ UNROLL = {"bf16": 8, "nvfp4": 4}     # k-steps a warp loads at once (cuda/gemv.c
 # NOTE: ~32 KB of loads in flight per SM keep HBM busy; one warp has 4-8 KB in flight, so aim
 # for ~16 resident warps per SM over the grid.
 WARPS_PER_SM = 16
-REGISTERS = {"bf16": 120, "nvfp4": 80}  # per thread, cuda/gemv.cu (cuobjdump --dump-resource-usage)
-REGISTERS_WIDE = 144    # either format with 3-4 groups (ptxas -v: 125-154); 16 warps would spill
+# Registers a thread of cuda/gemv.cu's builds by (format, groups): ptxas's most over the warp counts
+# gemv_warps may pick, rounded up to the allocation unit of 8 (tests/test_kernels_compile.py checks
+# them against the builds). With NVFP4 at two groups taken as one (80 for 102), q/k/v at 9-16 tokens
+# ran 320 CTAs of 8 warps on 264 slots: 8.9 µs against 4.3 at 8 tokens (RESULTS.md, session 22).
+REGISTERS = {("bf16", 1): 128, ("bf16", 2): 128, ("bf16", 3): 152, ("bf16", 4): 160,
+             ("nvfp4", 1): 80, ("nvfp4", 2): 104, ("nvfp4", 3): 136, ("nvfp4", 4): 144}
+REGISTER_UNIT = 8
+MAX_THREADS_PER_SM = 2048
 
 Weight = torch.Tensor | NVFP4Tensor
 
@@ -54,9 +60,9 @@ def groups(tokens: int) -> int:
 
 
 def resident_ctas(warps: int, fmt: str, num_groups: int = 1) -> int:
-    """CTAs of `warps` warps that fit on the GPU at once, by registers (~REGISTERS[fmt] a thread)."""
-    registers = REGISTERS[fmt] if num_groups <= 2 else REGISTERS_WIDE
-    return sm_count() * max(1, 65536 // (32 * warps * registers))
+    """CTAs of `warps` warps that fit on the GPU at once, by registers (REGISTERS) and threads."""
+    per_sm = min(65536 // (32 * warps * REGISTERS[fmt, num_groups]), MAX_THREADS_PER_SM // (32 * warps))
+    return sm_count() * max(1, per_sm)
 
 
 def gemv_warps(tiles: int, k: int, fmt: str, num_groups: int = 1) -> int:
