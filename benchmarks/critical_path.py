@@ -8,8 +8,12 @@ only a timing) and the difference to the full step is that class's share of the 
 First, from a trace of the full step, each kernel's charge: how far it moves the step's end
 (kernel_breakdown.critical_path), which needs no re-capture but sees only what the trace sees.
 
+`--classes` picks the classes to leave out; `--timeline 20,21` prints those layers' kernels on a
+time line (start, end, overlap with the kernel before), which shows what PDL overlaps and what waits.
+
 Run on the GPU machine:
     python3 -m flint_sched.benchmarks.critical_path --weight-format nvfp4 --batch-sizes 1,8 --contexts 1024
+    python3 -m flint_sched.benchmarks.critical_path --executor cuda --batch-sizes 16 --no-ablation --timeline 20
 """
 
 from __future__ import annotations
