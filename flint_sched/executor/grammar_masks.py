@@ -19,7 +19,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
 import torch
 
 from flint_sched.core.plan import ScheduledRequest
@@ -81,14 +80,16 @@ class GrammarMasks:
         if not rows:
             return None
         matchers = [self._advanced(entries[row]) for row in rows]
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.compiler.ll_tokenizer.vocab_size)
+        bitmask = _allocate_bitmask(len(rows), self.compiler.ll_tokenizer.vocab_size)
         active = [(m, i) for i, m in enumerate(matchers) if m is not None]     # the others stay all ones
+        words = bitmask.shape[1]
         if len(active) == 1:
-            llguidance.torch.fill_next_token_bitmask(active[0][0], bitmask, active[0][1])
+            matcher, i = active[0]
+            matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), 4 * words)
         elif active:
             if self._pool is None:
                 self._pool = llguidance.LLExecutor()
-            llguidance.torch.fill_next_token_bitmask_par(self._pool, active, bitmask)
+            self._pool.unsafe_compute_mask_ptr(active, bitmask.data_ptr(), 4 * words, len(rows))
         for matcher, i in active:
             if matcher.is_error():           # nothing fits any more: let it end on a stop token
                 bitmask[i] = 0
@@ -128,3 +129,12 @@ class GrammarMasks:
         masked = logits.clone()
         masked[index] = torch.where(allowed, logits[index], float("-inf"))
         return masked
+
+
+def _allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """All-ones int32 bitmask rows [rows, ceil(vocab / 32)] on the host, pinned where a GPU is (the
+    copy to the device is asynchronous). As llguidance.torch does; that module is not imported: it
+    wraps one function in torch.compile at import, which loads torch's compiler stack (~2 s of
+    every process start, the server's and the CLI's)."""
+    shape = (rows, (vocab_size + 31) // 32)
+    return torch.full(shape, -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
