@@ -136,17 +136,23 @@ __device__ __forceinline__ void router_cluster(int* ids, float* weights, const u
   const int steps = K / 16, s_begin = split * steps / warps_per_tile, s_end = (split + 1) * steps / warps_per_tile;
   const int a_row = tile * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, a_k = (lane >> 4) * 8;
   const u32 a_base = smem_addr(w_smem + a_row * pitch + a_k * 2);
-  float acc[G][4] = {};
+  u32 b_base[G];
+  bool has_token[G];
+#pragma unroll
+  for (int grp = 0; grp < G; ++grp) {
+    b_base[grp] = smem_addr(x_smem + (grp * 8 + g) * pitch + 4 * t);
+    has_token[grp] = grp * 8 + g < T;
+  }
+  float acc[G][4];
+#pragma unroll
+  for (int grp = 0; grp < G; ++grp) acc[grp][0] = acc[grp][1] = acc[grp][2] = acc[grp][3] = 0.0f;
   for (int s = s_begin; s < s_end; ++s) {
     u32 a[4];
     ldmatrix_x4(a, a_base + 32 * s);
 #pragma unroll
     for (int grp = 0; grp < G; ++grp) {
-      const int token = grp * 8 + g;
-      const u32 b_base = smem_addr(x_smem + token * pitch + 4 * t);
-      const bool has_token = token < T;
-      const u32 b0 = has_token ? ld_shared_u32(b_base + 32 * s) : 0u;
-      const u32 b1 = has_token ? ld_shared_u32(b_base + 32 * s + 16) : 0u;
+      const u32 b0 = has_token[grp] ? ld_shared_u32(b_base[grp] + 32 * s) : 0u;
+      const u32 b1 = has_token[grp] ? ld_shared_u32(b_base[grp] + 32 * s + 16) : 0u;
       mma_bf16_16x8x16(acc[grp], a[0], a[1], a[2], a[3], b0, b1);
     }
   }
@@ -160,17 +166,15 @@ __device__ __forceinline__ void router_cluster(int* ids, float* weights, const u
   // into CTA 0.
   cluster_wait_acquire();
   const int r = threadIdx.x >> 3, b = threadIdx.x & 7;
-  if (r < n_rows) {
-    const int rt = r & 15, first = (r >> 4) * warps_per_tile;
-    const int src_lane = (rt & 7) * 4 + (b >> 1), i = ((rt >> 3) << 1) | (b & 1);
 #pragma unroll
-    for (int grp = 0; grp < G; ++grp) {
-      if (grp * 8 + b >= T) break;
+  for (int grp = 0; grp < G; ++grp)
+    if (r < n_rows && grp * 8 + b < T) {
+      const int rt = r & 15, first = (r >> 4) * warps_per_tile;
+      const int src_lane = (rt & 7) * 4 + (b >> 1), i = ((rt >> 3) << 1) | (b & 1);
       float logit = 0.0f;
       for (int w = first; w < first + warps_per_tile; ++w) logit += red[grp][(w * 4 + i) * 32 + src_lane];
       st_cluster_f32(cluster_map(smem_addr(scores + (grp * 8 + b) * E + e0 + r), 0), 1.0f / (1.0f + expf(-logit)));
     }
-  }
   cluster_arrive_release();
   cluster_wait_acquire();
   if (rank != 0) return;
