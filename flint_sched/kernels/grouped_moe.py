@@ -212,7 +212,7 @@ def _route(logits, bias, top_k, scaling, ws, num_tokens, pdl, chunk, fused, heav
     else:
         if topk:
             routing_kernel("moe_topk", e).launch(
-            (cdiv(m, ROUTING_WARPS),), (ROUTING_THREADS,),
+                (cdiv(m, ROUTING_WARPS),), (ROUTING_THREADS,),
                 [r.ids, r.weights, logits, bias, num_tokens, I32(m), I32(e), I32(top_k), F32(scaling)],
                 pdl=pdl, device=dev)
         routing_kernel("moe_sort", e).launch(
