@@ -156,7 +156,8 @@ def main() -> int:
     parser.set_defaults(executor="cuda", batch_sizes="1,8", contexts="1024", prefill_lens="", num_steps=60)
     parser.add_argument("--no-ablation", action="store_true", help="only the traced critical path")
     parser.add_argument("--classes", default=",".join(CLASSES),
-                        help=f"comma-separated classes to leave out one at a time (default: all of {', '.join(CLASSES)})")
+                        help=f"comma-separated classes to leave out one at a time (default: all: "
+                             f"{', '.join(CLASSES)})")
     parser.add_argument("--timeline", default="", metavar="LAYERS",
                         help="print these layers' kernels on a time line (each from its Q/K norm launch to the next)")
     parser.add_argument("--first-graph-layers", default="",

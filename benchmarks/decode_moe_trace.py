@@ -67,7 +67,8 @@ def report(m: int, config: str, trace: torch.Tensor, items: int) -> None:
     ran = t[:, 5] > 0                     # down units of an odd pair item exit after taking their unit
     span = int(t[ran, 5].max()) - t0
     blocks = expert_decode.moe_block_items(config)
-    print(f"\n{m} tokens, {config}{f' (blocks of {blocks} items)' if blocks else ''}: {items} items, {int(gate_up.sum())} gate/up and {int((~gate_up).sum())} down "
+    order = f" (blocks of {blocks} items)" if blocks else ""
+    print(f"\n{m} tokens, {config}{order}: {items} items, {int(gate_up.sum())} gate/up and {int((~gate_up).sum())} down "
           f"units ({int((~gate_up & ~ran).sum())} exiting at once), {int((~took).sum())} CTAs without a unit, "
           f"{len(set(t[:, 6].tolist()))} SMs; kernel span {span / 1e3:.2f} µs")
     print("| phase (µs: median / p90 / max) | gate/up | down |")

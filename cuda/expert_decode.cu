@@ -157,15 +157,9 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
   const int first = tile_group * ED_WARPS * TILES + warp;
   const int tiles = max(0, min(TILES, (N / R - first + ED_WARPS - 1) / ED_WARPS));  // warp-uniform
   const int per_tile = K / ED_KR, rounds = tiles * per_tile;
-  // Tile j's rows of lane group g: r0 of a and r1 of w1 (gate/up: gate and up row r0; down: r0, r0 + 8).
-  const EdWeights& w1 = GATE_UP ? b : a;
-  auto tile_rows = [&](int j) {
-    const int r0 = (first + ED_WARPS * j) * R + g;
-    return make_int2(r0, GATE_UP ? r0 : r0 + 8);
-  };
   auto load_round = [&](EdRound& f, int j, int kb) {
-    const int2 rows01 = tile_rows(j);
-    const int r0 = rows01.x, r1 = rows01.y;
+    const int r0 = (first + ED_WARPS * j) * R + g, r1 = GATE_UP ? r0 : r0 + 8;  // gate/up: gate and up row r0
+    const EdWeights& w1 = GATE_UP ? b : a;
     // k-step u: bytes 64 u + 16 t (the 4 lanes of a row: 64 contiguous bytes, whole sectors; lane t
     // taking bytes 64 t .. 64 t + 63 instead read each sector as two halves, 45 % of the sectors in
     // excess by ncu)
@@ -380,8 +374,8 @@ ED_KERNEL expert_decode_down_nvfp4(u16* y, const u16* h, Q_ARGS(d), Q_ARGS(sd), 
 // running, which waits on nothing: no deadlock, whatever order the hardware starts CTAs in. Down
 // units thus run in the gate/up GEMM's last partial wave, and no launch boundary separates the two
 // GEMMs. ED_MOE_BLOCKS: the same order within blocks of block_items items, one block after another
-// (down units of early items then run beside gate/up units of later ones). One unit a CTA (a loop over units would hold its state across both GEMMs' bodies: spills
-// at G = 2).
+// (down units of early items then run beside gate/up units of later ones). One unit a CTA (a loop
+// over units would hold its state across both GEMMs' bodies: spills at G = 2).
 // ED_DOWN_PAIRS: the down units of an item at an even chunk of its expert also take the next item's
 // rows (the same expert's next ED_ROWS rows: the next item of the work list, whose counter sits
 // next to this one's), decoding each down weight once for up to 2 ED_ROWS rows (at 256 tokens the
