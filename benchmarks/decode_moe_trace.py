@@ -31,8 +31,8 @@ PHASES = (("take unit", 0, 1), ("inputs ready", 1, 2), ("stage x", 2, 3), ("roun
 SLICES = 16
 
 
-def trace_once(m: int, config: str, sets: list[dict], seed: int) -> tuple[torch.Tensor, int]:
-    """(trace [CTAs, 8] of the last set's launch, items in its work list)."""
+def trace_once(m: int, config: str, sets: list[dict], seed: int) -> tuple[torch.Tensor, int, int]:
+    """(trace [CTAs, 8] of the last set's launch, items in its work list, gate/up units an item)."""
     torch.manual_seed(seed)
     x = torch.randn(m, HIDDEN, device="cuda").bfloat16()
     ws = moe_routing_workspace(m, EXPERTS, TOP_K, "cuda", hidden_size=HIDDEN, intermediate_size=INTER)
@@ -49,7 +49,7 @@ def trace_once(m: int, config: str, sets: list[dict], seed: int) -> tuple[torch.
                                         out=ws.y_sorted[:routing.sorted_token.numel()], config=config, trace=trace)
     torch.cuda.synchronize()
     items = int(routing.work_args[3].item())
-    return trace.cpu(), items
+    return trace.cpu(), items, expert_decode.moe_units(config, HIDDEN, INTER)[0]
 
 
 def quantiles(values: torch.Tensor) -> str:
@@ -59,16 +59,14 @@ def quantiles(values: torch.Tensor) -> str:
     return f"{v.median():7.2f} {v.quantile(0.9):7.2f} {v.max():7.2f}"
 
 
-def report(m: int, config: str, trace: torch.Tensor, items: int) -> None:
+def report(m: int, config: str, trace: torch.Tensor, items: int, gate_up_per_item: int) -> None:
     took = trace[:, 1] > 0
     t = trace[took]
     t0 = int(t[:, 0].min())
-    gate_up = expert_decode.moe_unit_is_gate_up(t[:, 7], items, config, HIDDEN, INTER)
+    gate_up = t[:, 7] < items * gate_up_per_item
     ran = t[:, 5] > 0                     # down units of an odd pair item exit after taking their unit
     span = int(t[ran, 5].max()) - t0
-    blocks = expert_decode.moe_block_items(config)
-    order = f" (blocks of {blocks} items)" if blocks else ""
-    print(f"\n{m} tokens, {config}{order}: {items} items, {int(gate_up.sum())} gate/up and {int((~gate_up).sum())} down "
+    print(f"\n{m} tokens, {config}: {items} items, {int(gate_up.sum())} gate/up and {int((~gate_up).sum())} down "
           f"units ({int((~gate_up & ~ran).sum())} exiting at once), {int((~took).sum())} CTAs without a unit, "
           f"{len(set(t[:, 6].tolist()))} SMs; kernel span {span / 1e3:.2f} µs")
     print("| phase (µs: median / p90 / max) | gate/up | down |")
@@ -94,11 +92,7 @@ def main() -> int:
     p.add_argument("--config", choices=sorted(grouped_moe.FUSED_DECODE_CONFIGS),
                    help="an expert_decode config with one launch (default: the pick for the tokens)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-items", type=int, default=None,
-                   help="expert_decode.MOE_BLOCK_ITEMS: units in blocks of this many items (0: one block)")
     args = p.parse_args()
-    if args.block_items is not None:
-        expert_decode.MOE_BLOCK_ITEMS = args.block_items
     if not torch.cuda.is_available():
         raise SystemExit("decode_moe_trace: needs a CUDA GPU")
     sets = [moe_set("nvfp4") for _ in range(2)]

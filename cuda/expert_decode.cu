@@ -57,16 +57,6 @@
 #ifndef ED_DOWN_PAIRS
 #define ED_DOWN_PAIRS 0  // 1: the one-launch kernel's down units take two items of an expert at once (below)
 #endif
-#ifndef ED_MOE_BLOCKS
-#define ED_MOE_BLOCKS 0  // 1: the one-launch kernel takes block_items (its units in blocks of items, below)
-#endif
-#if ED_MOE_BLOCKS && !ED_DOWN_PAIRS
-#define ED_BLOCKS_PARAM , int block_items
-#elif ED_MOE_BLOCKS
-#error "ED_MOE_BLOCKS: an item pair (ED_DOWN_PAIRS) could straddle two blocks"
-#else
-#define ED_BLOCKS_PARAM
-#endif
 #ifndef ED_PROBE
 #define ED_PROBE 0  // timing probes, wrong results (benchmarks/bench_grouped.py --decode-probes): 1 leaves out
                     // the NVFP4 decode (code words straight into the MMAs), 2 the weight loads after a warp's
@@ -373,9 +363,8 @@ ED_KERNEL expert_decode_down_nvfp4(u16* y, const u16* h, Q_ARGS(d), Q_ARGS(sd), 
 // CTAs start, not by blockIdx, so every gate/up unit a down unit waits for belongs to a CTA already
 // running, which waits on nothing: no deadlock, whatever order the hardware starts CTAs in. Down
 // units thus run in the gate/up GEMM's last partial wave, and no launch boundary separates the two
-// GEMMs. ED_MOE_BLOCKS: the same order within blocks of block_items items, one block after another
-// (down units of early items then run beside gate/up units of later ones). One unit a CTA (a loop
-// over units would hold its state across both GEMMs' bodies: spills at G = 2).
+// GEMMs. One unit a CTA (a loop over units would hold its state across both GEMMs' bodies: spills
+// at G = 2).
 // ED_DOWN_PAIRS: the down units of an item at an even chunk of its expert also take the next item's
 // rows (the same expert's next ED_ROWS rows: the next item of the work list, whose counter sits
 // next to this one's), decoding each down weight once for up to 2 ED_ROWS rows (at 256 tokens the
@@ -384,7 +373,7 @@ ED_KERNEL expert_decode_down_nvfp4(u16* y, const u16* h, Q_ARGS(d), Q_ARGS(sd), 
 
 ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorted_token, Q_ARGS(g), Q_ARGS(u),
                                   Q_ARGS(sg), Q_ARGS(su), Q_ARGS(d), Q_ARGS(sd), WORK_ARGS, int* queue,
-                                  int I, int H, int E ED_BLOCKS_PARAM ED_TRACE_PARAM) {
+                                  int I, int H, int E ED_TRACE_PARAM) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int unit_s;
   ed_trace_begin(ED_TRACE_ARG);
@@ -395,29 +384,16 @@ ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorte
   const int items = __ldcg(num_work);
   const int gate_up_groups = (I / 8 + ED_WARPS * ED_TILES - 1) / (ED_WARPS * ED_TILES);
   const int down_groups = (H / 16 + ED_WARPS * ED_TILES_DOWN - 1) / (ED_WARPS * ED_TILES_DOWN);
+  const int gate_up_units = items * gate_up_groups;
   if (blockIdx.x >= items * (gate_up_groups + down_groups)) return;  // the grid is sized for the most items
   if (threadIdx.x == 0) unit_s = atomicAdd(queue, 1);  // the CTAs left take units 0, 1, ... as they start
   __syncthreads();
   const int unit = unit_s;
   ed_mark(1);
   ed_record(ED_TRACE_UNIT, unit);
-#if ED_MOE_BLOCKS
-  // Units in blocks of block_items items, each block's gate/up units first, then its down units: a
-  // down unit waits only on gate/up units of its own block, numbered before it.
-  const int per_block = block_items > 0 ? block_items : items;
-  const int block = unit / (per_block * (gate_up_groups + down_groups));
-  const int first_item = block * per_block, block_size = min(per_block, items - first_item);
-  const int in_block = unit - first_item * (gate_up_groups + down_groups);
-  const bool is_gate_up = in_block < block_size * gate_up_groups;
-  const int rel = is_gate_up ? in_block : in_block - block_size * gate_up_groups;
-  const int groups = is_gate_up ? gate_up_groups : down_groups;
-  const int item = first_item + rel / groups, tile_group = rel % groups;
-#else
-  const int gate_up_units = items * gate_up_groups;
   const bool is_gate_up = unit < gate_up_units;
   const int rel = is_gate_up ? unit : unit - gate_up_units, groups = is_gate_up ? gate_up_groups : down_groups;
   const int item = rel / groups, tile_group = rel - item * groups;
-#endif
   const int expert = __ldcg(work_expert + item), row0 = __ldcg(work_row + item);
   const int rows = min(ED_ROWS, __ldcg(offsets + expert + 1) - row0);
   if (is_gate_up) {

@@ -76,35 +76,3 @@ def test_config_by_token_count(monkeypatch):
     assert expert_decode.rows_per_item("g2w8t4p") == 16 and expert_decode.warps("g2w8t4p") == 8
     monkeypatch.setattr(expert_decode, "CONFIG", "g2t4")
     assert expert_decode.pick_config(64) == "g2t4" and expert_decode.rows_per_item("g2t4") == 16
-
-
-@needs_nvrtc
-def test_block_order_build_compiles_and_refuses_item_pairs(private_cache):
-    """ED_MOE_BLOCKS (expert_decode.MOE_BLOCK_ITEMS): the one-launch kernel takes block_items; with
-    ED_DOWN_PAIRS (a pair of items could straddle two blocks) the build is refused."""
-    defines = dict(expert_decode.CONFIGS["g1t2d4"], ED_MOE_BLOCKS=1)
-    assert b"expert_decode_moe_nvfp4" in _runtime.compile_only("expert_decode.cu", defines, arch="sm_90a")
-    with pytest.raises(_runtime.KernelCompileError, match="straddle"):
-        _runtime.compile_only("expert_decode.cu", dict(expert_decode.CONFIGS["g2w8t4p"], ED_MOE_BLOCKS=1),
-                              arch="sm_90a")
-
-
-@pytest.mark.parametrize("block_items", [0, 1, 3, 16, 100])
-@pytest.mark.parametrize("items", [1, 7, 61])
-def test_block_order_of_units(items, block_items, monkeypatch):
-    """Units in queue order: blocks of block_items items, each its gate/up units then its down units
-    (moe_unit_is_gate_up, which decode_moe_trace.py reads traces with), so every down unit comes after
-    all gate/up units of its item and of its block; one block where pairs are taken (g2w8t4p)."""
-    import torch
-
-    monkeypatch.setattr(expert_decode, "MOE_BLOCK_ITEMS", block_items)
-    gate_up, down = expert_decode.moe_units("g1t2d4", 2048, 512)
-    is_gate_up = expert_decode.moe_unit_is_gate_up(torch.arange(items * (gate_up + down)), items, "g1t2d4",
-                                                   2048, 512).tolist()
-    per_block = block_items or items
-    expected = []
-    for first in range(0, items, per_block):
-        size = min(per_block, items - first)
-        expected += [True] * (size * gate_up) + [False] * (size * down)
-    assert is_gate_up == expected
-    assert expert_decode.moe_block_items("g2w8t4p") == 0

@@ -95,33 +95,9 @@ def rows_per_item(config: str) -> int:
 TRACE_SLOTS = 8   # cuda/expert_decode_trace.cuh ED_TRACE_SLOTS: u64 a CTA of expert_decode_moe's trace
 
 
-# expert_decode_moe's units in blocks of this many items (each block's gate/up units, then its down
-# units; cuda/expert_decode.cu ED_MOE_BLOCKS), so that down units of early items run beside the
-# gate/up units of later ones instead of after all of them (at 16 tokens the down phase ran ~13 µs
-# nearly alone at ~2.3 TB/s: RESULTS.md, session 21). 0: one block (the default build). Configs
-# with ED_DOWN_PAIRS keep one block. Prepared in session 22, not measured yet.
-MOE_BLOCK_ITEMS = 0
-
-
 @functools.cache
-def _kernel(name: str, config: str, trace: bool = False, blocks: bool = False) -> Kernel:
-    extra = {**({"ED_TRACE": 1} if trace else {}), **({"ED_MOE_BLOCKS": 1} if blocks else {})}
-    return compile_kernel("expert_decode.cu", name, {**CONFIGS[config], **extra})
-
-
-def moe_block_items(config: str) -> int:
-    """The items of a block of expert_decode_moe's units under `config` (0: one block of all)."""
-    return 0 if CONFIGS[config].get("ED_DOWN_PAIRS") else max(0, MOE_BLOCK_ITEMS)
-
-
-def moe_unit_is_gate_up(units: torch.Tensor, items: int, config: str, hidden: int, inter: int) -> torch.Tensor:
-    """Which of expert_decode_moe's units (queue order) are gate/up ones: as the kernel numbers them,
-    in blocks of moe_block_items(config) items."""
-    gate_up, down = moe_units(config, hidden, inter)
-    per_block = moe_block_items(config) or max(items, 1)
-    first_item = units // (per_block * (gate_up + down)) * per_block
-    block_size = torch.clamp(items - first_item, max=per_block)
-    return units - first_item * (gate_up + down) < block_size * gate_up
+def _kernel(name: str, config: str, trace: bool = False) -> Kernel:
+    return compile_kernel("expert_decode.cu", name, {**CONFIGS[config], **({"ED_TRACE": 1} if trace else {})})
 
 
 def x_row_bytes(k: int) -> int:
@@ -251,12 +227,11 @@ def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weigh
     ctas = moe_grid_ctas(routing.max_items, config, k, i)
     if trace is not None:
         check_tensor(trace, "trace", torch.int64, (ctas, TRACE_SLOTS), x.device, 8)
-    block_items = moe_block_items(config)
-    _kernel("expert_decode_moe_nvfp4", config, trace is not None, block_items > 0).launch(
+    _kernel("expert_decode_moe_nvfp4", config, trace is not None).launch(
         (ctas,), (32 * warps(config),),
         [y, h_out, x, routing.sorted_token, *moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device),
          *expert_args(down, shared_down, ("down", "shared_down"), n, i, e, x.device), *routing.work_args, queue,
-         I32(i), I32(k), I32(e), *([I32(block_items)] if block_items else []), *([] if trace is None else [trace])],
+         I32(i), I32(k), I32(e), *([] if trace is None else [trace])],
         shared_bytes=moe_shared_bytes(config, k, i), pdl=pdl, device=x.device.index)
     return y
 

@@ -230,19 +230,6 @@ def test_every_decode_gemm_config(flint_nvfp4_moe, config, tokens, launches, mon
     check_moe("nvfp4", flint_nvfp4_moe, FLINT, tokens, f"decode {config}, {launches} launches", gemms="decode")
 
 
-@pytest.mark.parametrize("block_items", [1, 5, 16])
-@pytest.mark.parametrize("config,tokens", [("g1t2d4", 16), ("g1t2d4", 100), ("g2w8t4p", 100)])
-def test_decode_moe_in_blocks_of_items(flint_nvfp4_moe, config, tokens, block_items, monkeypatch):
-    """expert_decode_moe's units in blocks of items (expert_decode.MOE_BLOCK_ITEMS; g2w8t4p, whose down
-    units take item pairs, keeps one block) against the per-expert loop, every unit taken once."""
-    monkeypatch.setattr(expert_decode, "CONFIG", config)
-    monkeypatch.setattr(expert_decode, "MOE_BLOCK_ITEMS", block_items)
-    ws = check_moe("nvfp4", flint_nvfp4_moe, FLINT, tokens, f"decode {config}, blocks of {block_items}", gemms="decode")
-    items = int(ws.num_work.item())
-    units = items * sum(expert_decode.moe_units(config, FLINT["hidden"], FLINT["inter"]))
-    assert int(ws.queue[0].item()) == units, "every unit taken once"
-
-
 @pytest.mark.parametrize("gemms,tokens", [("decode", 100), ("decode", 256), ("tiled", 600), (None, 40)])
 def test_moe_grouped_work_list_in_expert_order(flint_moe, gemms, tokens, monkeypatch):
     """The work list in expert order (grouped_moe.HEAVY_FIRST off; on by default) gives the same
