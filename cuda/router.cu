@@ -1,10 +1,9 @@
-// Sigmoid top-k router for T <= 8 tokens (router_topk_cluster16: T <= 16), matching `route()` in model/reference.py:
+// Sigmoid top-k router for T <= 8 tokens, matching `route()` in model/reference.py:
 //   logits = x . gate^T (fp32 sums), scores = sigmoid(logits), chosen = top-A of (scores + bias),
 //   weights = scores[chosen] / sum(scores[chosen]) * scaling; ids and weights in descending order
 //   of score + bias (ties: lower expert id).
 //
-// router_topk_cluster (E <= 256, weights fit in shared memory; router_topk_cluster16 the same with
-// tokens 8-15 a second mma column group, for the grouped path's 9-16): one cluster of 8 CTAs, each owning
+// router_topk_cluster (E <= 256, weights fit in shared memory): one cluster of 8 CTAs, each owning
 // E/8 experts. Before waiting on the previous kernel each CTA bulk-copies its gate rows into
 // shared memory; after it, x goes to shared memory, the logits come from mma.sync, and each CTA
 // writes its sigmoid scores into CTA 0's shared memory (distributed shared memory); one cluster
@@ -87,14 +86,12 @@ __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
 // Dynamic shared memory, rows `pitch` = 2K + 16 bytes apart (the pad puts the 8 rows of every
 // ldmatrix, and the 8 token rows of the B fragments, in distinct banks):
 //   gate rows [tiles * 16][pitch] | x [T][pitch] | scores [T][E] fp32 (CTA 0's are the ones used) | bias [E]
-// G 8-token groups (T <= 8 G): tokens 8 grp + g are the mma columns of group grp, every group fed by
-// the same gate fragments.
-template <int G>
-__device__ __forceinline__ void router_cluster(int* ids, float* weights, const u16* x, const u16* gate,
-                                               const float* bias, int T, int E, int K, int A, float scaling) {
+extern "C" __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32)
+router_topk_cluster(int* ids, float* weights, const u16* x, const u16* gate, const float* bias, int T, int E,
+                    int K, int A, float scaling) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ u64 bar;
-  __shared__ float red[G][RC_WARPS * 4 * 32];
+  __shared__ float red[RC_WARPS * 4 * 32];
   pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const u32 rank = cluster_ctarank();
@@ -131,66 +128,38 @@ __device__ __forceinline__ void router_cluster(int* ids, float* weights, const u
   __syncthreads();
   mbarrier_wait_parity(bar_addr, 0);
 
-  // Warp -> (tile, k range); D[16 rows][8 tokens] += W . x^T on tensor cores, per group.
+  // Warp -> (tile, k range); D[16 rows][8 tokens] += W . x^T on tensor cores.
   const int warps_per_tile = RC_WARPS / tiles, tile = warp / warps_per_tile, split = warp - tile * warps_per_tile;
   const int steps = K / 16, s_begin = split * steps / warps_per_tile, s_end = (split + 1) * steps / warps_per_tile;
   const int a_row = tile * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, a_k = (lane >> 4) * 8;
   const u32 a_base = smem_addr(w_smem + a_row * pitch + a_k * 2);
-  u32 b_base[G];
-  bool has_token[G];
-#pragma unroll
-  for (int grp = 0; grp < G; ++grp) {
-    b_base[grp] = smem_addr(x_smem + (grp * 8 + g) * pitch + 4 * t);
-    has_token[grp] = grp * 8 + g < T;
-  }
-  float acc[G][4];
-#pragma unroll
-  for (int grp = 0; grp < G; ++grp) acc[grp][0] = acc[grp][1] = acc[grp][2] = acc[grp][3] = 0.0f;
+  const u32 b_base = smem_addr(x_smem + g * pitch + 4 * t);
+  const bool has_token = g < T;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int s = s_begin; s < s_end; ++s) {
     u32 a[4];
     ldmatrix_x4(a, a_base + 32 * s);
-#pragma unroll
-    for (int grp = 0; grp < G; ++grp) {
-      const u32 b0 = has_token[grp] ? ld_shared_u32(b_base[grp] + 32 * s) : 0u;
-      const u32 b1 = has_token[grp] ? ld_shared_u32(b_base[grp] + 32 * s + 16) : 0u;
-      mma_bf16_16x8x16(acc[grp], a[0], a[1], a[2], a[3], b0, b1);
-    }
+    const u32 b0 = has_token ? ld_shared_u32(b_base + 32 * s) : 0u;
+    const u32 b1 = has_token ? ld_shared_u32(b_base + 32 * s + 16) : 0u;
+    mma_bf16_16x8x16(acc, a[0], a[1], a[2], a[3], b0, b1);
   }
 #pragma unroll
-  for (int grp = 0; grp < G; ++grp)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) red[grp][(warp * 4 + i) * 32 + lane] = acc[grp][i];
+  for (int i = 0; i < 4; ++i) red[(warp * 4 + i) * 32 + lane] = acc[i];
   __syncthreads();
 
-  // Thread -> (row r of this CTA, token b of each group): sum the tile's warps in order, sigmoid,
-  // into CTA 0.
+  // Thread -> (row r of this CTA, token b): sum the tile's warps in order, sigmoid, into CTA 0.
   cluster_wait_acquire();
   const int r = threadIdx.x >> 3, b = threadIdx.x & 7;
-#pragma unroll
-  for (int grp = 0; grp < G; ++grp)
-    if (r < n_rows && grp * 8 + b < T) {
-      const int rt = r & 15, first = (r >> 4) * warps_per_tile;
-      const int src_lane = (rt & 7) * 4 + (b >> 1), i = ((rt >> 3) << 1) | (b & 1);
-      float logit = 0.0f;
-      for (int w = first; w < first + warps_per_tile; ++w) logit += red[grp][(w * 4 + i) * 32 + src_lane];
-      st_cluster_f32(cluster_map(smem_addr(scores + (grp * 8 + b) * E + e0 + r), 0), 1.0f / (1.0f + expf(-logit)));
-    }
+  if (r < n_rows && b < T) {
+    const int rt = r & 15, first = (r >> 4) * warps_per_tile;
+    const int src_lane = (rt & 7) * 4 + (b >> 1), i = ((rt >> 3) << 1) | (b & 1);
+    float logit = 0.0f;
+    for (int w = first; w < first + warps_per_tile; ++w) logit += red[(w * 4 + i) * 32 + src_lane];
+    st_cluster_f32(cluster_map(smem_addr(scores + b * E + e0 + r), 0), 1.0f / (1.0f + expf(-logit)));
+  }
   cluster_arrive_release();
   cluster_wait_acquire();
   if (rank != 0) return;
   for (int tok = warp; tok < T; tok += RC_WARPS)
     router_select(ids + tok * A, weights + tok * A, scores + tok * E, bias_smem, E, A, scaling);
-}
-
-extern "C" __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32)
-router_topk_cluster(int* ids, float* weights, const u16* x, const u16* gate, const float* bias, int T, int E,
-                    int K, int A, float scaling) {
-  router_cluster<1>(ids, weights, x, gate, bias, T, E, K, A, scaling);
-}
-
-// 9-16 tokens (the grouped path's smallest steps): two groups
-extern "C" __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32)
-router_topk_cluster16(int* ids, float* weights, const u16* x, const u16* gate, const float* bias, int T, int E,
-                      int K, int A, float scaling) {
-  router_cluster<2>(ids, weights, x, gate, bias, T, E, K, A, scaling);
 }

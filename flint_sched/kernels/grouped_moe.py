@@ -32,8 +32,6 @@ from flint_sched.kernels.grouped import (CHUNKS, TILE_ROWS, TILES_PER_CTA, WARPS
                                          grouped_linear, moe_chunk, out_buffer, work_bound)
 from flint_sched.kernels.linear import (Weight, cdiv, check_tensor, expert_args, linear, moe_gate_up_args,
                                         weight_format)
-from flint_sched.kernels.moe import CLUSTER_MAX_TOKENS, cluster_router_bytes
-from flint_sched.kernels.moe import route as cluster_route
 from flint_sched.kernels.norm import MAX_HIDDEN, norm_threads
 
 ROUTING_THREADS = 512       # cuda/moe_routing.cu ROUTING_WARPS * 32
@@ -139,16 +137,12 @@ class Routing:
 
 def route_and_sort(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
                    workspace: MoeRoutingWorkspace, num_tokens: torch.Tensor | None = None, pdl: bool = False,
-                   chunk: int | None = None, fused: bool = True, heavy_first: bool | None = None,
-                   topk: bool = True) -> Routing:
+                   chunk: int | None = None, fused: bool = True, heavy_first: bool | None = None) -> Routing:
     """Sigmoid top-k of fp32 logits [M, E] (as route() in model/reference.py), then the counting sort
     by expert; fused: one launch (the last CTA sorts), else moe_topk + moe_sort. heavy_first (None:
-    HEAVY_FIRST): the work list holds the items of experts with more than chunk / 2 rows first.
-    topk False: the ids are in the workspace already (moe.route's cluster router wrote them): the
-    sort only (moe_sort; logits only give the shapes)."""
+    HEAVY_FIRST): the work list holds the items of experts with more than chunk / 2 rows first."""
     heavy = HEAVY_FIRST if heavy_first is None else heavy_first
-    return _route(logits, bias, top_k, scaling, workspace, num_tokens, pdl, chunk, fused and topk, heavy, 0,
-                  topk)[0]
+    return _route(logits, bias, top_k, scaling, workspace, num_tokens, pdl, chunk, fused, heavy, 0)[0]
 
 
 def route_and_split(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
@@ -175,7 +169,7 @@ def split_bounds(num_tokens: int, top_k: int, num_experts: int, chunk: int, spli
     return small, tiled
 
 
-def _route(logits, bias, top_k, scaling, ws, num_tokens, pdl, chunk, fused, heavy_first, split, topk=True):
+def _route(logits, bias, top_k, scaling, ws, num_tokens, pdl, chunk, fused, heavy_first, split):
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError("logits must be fp32 [tokens, experts]")
     m, e = logits.shape
@@ -210,11 +204,10 @@ def _route(logits, bias, top_k, scaling, ws, num_tokens, pdl, chunk, fused, heav
             [r.ids, r.weights, *sort_args, ws.ticket, logits, bias, num_tokens, I32(m), I32(e), I32(top_k),
              F32(scaling), *list_args], shared_bytes=shared, pdl=pdl, device=dev)
     else:
-        if topk:
-            routing_kernel("moe_topk", e).launch(
-                (cdiv(m, ROUTING_WARPS),), (ROUTING_THREADS,),
-                [r.ids, r.weights, logits, bias, num_tokens, I32(m), I32(e), I32(top_k), F32(scaling)],
-                pdl=pdl, device=dev)
+        routing_kernel("moe_topk", e).launch(
+            (cdiv(m, ROUTING_WARPS),), (ROUTING_THREADS,),
+            [r.ids, r.weights, logits, bias, num_tokens, I32(m), I32(e), I32(top_k), F32(scaling)],
+            pdl=pdl, device=dev)
         routing_kernel("moe_sort", e).launch(
             (1,), (ROUTING_THREADS,), [*sort_args, r.ids, num_tokens, I32(m), I32(e), I32(top_k), *list_args],
             shared_bytes=shared, pdl=pdl, device=dev)
@@ -321,12 +314,6 @@ EXPERT_GEMM_MIN_TOKENS = {"bf16": 256, "nvfp4": 512}
 # 4 warps (ROUTER_GEMV_WARPS) 5.8 against 5.0 (session 16).
 ROUTER_GEMV_MAX_ROWS = 0
 ROUTER_GEMV_WARPS = 4
-# Up to this many tokens (decode GEMMs only) the router's logits and top-k come from the fused
-# path's cluster router (cuda/router.cu router_topk_cluster16: gate rows in shared memory before
-# the PDL wait, scores exchanged in distributed shared memory), then moe_sort alone: instead of
-# cuBLAS (5.4 µs, no PDL) + moe_route (8.4 µs) at 16 tokens (critical_path --timeline, RESULTS.md
-# session 22). 0: off; prepared, not measured yet.
-ROUTER_CLUSTER_MAX_ROWS = 0
 # The decode configs (expert_decode.pick_config) whose gate/up and down GEMMs run as one launch
 # (expert_decode.expert_decode_moe: down units fill the gate/up GEMM's last partial wave and start as
 # their item's gate/up units finish). Full model, NVFP4, 1K context, ms a step two launches / one
@@ -383,18 +370,12 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
                          "moe_routing_workspace(..., hidden_size=, intermediate_size=)")
     check_tensor(router_gate, "router_gate", torch.bfloat16, (ws.num_experts, hidden), x.device)
     pairs = m * (top_k + 1)
-    h_out, y_out = ws.h_sorted[:pairs], ws.y_sorted[:pairs]
-    path = expert_gemms(m, weight_format(gate), hidden, inter, gemms)
-    clustered = (path == "decode" and m <= min(ROUTER_CLUSTER_MAX_ROWS, CLUSTER_MAX_TOKENS)
-                 and cluster_router_bytes(ws.num_experts, hidden, m) is not None)
-    if clustered:   # ids and weights straight into the workspace; the logits only give shapes below
-        cluster_route(x, router_gate, bias, top_k, scaling, ids=ws.ids[:m], weights=ws.weights[:m], pdl=pdl,
-                      cluster=True)
-        logits = ws.logits[:m]
-    elif m <= ROUTER_GEMV_MAX_ROWS:
+    if m <= ROUTER_GEMV_MAX_ROWS:
         logits = linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl, warps=ROUTER_GEMV_WARPS)
     else:
         logits = grouped_linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl)
+    path = expert_gemms(m, weight_format(gate), hidden, inter, gemms)
+    h_out, y_out = ws.h_sorted[:pairs], ws.y_sorted[:pairs]
     if path == "hybrid":   # the tiled GEMMs over the heavy experts first, the decode GEMMs then write the rest
         config = expert_decode.pick_config(m)
         routing, tiled = route_and_split(logits, bias, top_k, scaling, ws, expert_decode.rows_per_item(config),
@@ -410,7 +391,7 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
     elif path == "decode":
         config = expert_decode.pick_config(m)
         routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl,
-                                 chunk=expert_decode.rows_per_item(config), topk=not clustered)
+                                 chunk=expert_decode.rows_per_item(config))
         y = _decode_gemms(x, routing, ws.queue, config, gate, up, shared_gate, shared_up, down, shared_down,
                           h_out, y_out, pdl)
     else:

@@ -26,8 +26,7 @@ MAX_EXPERTS = 1024        # router: 32 experts per lane
 MAX_ROUTER_SPLITS = 8
 ROUTER_THREADS = 256
 CLUSTER_CTAS = 8                   # cuda/router.cu RC_CTAS: the cluster router's one cluster
-CLUSTER_MAX_SHARED = 216 * 1024    # its dynamic shared memory at most (the H200 allows 227 KiB with the static)
-CLUSTER_MAX_TOKENS = 16            # router_topk_cluster16: two 8-token groups (the grouped path's 9-16)
+CLUSTER_MAX_SHARED = 200 * 1024    # its dynamic shared memory at most (the H200 allows 227 KiB)
 # route(cluster=None) takes the cluster router wherever it fits; False: the ticket router always
 # (an A/B switch for benchmarks/ab_decode.py: the cluster launch left the GPU idle around it when it
 # also sorted, at 9-16 rows, RESULTS.md session 14; here it won at batch 1 and 8 in session 3).
@@ -67,10 +66,9 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
     """(expert ids int32 [T, A], weights fp32 [T, A]) as `route()` in model/reference.py.
 
     cluster: use the one-cluster kernel (gate in shared memory, no workspace); None: whenever it
-    fits (`cluster_router_bytes`) and CLUSTER_ROUTER is set, as for Flint's 256 x 2048 gate. 9 to
-    CLUSTER_MAX_TOKENS tokens take the cluster kernel only.
+    fits (`cluster_router_bytes`) and CLUSTER_ROUTER is set, as for Flint's 256 x 2048 gate.
     """
-    check_activations(x, max_tokens=MAX_TOKENS if cluster is False else CLUSTER_MAX_TOKENS)
+    check_activations(x)
     t, k = x.shape
     e = gate.shape[0]
     if not 1 <= top_k <= min(e, 32):
@@ -90,15 +88,11 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
         if shared is None:
             raise ValueError(f"the cluster router needs <= {8 * 32} experts, hidden % 16 == 0 and its gate in "
                              f"{CLUSTER_MAX_SHARED} bytes of shared memory; got {e} x {k}")
-        name = "router_topk_cluster" if t <= MAX_TOKENS else "router_topk_cluster16"
-        _kernel("router.cu", name, (("ROUTER_MAX_EXPERTS", 256),)).launch(
+        _kernel("router.cu", "router_topk_cluster", (("ROUTER_MAX_EXPERTS", 256),)).launch(
             (CLUSTER_CTAS,), (ROUTER_THREADS,),
             [ids, weights, x, gate, bias, I32(t), I32(e), I32(k), I32(top_k), F32(scaling)],
             shared_bytes=shared, pdl=pdl, device=x.device.index)
         return ids, weights
-    if t > MAX_TOKENS:
-        raise ValueError(f"x has {t} tokens: past {MAX_TOKENS} only the cluster router takes them, which needs "
-                         f"<= {8 * 32} experts, hidden % 16 == 0 and CLUSTER_ROUTER; got {e} x {k}")
     if workspace is None:
         workspace = router_workspace(e, x.device, t)
     tiles = cdiv(e, 16)

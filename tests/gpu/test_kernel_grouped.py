@@ -208,15 +208,6 @@ def test_moe_grouped_nvfp4_decode_and_swap_ab_gemms(flint_nvfp4_moe, gemms, toke
     check_moe("nvfp4", flint_nvfp4_moe, FLINT, tokens, gemms, ntok=ntok, gemms=gemms)
 
 
-@pytest.mark.parametrize("tokens,ntok", [(9, 9), (16, 16), (16, 11), (12, 1)])
-def test_moe_grouped_cluster_router(flint_nvfp4_moe, tokens, ntok, monkeypatch):
-    """Up to ROUTER_CLUSTER_MAX_ROWS tokens the cluster router's ids and weights, then moe_sort alone
-    (padded rows past ntok keep the residual)."""
-    monkeypatch.setattr(grouped_moe, "ROUTER_CLUSTER_MAX_ROWS", 16)
-    ws = check_moe("nvfp4", flint_nvfp4_moe, FLINT, tokens, "cluster router", ntok=ntok)
-    assert int(ws.num_work.item()) > 0
-
-
 @pytest.mark.parametrize("launches", [1, 2])
 @pytest.mark.parametrize("tokens", [100, 600])
 @pytest.mark.parametrize("config", sorted(expert_decode.CONFIGS))
@@ -338,13 +329,6 @@ def test_moe_grouped_cuda_graph_with_pdl(small_moe, tokens, partial, router_gemv
     """Captured with PDL and a device token count; replayed on new inputs it equals eager runs
     (the router's logits on the GEMV up to router_gemv tokens)."""
     monkeypatch.setattr(grouped_moe, "ROUTER_GEMV_MAX_ROWS", router_gemv)
-    check_graph_replay(small_moe[1], SMALL, tokens=tokens, partial=partial)
-
-
-@pytest.mark.parametrize("tokens,partial", [(12, 5), (16, 16)])
-def test_moe_grouped_cuda_graph_cluster_router(small_moe, tokens, partial, monkeypatch):
-    """The same with the cluster router and moe_sort (NVFP4: the decode GEMMs' path)."""
-    monkeypatch.setattr(grouped_moe, "ROUTER_CLUSTER_MAX_ROWS", 16)
     check_graph_replay(small_moe[1], SMALL, tokens=tokens, partial=partial)
 
 

@@ -116,20 +116,15 @@ def check_router(x, gate, bias, top_k, ids, weights, what):
 
 @pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "ticket"])
 @pytest.mark.parametrize("shape", [REAL, TINY, ODD], ids=["real", "tiny", "odd"])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_router_matches_reference(tokens, shape, cluster):
-    """Both router kernels: the one-cluster one (gate in shared memory; 9-16 tokens in two groups)
-    and the ticket one (8 tokens at most)."""
+    """Both router kernels: the one-cluster one (gate in shared memory) and the ticket one."""
     e, k = shape["experts"], shape["hidden"]
     g = gen(tokens)
     x = torch.randn(tokens, k, device="cuda", generator=g).bfloat16()
     gate = (torch.randn(e, k, device="cuda", generator=g) / k**0.5).bfloat16()
     bias = 0.1 * torch.randn(e, device="cuda", generator=g)
     workspace = router_workspace(e, "cuda")
-    if tokens > 8 and not cluster:
-        with pytest.raises(ValueError, match="tokens"):
-            route(x, gate, bias, shape["top_k"], SCALING, workspace=workspace, cluster=cluster)
-        return
     ids = torch.full((tokens, shape["top_k"]), -1, dtype=torch.int32, device="cuda")
     weights = torch.full((tokens, shape["top_k"]), float("nan"), device="cuda")
     route(x, gate, bias, shape["top_k"], SCALING, ids=ids, weights=weights, workspace=workspace, cluster=cluster)
