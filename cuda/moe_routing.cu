@@ -1,7 +1,8 @@
 // Routing metadata of the grouped MoE path (any number of tokens M), all on the GPU:
 //
-//   moe_topk:  logits fp32 [M, E] -> ids int32 [M, A], weights fp32 [M, A] (one warp per token,
-//              router.cu's sigmoid and selection; tokens t >= num_tokens are skipped)
+//   moe_topk:  logits fp32 [parts, M, E] (split-K partial products, summed in order) -> ids int32
+//              [M, A], weights fp32 [M, A] (one warp per token, router.cu's sigmoid and selection;
+//              tokens t >= num_tokens are skipped)
 //   moe_sort:  one CTA; (token, slot) pairs p = t * (A + 1) + a, slot A = the shared expert
 //              (id E), counting-sorted by expert, stable (pair order within an expert):
 //
@@ -31,21 +32,32 @@
 #define ROUTING_WARPS 16  // kernels/grouped_moe.py ROUTING_THREADS / 32
 #define MAX_TOP_K 32      // kernels/grouped_moe.py MAX_TOP_K
 #define STAGED_IDS 2048   // kernels/grouped_moe.py STAGED_IDS: moe_route's last CTA stages this many ids
+#define MAX_LOGIT_PARTS 8 // kernels/grouped_moe.py MAX_LOGIT_PARTS: split-K parts of the router logits
 
 __device__ __forceinline__ int num_real(const int* num_tokens, int M) {
   return num_tokens ? min(M, *num_tokens) : M;
 }
 
 // Warp `warp` of this CTA: token blockIdx.x * ROUTING_WARPS + warp; bias: lane_values of the
-// bias; ids_copy: [ROUTING_WARPS][A] of this CTA's tokens, or null.
-__device__ __forceinline__ void topk_tokens(int* ids, float* weights, const float* logits,
+// bias; ids_copy: [ROUTING_WARPS][A] of this CTA's tokens, or null. The logits are the sum of
+// `parts` split-K partial products [parts][M][E] (1 <= parts <= MAX_LOGIT_PARTS), added in order.
+__device__ __forceinline__ void topk_tokens(int* ids, float* weights, const float* logits, int parts, int M,
                                             const float (&bias)[ROUTER_PER_LANE], int ntok, int E, int A,
                                             float scaling, int* ids_copy) {
   const int warp = threadIdx.x >> 5;
   const int t = blockIdx.x * ROUTING_WARPS + warp;
   if (t >= ntok) return;
-  float s[ROUTER_PER_LANE];
+  float s[ROUTER_PER_LANE], part[MAX_LOGIT_PARTS - 1][ROUTER_PER_LANE];
   lane_values(s, logits + (size_t)t * E, E);
+#pragma unroll
+  for (int q = 1; q < MAX_LOGIT_PARTS; ++q)  // every part's loads in flight before the first add
+    if (q < parts) lane_values(part[q - 1], logits + ((size_t)q * M + t) * E, E);
+#pragma unroll
+  for (int q = 1; q < MAX_LOGIT_PARTS; ++q)
+    if (q < parts) {
+#pragma unroll
+      for (int i = 0; i < ROUTER_PER_LANE; ++i) s[i] += part[q - 1][i];
+    }
 #pragma unroll
   for (int i = 0; i < ROUTER_PER_LANE; ++i) s[i] = 1.0f / (1.0f + expf(-s[i]));
   router_select(ids + t * A, weights + t * A, s, bias, E, A, scaling, ids_copy ? ids_copy + warp * A : nullptr);
@@ -196,13 +208,13 @@ __device__ __forceinline__ Sorted sorted_of(int* queue, int* offsets, int* sorte
 // moe_sort and moe_route: dynamic shared memory of the sort's size (kernels/grouped_moe.py
 // routing_shared_bytes); moe_topk takes none.
 extern "C" __global__ void __launch_bounds__(ROUTING_WARPS * 32)
-moe_topk(int* ids, float* weights, const float* logits, const float* bias,
+moe_topk(int* ids, float* weights, const float* logits, int parts, const float* bias,
          const int* num_tokens, int M, int E, int A, float scaling) {
   float b[ROUTER_PER_LANE];
   lane_values(b, bias, E);  // a weight: before the wait
   pdl_launch_dependents();
   pdl_wait();
-  topk_tokens(ids, weights, logits, b, num_real(num_tokens, M), E, A, scaling, nullptr);
+  topk_tokens(ids, weights, logits, parts, M, b, num_real(num_tokens, M), E, A, scaling, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(ROUTING_WARPS * 32)
@@ -220,7 +232,7 @@ moe_sort(int* queue, int* offsets, int* sorted_token, int* pair_row, int* work_e
 extern "C" __global__ void __launch_bounds__(ROUTING_WARPS * 32, 1)
 moe_route(int* ids, float* weights, int* queue, int* offsets, int* sorted_token, int* pair_row,
           int* work_expert, int* work_row, int* num_work, int* work2_expert, int* work2_row, int* num_work2,
-          u32* ticket, const float* logits, const float* bias, const int* num_tokens, int M, int E, int A,
+          u32* ticket, const float* logits, int parts, const float* bias, const int* num_tokens, int M, int E, int A,
           float scaling, int chunk, int heavy_first, int split, int big_chunk) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int ids_s[ROUTING_WARPS * MAX_TOP_K];  // one CTA: the ids the sort reads
@@ -233,7 +245,7 @@ moe_route(int* ids, float* weights, int* queue, int* offsets, int* sorted_token,
   const Sorted sorted = sorted_of(queue, offsets, sorted_token, pair_row, work_expert, work_row, num_work,
                                   work2_expert, work2_row, num_work2);
   const bool one_cta = gridDim.x == 1;  // <= ROUTING_WARPS tokens: no ticket, ids stay in shared memory
-  topk_tokens(ids, weights, logits, b, ntok, E, A, scaling, one_cta ? ids_s : nullptr);
+  topk_tokens(ids, weights, logits, parts, M, b, ntok, E, A, scaling, one_cta ? ids_s : nullptr);
   __syncthreads();
   if (one_cta) return sort_pairs<true>(sorted, ids_s, ntok, M, A, E, chunk, heavy_first, split, big_chunk, smem);
   // Last-block pattern (router.cu): barrier, fence, ticket; the last CTA fences before reading.

@@ -18,7 +18,7 @@ from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
 from flint_sched.kernels.hardware import sm_count
 from flint_sched.kernels.linear import (Weight, cdiv, check_row_splits, check_tensor, gate_up_args, weight_args,
                                         weight_format)
-from flint_sched.kernels.norm import add_rms_norm_f32, rms_norm
+from flint_sched.kernels.norm import MAX_PARTS as MAX_NORM_PARTS, add_rms_norm_f32, rms_norm
 
 CHUNKS = (8, 16, 64)       # rows per item (cuda/grouped_gemm.cu GROUPED_CHUNK)
 # Rows per item of the MoE GEMMs for decode-sized steps (<= 16 rows per touched expert on
@@ -168,9 +168,39 @@ def mm_out_fp32_supported(device: torch.device) -> bool:
         return False
 
 
+@functools.cache
+def bmm_out_fp32_supported(device: torch.device) -> bool:
+    """Whether torch.bmm takes out_dtype=torch.float32 for bf16 inputs here (CUDA, torch >= 2.8)."""
+    try:
+        a = torch.zeros(2, 16, 16, dtype=torch.bfloat16, device=device)
+        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
 def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w^T with fp32 sums and an fp32 result (cuBLAS), so that an epilogue rounds once."""
     return torch.mm(x, w.t(), out_dtype=torch.float32)
+
+
+# GEMMs with the next RMSNorm in their epilogue (o_proj; the dense MLP's down projection) of up to
+# NORM_SPLIT_MAX_ROWS rows run as NORM_SPLIT_K split-K parts on cuBLAS (one batched GEMM over K / S
+# slices, fp32 out), which add_rms_norm_f32 adds: o_proj (2048 x 4096) alone at 17-64 rows took
+# 9.8-10.0 µs as one GEMM (cuBLAS fills few CTAs at N = 2048), 6.8-7.3 in 4 parts; at 128 rows
+# 9.8 -> 7.6, at 256 10.7 -> 9.9 (H200, CUDA graph; RESULTS.md, session 23).
+NORM_SPLIT_K = 4
+NORM_SPLIT_MAX_ROWS = 128
+
+
+def _mm_f32_parts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """_mm_f32 as [S, M, N] split-K parts where NORM_SPLIT_K / NORM_SPLIT_MAX_ROWS say, else [M, N]."""
+    m, k = x.shape
+    s = NORM_SPLIT_K
+    if not (1 < s <= MAX_NORM_PARTS and m <= NORM_SPLIT_MAX_ROWS and k % (8 * s) == 0 and x.is_contiguous()
+            and w.is_contiguous() and bmm_out_fp32_supported(x.device)):
+        return _mm_f32(x, w)
+    return torch.bmm(x.view(m, s, k // s).transpose(0, 1), w.t().view(s, k // s, w.shape[0]),
+                     out_dtype=torch.float32)
 
 
 def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
@@ -207,7 +237,8 @@ def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | Non
             return torch.mm(x, w.t(), out=y) if out_dtype == torch.bfloat16 else \
                 torch.mm(x, w.t(), out_dtype=torch.float32, out=y)
         if norm_weight is not None:
-            add_rms_norm_f32(_mm_f32(x, w), residual, norm_weight, norm_eps, out=norm_out, residual_out=y, pdl=pdl)
+            add_rms_norm_f32(_mm_f32_parts(x, w), residual, norm_weight, norm_eps, out=norm_out, residual_out=y,
+                             pdl=pdl)
             return y
         return torch.add(_mm_f32(x, w), residual, out=y)      # fp32 sum, one rounding, one kernel
     splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []

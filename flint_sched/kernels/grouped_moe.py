@@ -2,7 +2,7 @@
 EXPERT_GEMM_MIN_TOKENS on, the tiled expert GEMMs of cuda/expert_gemm.cu), five launches (four where
 the decode GEMMs run gate/up and down as one, FUSED_DECODE_CONFIGS):
 
-    logits [M, E] fp32 = x @ router_gate^T                         linear (GEMV) / grouped_linear
+    logits [M, E] fp32 = x @ router_gate^T                         router_logits (split-K: [S, M, E] parts)
     ids, weights, sorted rows, work list                           route_and_sort (one launch)
     h_sorted [P, I]  = silu(x[tok] @ Wg_e^T) * (x[tok] @ Wu_e^T)   moe_gate_up_sorted
     y_sorted [P, H]  = h_sorted @ Wd_e^T                           moe_down_sorted
@@ -28,8 +28,9 @@ import torch
 
 from flint_sched.kernels import expert_decode, expert_gemm
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
-from flint_sched.kernels.grouped import (CHUNKS, TILE_ROWS, TILES_PER_CTA, WARPS, check_rows, gemm_kernel, grid,
-                                         grouped_linear, moe_chunk, out_buffer, work_bound)
+from flint_sched.kernels.grouped import (CHUNKS, TILE_ROWS, TILES_PER_CTA, WARPS, bmm_out_fp32_supported,
+                                         check_rows, gemm_kernel, grid, grouped_linear, moe_chunk, out_buffer,
+                                         work_bound)
 from flint_sched.kernels.linear import (Weight, cdiv, check_tensor, expert_args, linear, moe_gate_up_args,
                                         weight_format)
 from flint_sched.kernels.norm import MAX_HIDDEN, norm_threads
@@ -39,6 +40,7 @@ ROUTING_WARPS = ROUTING_THREADS // 32
 MAX_EXPERTS = 1024          # router_select: 32 experts per lane
 MAX_TOP_K = 32
 STAGED_IDS = 2048           # cuda/moe_routing.cu: ids moe_route's last CTA reads into shared memory
+MAX_LOGIT_PARTS = 8         # cuda/moe_routing.cu: split-K parts of the logits the routing kernels sum
 FINALIZE_THREADS = 256
 MAX_ITEMS = 65535           # the sort counts each class of work items in 16 bits
 HEAVY_FIRST = True          # route_and_sort's heavy_first default: 16.77 -> 16.52 ms at 256 requests
@@ -69,6 +71,7 @@ class MoeRoutingWorkspace:
     num_experts: int
     top_k: int
     logits: torch.Tensor        # fp32 [max_tokens, E]
+    logit_parts: torch.Tensor   # fp32, flat: router_logits' split-K parts [S, M, E] for M <= ROUTER_SPLIT_MAX_ROWS
     ids: torch.Tensor           # int32 [max_tokens, A]
     weights: torch.Tensor       # fp32 [max_tokens, A]
     offsets: torch.Tensor       # int32 [E + 2]
@@ -107,6 +110,8 @@ def moe_routing_workspace(max_tokens: int, num_experts: int, top_k: int, device:
     return MoeRoutingWorkspace(
         max_tokens, num_experts, top_k,
         logits=torch.empty(max_tokens, num_experts, dtype=torch.float32, device=device),
+        logit_parts=torch.empty(MAX_LOGIT_PARTS * min(max_tokens, ROUTER_SPLIT_MAX_ROWS) * num_experts,
+                                dtype=torch.float32, device=device),
         ids=ints(max_tokens, top_k), weights=torch.zeros(max_tokens, top_k, dtype=torch.float32, device=device),
         offsets=ints(num_experts + 2), sorted_token=ints(pairs), pair_row=ints(max_tokens, top_k + 1),
         work_expert=ints(items), work_row=ints(items), num_work=ints(1), ticket=ints(1), queue=ints(1 + items),
@@ -138,8 +143,9 @@ class Routing:
 def route_and_sort(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
                    workspace: MoeRoutingWorkspace, num_tokens: torch.Tensor | None = None, pdl: bool = False,
                    chunk: int | None = None, fused: bool = True, heavy_first: bool | None = None) -> Routing:
-    """Sigmoid top-k of fp32 logits [M, E] (as route() in model/reference.py), then the counting sort
-    by expert; fused: one launch (the last CTA sorts), else moe_topk + moe_sort. heavy_first (None:
+    """Sigmoid top-k of fp32 logits [M, E] (as route() in model/reference.py), or of the sum of
+    split-K parts [S, M, E] (router_logits; S <= MAX_LOGIT_PARTS, added in order), then the counting
+    sort by expert; fused: one launch (the last CTA sorts), else moe_topk + moe_sort. heavy_first (None:
     HEAVY_FIRST): the work list holds the items of experts with more than chunk / 2 rows first."""
     heavy = HEAVY_FIRST if heavy_first is None else heavy_first
     return _route(logits, bias, top_k, scaling, workspace, num_tokens, pdl, chunk, fused, heavy, 0)[0]
@@ -170,13 +176,15 @@ def split_bounds(num_tokens: int, top_k: int, num_experts: int, chunk: int, spli
 
 
 def _route(logits, bias, top_k, scaling, ws, num_tokens, pdl, chunk, fused, heavy_first, split):
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        raise ValueError("logits must be fp32 [tokens, experts]")
-    m, e = logits.shape
+    if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
+        raise ValueError("logits must be fp32 [tokens, experts] or split-K parts [parts, tokens, experts]")
+    parts, m, e = logits.shape if logits.dim() == 3 else (1, *logits.shape)
     if not 1 <= m <= ws.max_tokens or e != ws.num_experts or top_k != ws.top_k:
         raise ValueError(f"logits [{m}, {e}] with top_k {top_k} do not fit a workspace for "
                          f"{ws.max_tokens} tokens, {ws.num_experts} experts, top_k {ws.top_k}")
-    check_tensor(logits, "logits", torch.float32, (m, e), logits.device, 4)
+    if not 1 <= parts <= MAX_LOGIT_PARTS:
+        raise ValueError(f"logits of {parts} split-K parts: at most {MAX_LOGIT_PARTS}")
+    check_tensor(logits, "logits", torch.float32, tuple(logits.shape), logits.device, 4)
     check_tensor(bias, "bias", torch.float32, (e,), logits.device, 4)
     if num_tokens is not None:
         check_tensor(num_tokens, "num_tokens", torch.int32, (1,), logits.device, 4)
@@ -201,12 +209,12 @@ def _route(logits, bias, top_k, scaling, ws, num_tokens, pdl, chunk, fused, heav
     if fused:
         routing_kernel("moe_route", e).launch(
             (cdiv(m, ROUTING_WARPS),), (ROUTING_THREADS,),
-            [r.ids, r.weights, *sort_args, ws.ticket, logits, bias, num_tokens, I32(m), I32(e), I32(top_k),
-             F32(scaling), *list_args], shared_bytes=shared, pdl=pdl, device=dev)
+            [r.ids, r.weights, *sort_args, ws.ticket, logits, I32(parts), bias, num_tokens, I32(m), I32(e),
+             I32(top_k), F32(scaling), *list_args], shared_bytes=shared, pdl=pdl, device=dev)
     else:
         routing_kernel("moe_topk", e).launch(
             (cdiv(m, ROUTING_WARPS),), (ROUTING_THREADS,),
-            [r.ids, r.weights, logits, bias, num_tokens, I32(m), I32(e), I32(top_k), F32(scaling)],
+            [r.ids, r.weights, logits, I32(parts), bias, num_tokens, I32(m), I32(e), I32(top_k), F32(scaling)],
             pdl=pdl, device=dev)
         routing_kernel("moe_sort", e).launch(
             (1,), (ROUTING_THREADS,), [*sort_args, r.ids, num_tokens, I32(m), I32(e), I32(top_k), *list_args],
@@ -314,6 +322,13 @@ EXPERT_GEMM_MIN_TOKENS = {"bf16": 256, "nvfp4": 512}
 # 4 warps (ROUTER_GEMV_WARPS) 5.8 against 5.0 (session 16).
 ROUTER_GEMV_MAX_ROWS = 0
 ROUTER_GEMV_WARPS = 4
+# Above that, up to ROUTER_SPLIT_MAX_ROWS tokens, the logits are ROUTER_SPLIT_K split-K parts on
+# cuBLAS (one batched GEMM over K / S slices of x and the gate, fp32 out), which the routing kernels
+# add: cuBLAS alone fills few CTAs with [M, 256] (N = 256 experts) and takes ~5 µs at any M up to
+# 256, latency; 8 parts take 2.6-3.3 µs (H200, CUDA graph, 8 gates rotating; RESULTS.md, session
+# 23). Past 256 rows (prompt steps) one part.
+ROUTER_SPLIT_K = 8
+ROUTER_SPLIT_MAX_ROWS = 256
 # The decode configs (expert_decode.pick_config) whose gate/up and down GEMMs run as one launch
 # (expert_decode.expert_decode_moe: down units fill the gate/up GEMM's last partial wave and start as
 # their item's gate/up units finish). Full model, NVFP4, 1K context, ms a step two launches / one
@@ -370,10 +385,7 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
                          "moe_routing_workspace(..., hidden_size=, intermediate_size=)")
     check_tensor(router_gate, "router_gate", torch.bfloat16, (ws.num_experts, hidden), x.device)
     pairs = m * (top_k + 1)
-    if m <= ROUTER_GEMV_MAX_ROWS:
-        logits = linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl, warps=ROUTER_GEMV_WARPS)
-    else:
-        logits = grouped_linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl)
+    logits = router_logits(x, router_gate, ws, pdl)
     path = expert_gemms(m, weight_format(gate), hidden, inter, gemms)
     h_out, y_out = ws.h_sorted[:pairs], ws.y_sorted[:pairs]
     if path == "hybrid":   # the tiled GEMMs over the heavy experts first, the decode GEMMs then write the rest
@@ -404,6 +416,24 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
         y = down_gemm(h, routing, down, shared_down, out=y_out, pdl=pdl)
     return moe_finalize(y, routing, residual, num_tokens=num_tokens, out=out, pdl=pdl, norm_weight=norm_weight,
                         norm_out=norm_out, norm_eps=norm_eps)
+
+
+def router_logits(x: torch.Tensor, router_gate: torch.Tensor, ws: MoeRoutingWorkspace,
+                  pdl: bool = False) -> torch.Tensor:
+    """fp32 logits of x bf16 [M, H] against the router's gate bf16 [E, H]: [M, E] (the GEMV up to
+    ROUTER_GEMV_MAX_ROWS rows, else grouped_linear), or [S, M, E] split-K parts up to
+    ROUTER_SPLIT_MAX_ROWS rows (route_and_sort adds them)."""
+    m, k = x.shape
+    e = router_gate.shape[0]
+    if m <= ROUTER_GEMV_MAX_ROWS:
+        return linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl, warps=ROUTER_GEMV_WARPS)
+    s = ROUTER_SPLIT_K
+    if (1 < s <= MAX_LOGIT_PARTS and m <= ROUTER_SPLIT_MAX_ROWS and k % (8 * s) == 0 and x.is_contiguous()
+            and s * m * e <= ws.logit_parts.numel() and bmm_out_fp32_supported(x.device)):
+        parts = ws.logit_parts[:s * m * e].view(s, m, e)
+        return torch.bmm(x.view(m, s, k // s).transpose(0, 1), router_gate.t().view(s, k // s, e),
+                         out_dtype=torch.float32, out=parts)
+    return grouped_linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl)
 
 
 def _decode_gemms(x, routing, queue, config, gate, up, shared_gate, shared_up, down, shared_down, h_out, y_out, pdl):

@@ -16,6 +16,7 @@ from flint_sched.kernels.linear import check_tensor
 MAX_THREADS = 256
 MAX_VEC_PER_THREAD = 4  # cuda/rmsnorm.cu NORM_MAX_VEC
 MAX_HIDDEN = 8 * MAX_VEC_PER_THREAD * MAX_THREADS
+MAX_PARTS = 8           # cuda/rmsnorm.cu MAX_NORM_PARTS: split-K parts add_rms_norm_f32 adds
 
 
 @functools.cache
@@ -46,11 +47,15 @@ def add_rms_norm_f32(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
                      out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
                      pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(s) * weight, s) with s = bf16(x + residual) for x fp32 (a GEMM's fp32 product:
-    the sum rounded once, as torch.add(x, residual, out=bf16)); residual_out may be residual."""
-    check_tensor(residual, "residual", torch.bfloat16, tuple(x.shape), x.device)
+    the sum rounded once, as torch.add(x, residual, out=bf16)); residual_out may be residual.
+    x may be split-K partial products [parts, *residual.shape] (parts <= MAX_PARTS), added in order."""
+    parts = x.shape[0] if x.dim() == residual.dim() + 1 else 1
+    if not 1 <= parts <= MAX_PARTS:
+        raise ValueError(f"x of {parts} split-K parts: at most {MAX_PARTS}")
+    check_tensor(residual, "residual", torch.bfloat16, tuple(x.shape[x.dim() - residual.dim():]), x.device)
     out = _like(residual, out, "out")
     residual_out = _like(residual, residual_out, "residual_out")
-    _launch(out, residual_out, x, residual, weight, eps, pdl, "add_rmsnorm_f32")
+    _launch(out, residual_out, x, residual, weight, eps, pdl, "add_rmsnorm_f32", parts)
     return out, residual_out
 
 
@@ -61,7 +66,8 @@ def _like(x: torch.Tensor, t: torch.Tensor | None, name: str) -> torch.Tensor:
     return t
 
 
-def _launch(out, residual_out, x, residual, weight, eps: float, pdl: bool, name: str = "rmsnorm_bf16") -> None:
+def _launch(out, residual_out, x, residual, weight, eps: float, pdl: bool, name: str = "rmsnorm_bf16",
+            parts: int = 1) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.is_cuda:
         raise ValueError("x must be a CUDA tensor [..., H]")
     h = x.shape[-1]
@@ -69,11 +75,13 @@ def _launch(out, residual_out, x, residual, weight, eps: float, pdl: bool, name:
         raise ValueError(f"hidden size must be a multiple of 8 in 8..{MAX_HIDDEN}, got {h}")
     check_tensor(x, "x", torch.float32 if name == "add_rmsnorm_f32" else torch.bfloat16, tuple(x.shape), x.device)
     check_tensor(weight, "weight", torch.bfloat16, (h,), x.device)
-    rows = x.numel() // h
+    rows = x.numel() // (h * parts)
     if rows == 0:
         return
-    _kernel(name).launch((rows,), (norm_threads(h),), [out, residual_out, x, residual, weight, I32(h), F32(eps)],
-                         pdl=pdl, device=x.device.index)
+    args = [out, residual_out, x, residual, weight, I32(h), F32(eps)]
+    if name == "add_rmsnorm_f32":
+        args.append(I32(parts))
+    _kernel(name).launch((rows,), (norm_threads(h),), args, pdl=pdl, device=x.device.index)
 
 
 def norm_threads(h: int) -> int:

@@ -92,6 +92,44 @@ def test_route_and_sort(tokens, experts, fused, heavy_first):
         assert int(ws.ticket) == 0, "ticket not reset"
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernels"])
+@pytest.mark.parametrize("parts", [2, 8])
+@pytest.mark.parametrize("tokens", [1, 16, 17, 256])
+def test_route_and_sort_of_split_k_parts(tokens, parts, fused):
+    """Logits as split-K parts [S, M, E]: routed as their sum, added in part order."""
+    top_k, experts = 6, 256
+    g = gen(tokens + parts)
+    logit_parts = torch.randn(parts, tokens, experts, device="cuda", generator=g)
+    bias = 0.1 * torch.randn(experts, device="cuda", generator=g)
+    logits = logit_parts[0].clone()
+    for q in range(1, parts):
+        logits += logit_parts[q]
+    ws = moe_routing_workspace(tokens, experts, top_k, "cuda")
+    ntok = max(1, tokens - 3)
+    num_tokens = torch.tensor([ntok], dtype=torch.int32, device="cuda")
+    r = route_and_sort(logit_parts, bias, top_k, SCALING, ws, num_tokens=num_tokens, fused=fused)
+    ref_ids, ref_w = reference_topk(logits, bias, top_k)
+    assert torch.equal(r.ids[:ntok], ref_ids[:ntok]), "ids differ from route() of the summed parts"
+    torch.testing.assert_close(r.weights[:ntok], ref_w[:ntok], rtol=2e-6, atol=1e-7)
+    check_metadata(r, r.ids, ntok, tokens, top_k, experts, True)
+
+
+@pytest.mark.parametrize("m", [9, 16, 100, 256, 257])
+def test_router_logits_split_k(m, monkeypatch):
+    """router_logits: split-K parts up to ROUTER_SPLIT_MAX_ROWS rows (their sum the product), one
+    [M, E] product above."""
+    monkeypatch.setattr(grouped_moe, "ROUTER_SPLIT_K", 8)
+    monkeypatch.setattr(grouped_moe, "ROUTER_SPLIT_MAX_ROWS", 256)
+    g = gen(m)
+    x = torch.randn(m, 2048, device="cuda", generator=g).bfloat16()
+    gate = (0.02 * torch.randn(256, 2048, device="cuda", generator=g)).bfloat16()
+    ws = moe_routing_workspace(m, 256, 6, "cuda")
+    logits = grouped_moe.router_logits(x, gate, ws)
+    assert logits.shape == ((8, m, 256) if m <= 256 else (m, 256))
+    total = logits.sum(0) if logits.dim() == 3 else logits
+    torch.testing.assert_close(total, x.float() @ gate.float().t(), rtol=1e-4, atol=1e-4)
+
+
 def check_split_lists(small, tiled, ntok, split):
     """route_and_split's two work lists: the experts of at most `split` rows in the first (items of
     its chunk), the others in the tiled one (items of 128 rows), each in expert order, each sorted
@@ -306,10 +344,12 @@ def test_moe_grouped_with_the_next_norm(flint_nvfp4_moe, gemms, tokens, ntok):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("m", [9, 16, 17, 300])
+@pytest.mark.parametrize("m", [9, 16, 17, 128, 129, 300])
 def test_grouped_linear_with_the_next_norm(fmt, m):
     """grouped_linear with a residual and the RMSNorm after it (cuBLAS's epilogue kernel, or our
-    kernel then the norm): y as without the norm, norm_out the rmsnorm kernel's over y."""
+    kernel then the norm): y as without the norm (bit for bit, or within bf16 rounding where the
+    cuBLAS GEMM runs as split-K parts, grouped.NORM_SPLIT_MAX_ROWS), norm_out the rmsnorm
+    kernel's over y."""
     g = gen(m + 5)
     w = make_weight(fmt, 2048, 4096, g=g)
     x = torch.randn(m, 4096, device="cuda", generator=g).bfloat16()
@@ -319,7 +359,12 @@ def test_grouped_linear_with_the_next_norm(fmt, m):
     normed = poisoned(m, 2048)
     y = grouped_linear(x, w, residual=residual, out=poisoned(m, 2048), norm_weight=weight, norm_out=normed,
                        norm_eps=1e-5, pdl=True)
-    assert torch.equal(y, plain) and torch.equal(normed, rms_norm(plain, weight, 1e-5))
+    split = grouped.use_cublas(grouped.weight_format(w), m, None) and m <= grouped.NORM_SPLIT_MAX_ROWS
+    if split:
+        assert_close_bf16(y, plain, "split-K y")
+    else:
+        assert torch.equal(y, plain)
+    assert torch.equal(normed, rms_norm(y, weight, 1e-5))
     with pytest.raises(ValueError, match="norm_out"):
         grouped_linear(x, w, residual=residual, norm_weight=weight)
 

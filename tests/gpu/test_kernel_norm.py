@@ -86,3 +86,19 @@ def test_add_rms_norm_f32_is_torch_add_then_rms_norm(tokens, hidden):
     assert torch.equal(residual, s) and torch.equal(out, expected)
     with pytest.raises(ValueError, match="float32"):
         add_rms_norm_f32(x.bfloat16(), residual, weight, EPS, out=out, residual_out=residual_out)
+
+
+@pytest.mark.parametrize("parts", [2, 4, 8])
+@pytest.mark.parametrize("tokens", [1, 17, 128])
+def test_add_rms_norm_f32_adds_split_k_parts_in_order(tokens, parts):
+    """x as split-K parts [S, rows, H]: the sum as torch adds the parts in order, then as one x."""
+    _, residual, weight = inputs(tokens, 2048, seed=6)
+    x = torch.randn(parts, tokens, 2048, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7))
+    total = x[0].clone()
+    for q in range(1, parts):
+        total += x[q]
+    expected_out, expected_s = add_rms_norm_f32(total, residual, weight, EPS)
+    out, residual_out = add_rms_norm_f32(x, residual, weight, EPS)
+    assert torch.equal(residual_out, expected_s) and torch.equal(out, expected_out)
+    with pytest.raises(ValueError, match="parts"):
+        add_rms_norm_f32(torch.zeros(9, tokens, 2048, device="cuda"), residual, weight, EPS)
