@@ -21,7 +21,8 @@
 //              ticket sorts and resets the ticket (so a CUDA graph replays it); a grid of one
 //              CTA (<= 16 tokens) sorts its ids from shared memory, no ticket or fences, and the
 //              last CTA stages up to STAGED_IDS ids there first. The bias (a weight) is read
-//              before waiting on the logits.
+//              before waiting on the logits. Up to MASK_TOKENS tokens the sort counts and ranks
+//              by per-expert token masks (sort_pairs), same result.
 //   moe_finalize: out[t] = bf16(residual[t] + sum_{a<A} w[t,a] y[pair_row[t,a]] + y[pair_row[t,A]])
 //              in fp32, slots in order then the shared expert; padded tokens copy residual.
 //   moe_finalize_norm: the same, one CTA per token, and norm_out[t] = rms_norm(out[t]) * norm_weight
@@ -33,6 +34,10 @@
 #define MAX_TOP_K 32      // kernels/grouped_moe.py MAX_TOP_K
 #define STAGED_IDS 2048   // kernels/grouped_moe.py STAGED_IDS: moe_route's last CTA stages this many ids
 #define MAX_LOGIT_PARTS 8 // kernels/grouped_moe.py MAX_LOGIT_PARTS: split-K parts of the router logits
+#ifndef MASK_TOKENS
+#define MASK_TOKENS 256   // moe_route sorts up to this many tokens by token masks (sort_pairs); a multiple of 32
+#endif
+#define MASK_WORDS (MASK_TOKENS / 32)
 
 __device__ __forceinline__ int num_real(const int* num_tokens, int M) {
   return num_tokens ? min(M, *num_tokens) : M;
@@ -129,9 +134,27 @@ __device__ __forceinline__ void sort_pairs(const Sorted& out, const int* ids, in
     const int t = p / slots, a = p - t * slots;
     return a < A ? (SMEM_IDS ? ids[t * A + a] : __ldcg(ids + t * A + a)) : E;
   };
-  for (int i = tid; i < ROUTING_WARPS * bins; i += blockDim.x) hist[i] = 0;
-  __syncthreads();
-  for (int p = p_begin + lane; p < p_end; p += 32) atomicAdd(&hist[warp * bins + expert_of(p)], 1);
+  // Up to MASK_TOKENS tokens with the ids in shared memory (moe_route): hist holds a token mask
+  // per expert instead, [E][MASK_WORDS] (zeroed by the caller before its PDL wait): bit t of expert
+  // e set when token t chose e. An expert's count is its mask's popcount and a pair's rank within
+  // its expert the popcount of the tokens before it: one atomicOr a pair, no per-warp histograms
+  // (a token chooses an expert once, so token order is pair order). The shared expert E takes
+  // every token: count ntok, rank t.
+  const bool masks = SMEM_IDS && ntok <= MASK_TOKENS;
+  u32* mask = reinterpret_cast<u32*>(smem);
+  auto mask_rank = [&](int e, int t) {  // tokens before t that chose e
+    if (e == E) return t;
+    int r = __popc(mask[e * MASK_WORDS + (t >> 5)] & ((1u << (t & 31)) - 1u));
+    for (int w = 0; w < (t >> 5); ++w) r += __popc(mask[e * MASK_WORDS + w]);
+    return r;
+  };
+  if (masks) {
+    for (int i = tid; i < ntok * A; i += blockDim.x) atomicOr(&mask[ids[i] * MASK_WORDS + i / A / 32], 1u << (i / A % 32));
+  } else {
+    for (int i = tid; i < ROUTING_WARPS * bins; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    for (int p = p_begin + lane; p < p_end; p += 32) atomicAdd(&hist[warp * bins + expert_of(p)], 1);
+  }
   __syncthreads();
   // Per expert: counts of warps -> exclusive prefix over warps; scan value = heavy items << 48 |
   // light items << 32 | count, where an expert is heavy (heavy_first) if it has more than chunk / 2
@@ -141,10 +164,16 @@ __device__ __forceinline__ void sort_pairs(const Sorted& out, const int* ids, in
   // rows, in items of big_chunk rows, and their items go to the split list instead.
   for (int e = tid; e < bins; e += blockDim.x) {
     int count = 0;
-    for (int w = 0; w < ROUTING_WARPS; ++w) {
-      const int c = hist[w * bins + e];
-      hist[w * bins + e] = count;
-      count += c;
+    if (masks) {
+      if (e == E) count = ntok;
+      else
+        for (int w = 0; w < MASK_WORDS; ++w) count += __popc(mask[e * MASK_WORDS + w]);
+    } else {
+      for (int w = 0; w < ROUTING_WARPS; ++w) {
+        const int c = hist[w * bins + e];
+        hist[w * bins + e] = count;
+        count += c;
+      }
     }
     if (split > 0 && count > split)
       scan[e] = ((u64)((count + big_chunk - 1) / big_chunk) << 48) | (u64)count;
@@ -173,13 +202,24 @@ __device__ __forceinline__ void sort_pairs(const Sorted& out, const int* ids, in
     int* const we = to_split ? out.work2_expert : out.work_expert;
     int* const wr = to_split ? out.work2_row : out.work_row;
     const int step = to_split ? big_chunk : chunk;
-    for (int w = 0; w < ROUTING_WARPS; ++w) hist[w * bins + e] += row;
+    if (!masks)
+      for (int w = 0; w < ROUTING_WARPS; ++w) hist[w * bins + e] += row;
     for (int j = 0; j < items; ++j) {
       we[item + j] = e;
       wr[item + j] = row + j * step;
     }
   }
   __syncthreads();
+  if (masks) {
+    for (int p = tid; p < P; p += blockDim.x) {
+      const int t = p / slots, e = expert_of(p);
+      const int row = (int)(u32)scan[e] + mask_rank(e, t);
+      out.sorted_token[row] = t;
+      out.pair_row[p] = row;
+    }
+    for (int i = P + tid; i < M * slots; i += blockDim.x) out.pair_row[i] = -1;
+    return;
+  }
   // Stable scatter: lanes naming the same expert take consecutive rows in lane order.
   for (int p0 = p_begin; p0 < p_end; p0 += 32) {
     const int p = p0 + lane, t = p / slots;
@@ -239,6 +279,8 @@ moe_route(int* ids, float* weights, int* queue, int* offsets, int* sorted_token,
   __shared__ u32 is_last;
   float b[ROUTER_PER_LANE];
   lane_values(b, bias, E);  // a weight: before the wait
+  // sort_pairs' token masks (any CTA may be the one that sorts): zeroed before the wait
+  for (int i = threadIdx.x; i < E * MASK_WORDS; i += blockDim.x) reinterpret_cast<u32*>(smem)[i] = 0u;
   pdl_launch_dependents();
   pdl_wait();
   const int ntok = num_real(num_tokens, M);

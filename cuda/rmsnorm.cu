@@ -8,7 +8,7 @@
 // read and written by the same thread, with ordinary (coherent) loads.
 #include "norm.cuh"
 
-#define MAX_NORM_PARTS 8  // kernels/norm.py MAX_PARTS
+#define MAX_NORM_PARTS 4  // kernels/norm.py MAX_PARTS
 
 // The 8 values of s at element `at`, as bf16 words.
 __device__ __forceinline__ void load_sum(u32 (&w)[4], const u16* x, const u16* residual, size_t at) {

@@ -46,13 +46,18 @@ MAX_ITEMS = 65535           # the sort counts each class of work items in 16 bit
 HEAVY_FIRST = True          # route_and_sort's heavy_first default: 16.77 -> 16.52 ms at 256 requests
 
 
+# moe_route's sort counts and ranks up to this many tokens by per-expert token masks (one atomicOr
+# a pair) instead of per-warp histograms (cuda/moe_routing.cu sort_pairs); 0: histograms always.
+SORT_MASK_TOKENS = 256
+
+
 @functools.cache
-def _routing_kernel(name: str, max_experts: int) -> Kernel:
-    return compile_kernel("moe_routing.cu", name, {"ROUTER_MAX_EXPERTS": max_experts})
+def _routing_kernel(name: str, max_experts: int, mask_tokens: int) -> Kernel:
+    return compile_kernel("moe_routing.cu", name, {"ROUTER_MAX_EXPERTS": max_experts, "MASK_TOKENS": mask_tokens})
 
 
 def routing_kernel(name: str, num_experts: int) -> Kernel:
-    return _routing_kernel(name, 256 if num_experts <= 256 else MAX_EXPERTS)
+    return _routing_kernel(name, 256 if num_experts <= 256 else MAX_EXPERTS, SORT_MASK_TOKENS)
 
 
 def routing_shared_bytes(num_experts: int) -> int:

@@ -16,7 +16,7 @@ from flint_sched.kernels.linear import check_tensor
 MAX_THREADS = 256
 MAX_VEC_PER_THREAD = 4  # cuda/rmsnorm.cu NORM_MAX_VEC
 MAX_HIDDEN = 8 * MAX_VEC_PER_THREAD * MAX_THREADS
-MAX_PARTS = 8           # cuda/rmsnorm.cu MAX_NORM_PARTS: split-K parts add_rms_norm_f32 adds
+MAX_PARTS = 4           # cuda/rmsnorm.cu MAX_NORM_PARTS: split-K parts add_rms_norm_f32 adds
 
 
 @functools.cache

@@ -67,11 +67,14 @@ def check_metadata(r, ids, ntok, m, top_k, experts, heavy_first=False):
     assert (covered == 1).all(), "work items do not cover every row exactly once"
 
 
+@pytest.mark.parametrize("mask_tokens", [0, 256], ids=["histograms", "masks"])
 @pytest.mark.parametrize("heavy_first", [False, True], ids=["by-expert", "heavy-first"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernels"])
 @pytest.mark.parametrize("experts", [32, 256])
-@pytest.mark.parametrize("tokens", TOKENS + [16, 17])  # moe_route: one CTA to 16 tokens (ids in shared memory)
-def test_route_and_sort(tokens, experts, fused, heavy_first):
+@pytest.mark.parametrize("tokens", TOKENS + [16, 17, 256])  # moe_route: one CTA to 16 tokens (ids in shared memory)
+def test_route_and_sort(tokens, experts, fused, heavy_first, mask_tokens, monkeypatch):
+    """moe_route's sort by per-expert token masks (up to SORT_MASK_TOKENS tokens) or histograms."""
+    monkeypatch.setattr(grouped_moe, "SORT_MASK_TOKENS", mask_tokens)
     top_k = 6
     g = gen(tokens + experts)
     logits = 2 * torch.randn(tokens, experts, device="cuda", generator=g)

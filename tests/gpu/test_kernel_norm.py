@@ -88,7 +88,7 @@ def test_add_rms_norm_f32_is_torch_add_then_rms_norm(tokens, hidden):
         add_rms_norm_f32(x.bfloat16(), residual, weight, EPS, out=out, residual_out=residual_out)
 
 
-@pytest.mark.parametrize("parts", [2, 4, 8])
+@pytest.mark.parametrize("parts", [2, 3, 4])
 @pytest.mark.parametrize("tokens", [1, 17, 128])
 def test_add_rms_norm_f32_adds_split_k_parts_in_order(tokens, parts):
     """x as split-K parts [S, rows, H]: the sum as torch adds the parts in order, then as one x."""
