@@ -26,6 +26,7 @@ from flint_sched.executor.dense_copies import DenseCopies
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.kernels import attention as attn
+from flint_sched.kernels.embedding import embed_tokens
 from flint_sched.kernels.grouped import grouped_gate_up, grouped_linear
 from flint_sched.kernels.grouped_moe import moe_grouped
 from flint_sched.kernels.linear import gate_up_silu, linear, weight_format
@@ -103,13 +104,14 @@ class KernelOps:
     # -- the operations ------------------------------------------------------------------------
 
     def embed(self) -> torch.Tensor:
-        h = self.hidden[0]
-        if self.inputs is not None:
-            self.inputs.update_block_tables()
-            tokens = self.inputs.fed_tokens(self.rows)
-        else:
-            tokens = self.token_ids
-        return torch.index_select(self.w["model.embed_tokens.weight"], 0, tokens, out=h)
+        """The step's first kernel: the embedding rows, and for a decode step its placeholder tokens
+        and new block-table entries (DecodeInputs)."""
+        h, table = self.hidden[0], self.w["model.embed_tokens.weight"]
+        if self.inputs is None:
+            return embed_tokens(table, self.token_ids, h, pdl=self.pdl)
+        inp = self.inputs
+        return embed_tokens(table, inp.tokens, h, sources=inp.sources, sampled=inp.sampled,
+                            table_scatter=inp.table_scatter, pdl=self.pdl)
 
     def resume(self) -> torch.Tensor:
         return self.hidden[0]

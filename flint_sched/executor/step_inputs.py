@@ -67,13 +67,19 @@ class DecodeInputs:
         host[-1] = len(entries)
         self.flat.copy_(flat_host, non_blocking=True)
 
+    @property
+    def table_scatter(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(index, value, flat): the step's new block-table entries, flat[index[r]] = value[r], which
+        the CUDA executor's first kernel writes (kernels/embedding.py); update_block_tables in torch."""
+        return self.table_index, self.table_value, self.block_tables_flat
+
     def update_block_tables(self) -> None:
-        """The step's new block-table entries (a scatter; the first operation of a decode graph)."""
+        """The step's new block-table entries (a scatter)."""
         self.block_tables_flat.index_put_((self.table_index,), self.table_value)
 
     def fed_tokens(self, rows: int) -> torch.Tensor:
         """The tokens of rows 0..rows-1, a placeholder's taken from the previous step's `sampled`
-        (in the graph)."""
+        (the CUDA executor's first kernel picks them the same way, kernels/embedding.py)."""
         sources = self.sources[:rows]
         picked = self.sampled.index_select(0, sources.clamp(min=0))
         return torch.where(sources >= 0, picked, self.tokens[:rows])

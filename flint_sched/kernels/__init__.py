@@ -38,6 +38,7 @@ ENTRY_POINTS = (
       for fmt in ("bf16", "nvfp4")),
     ("moe_routing.cu", "moe_topk"), ("moe_routing.cu", "moe_sort"), ("moe_routing.cu", "moe_route"),
     ("moe_routing.cu", "moe_finalize"), ("moe_routing.cu", "moe_finalize_norm"), ("nvfp4_dequant.cu", "nvfp4_to_bf16"),
+    ("embedding.cu", "embed_tokens"),
 )
 
 __all__ = [

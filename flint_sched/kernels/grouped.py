@@ -183,9 +183,10 @@ def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, w.t(), out_dtype=torch.float32)
 
 
-# GEMMs with the next RMSNorm in their epilogue (o_proj; the dense MLP's down projection) of up to
-# NORM_SPLIT_MAX_ROWS rows run as NORM_SPLIT_K split-K parts on cuBLAS (one batched GEMM over K / S
-# slices, fp32 out), which add_rms_norm_f32 adds: o_proj (2048 x 4096) alone at 17-64 rows took
+# GEMMs with a residual (o_proj; the dense MLP's down projection; the next RMSNorm in their epilogue)
+# of up to NORM_SPLIT_MAX_ROWS rows run as NORM_SPLIT_K split-K parts on cuBLAS (one batched GEMM
+# over K / S slices, fp32 out), which add_rms_norm_f32 adds (without the norm: _sum_parts, in the
+# same order, so the two give the same bits): o_proj (2048 x 4096) alone at 17-64 rows took
 # 9.8-10.0 µs as one GEMM (cuBLAS fills few CTAs at N = 2048), 6.8-7.3 in 4 parts; at 128 rows
 # 9.8 -> 7.6, at 256 10.7 -> 9.9 (H200, CUDA graph; RESULTS.md, session 23).
 NORM_SPLIT_K = 4
@@ -201,6 +202,16 @@ def _mm_f32_parts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return _mm_f32(x, w)
     return torch.bmm(x.view(m, s, k // s).transpose(0, 1), w.t().view(s, k // s, w.shape[0]),
                      out_dtype=torch.float32)
+
+
+def _sum_parts(p: torch.Tensor) -> torch.Tensor:
+    """[S, M, N] split-K parts -> their sum, added in part order (fp32); [M, N] as it is."""
+    if p.dim() == 2:
+        return p
+    total = p[0].clone()
+    for q in range(1, p.shape[0]):
+        total += p[q]
+    return total
 
 
 def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
@@ -240,7 +251,8 @@ def grouped_linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | Non
             add_rms_norm_f32(_mm_f32_parts(x, w), residual, norm_weight, norm_eps, out=norm_out, residual_out=y,
                              pdl=pdl)
             return y
-        return torch.add(_mm_f32(x, w), residual, out=y)      # fp32 sum, one rounding, one kernel
+        # fp32 sum, one rounding (split-K parts added in order first, as add_rms_norm_f32 does)
+        return torch.add(_sum_parts(_mm_f32_parts(x, w)), residual, out=y)
     splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
     chunk = dense_chunk(m)
     items, tiles = cdiv(m, chunk), cdiv(n, TILE_ROWS)

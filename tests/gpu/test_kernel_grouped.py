@@ -350,9 +350,8 @@ def test_moe_grouped_with_the_next_norm(flint_nvfp4_moe, gemms, tokens, ntok):
 @pytest.mark.parametrize("m", [9, 16, 17, 128, 129, 300])
 def test_grouped_linear_with_the_next_norm(fmt, m):
     """grouped_linear with a residual and the RMSNorm after it (cuBLAS's epilogue kernel, or our
-    kernel then the norm): y as without the norm (bit for bit, or within bf16 rounding where the
-    cuBLAS GEMM runs as split-K parts, grouped.NORM_SPLIT_MAX_ROWS), norm_out the rmsnorm
-    kernel's over y."""
+    kernel then the norm): y bit for bit as without the norm (up to grouped.NORM_SPLIT_MAX_ROWS rows
+    cuBLAS's split-K parts, added in the same order either way), norm_out the rmsnorm kernel's over y."""
     g = gen(m + 5)
     w = make_weight(fmt, 2048, 4096, g=g)
     x = torch.randn(m, 4096, device="cuda", generator=g).bfloat16()
@@ -362,12 +361,8 @@ def test_grouped_linear_with_the_next_norm(fmt, m):
     normed = poisoned(m, 2048)
     y = grouped_linear(x, w, residual=residual, out=poisoned(m, 2048), norm_weight=weight, norm_out=normed,
                        norm_eps=1e-5, pdl=True)
-    split = grouped.use_cublas(grouped.weight_format(w), m, None) and m <= grouped.NORM_SPLIT_MAX_ROWS
-    if split:
-        assert_close_bf16(y, plain, "split-K y")
-    else:
-        assert torch.equal(y, plain)
-    assert torch.equal(normed, rms_norm(y, weight, 1e-5))
+    assert torch.equal(y, plain) and torch.equal(normed, rms_norm(plain, weight, 1e-5))
+    assert_close_bf16(y, x.float() @ dense(w, cublas_rows=m).t() + residual.float(), f"{fmt} y, M={m}")
     with pytest.raises(ValueError, match="norm_out"):
         grouped_linear(x, w, residual=residual, norm_weight=weight)
 
