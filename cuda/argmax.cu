@@ -1,5 +1,9 @@
 // Greedy token choice: ids[b] = argmax_v logits[b, v], exactly as torch.argmax (ties and NaN:
-// the lowest index; a NaN counts as the maximum; -0 == +0).
+// the lowest index; a NaN counts as the maximum; -0 == +0). sample_*: the same scan over
+// logits[b, v] / temperature[b] + G[b, v], G Gumbel noise (the Gumbel-max trick: a draw from
+// softmax(logits / temperature), the distribution of executor/sampler.py's exponential race) from
+// Philox-4x32-10 keyed by rng[0], counter (v / 4, b, rng[1]); the last CTA adds 1 to rng[1], so
+// each launch (and each CUDA graph replay) draws fresh noise.
 // Grid (splits, B): each CTA scans `chunk` logits of one row and writes one packed candidate
 //   (order_key(value) << 32) | (0xFFFFFFFF - index)      larger = better, ties -> lower index
 // to `partial` [B][splits]; the last CTA to take the ticket reduces every row and resets it.
@@ -23,10 +27,42 @@ __device__ __forceinline__ u64 warp_max_u64(u64 v) {
   return v;
 }
 
-template <bool BF16>
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
+#pragma unroll
+  for (int i = 0; i < 10; ++i) {
+    const u32 hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+    const u32 hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+    c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+    k.x += 0x9E3779B9u;
+    k.y += 0xBB67AE85u;
+  }
+  return c;
+}
+
+// Gumbel noise -log(-log u) of a 32-bit draw, u = (top 24 bits + 0.5) / 2^24 in (0, 1). The inner
+// log is the accurate one: near u = 1 (e = -log u down to 3e-8) __logf's absolute error (~1e-7)
+// would give e <= 0, an infinite or NaN key, which wins the race (and 1 value in ~10^6 is that near).
+__device__ __forceinline__ float gumbel(u32 bits) {
+  const float u = ((float)(bits >> 8) + 0.5f) * 5.9604644775390625e-8f;
+  return -__logf(-logf(u));
+}
+
+struct Noise {  // SAMPLE: the scan's values become f / temperature + Gumbel noise
+  float inv_t;
+  uint2 key;
+  u32 row, off_lo, off_hi;
+  __device__ __forceinline__ uint4 draws(int v4) const {  // noise bits of values 4 v4 .. 4 v4 + 3
+    return philox4x32_10(make_uint4((u32)v4, row, off_lo, off_hi), key);
+  }
+};
+
+__device__ __forceinline__ u32 lane_of(const uint4& d, int j) { return j == 0 ? d.x : j == 1 ? d.y : j == 2 ? d.z : d.w; }
+
+template <bool BF16, bool SAMPLE>
 __device__ __forceinline__ void argmax_rows(void* out, int out_int64, const void* logits,
                                             long long row_stride, int V, int chunk, int vec_ok,
-                                            u64* partial, u32* ticket) {
+                                            u64* partial, u32* ticket, const float* temperature = nullptr,
+                                            u64* rng = nullptr) {
   constexpr int VEC = BF16 ? 8 : 4;  // values per 16-byte load
   __shared__ u64 warp_best[ARGMAX_THREADS / 32];
   __shared__ u32 is_last;
@@ -37,20 +73,32 @@ __device__ __forceinline__ void argmax_rows(void* out, int out_int64, const void
   const int begin = split * chunk, end = min(V, begin + chunk);
   const u16* row16 = static_cast<const u16*>(logits) + row * row_stride;
   const float* row32 = static_cast<const float*>(logits) + row * row_stride;
+  Noise noise{};
+  if constexpr (SAMPLE) {
+    const u64 seed = rng[0], offset = rng[1];
+    noise = {1.0f / temperature[row], make_uint2((u32)seed, (u32)(seed >> 32)), (u32)row, (u32)offset,
+             (u32)(offset >> 32)};
+  }
   u64 best = 0;
   for (int i = begin + threadIdx.x * VEC; i < end; i += ARGMAX_THREADS * VEC) {
     if (vec_ok && i + VEC <= end) {
       const uint4 v = BF16 ? ld_act_v4(row16 + i) : ld_act_v4(row32 + i);
       const u32 w[4] = {v.x, v.y, v.z, v.w};
+      uint4 d[VEC / 4];
+      if constexpr (SAMPLE) {
+#pragma unroll
+        for (int q = 0; q < VEC / 4; ++q) d[q] = noise.draws(i / 4 + q);  // i % 8 == 0
+      }
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float f = BF16 ? ((j & 1) ? bf16x2_hi(w[j >> 1]) : bf16x2_lo(w[j >> 1]))
-                             : __uint_as_float(w[j]);
+        float f = BF16 ? ((j & 1) ? bf16x2_hi(w[j >> 1]) : bf16x2_lo(w[j >> 1])) : __uint_as_float(w[j]);
+        if constexpr (SAMPLE) f = f * noise.inv_t + gumbel(lane_of(d[j / 4], j % 4));
         best = u64_max(best, argmax_candidate(f, i + j));
       }
     } else {
       for (int j = 0; j < VEC && i + j < end; ++j) {
-        const float f = BF16 ? bf16_to_f32(row16[i + j]) : row32[i + j];
+        float f = BF16 ? bf16_to_f32(row16[i + j]) : row32[i + j];
+        if constexpr (SAMPLE) f = f * noise.inv_t + gumbel(lane_of(noise.draws((i + j) / 4), (i + j) % 4));
         best = u64_max(best, argmax_candidate(f, i + j));
       }
     }
@@ -79,17 +127,32 @@ __device__ __forceinline__ void argmax_rows(void* out, int out_int64, const void
         static_cast<int*>(out)[r] = (int)index;
     }
   }
-  if (threadIdx.x == 0) *ticket = 0u;
+  if (threadIdx.x == 0) {
+    *ticket = 0u;
+    if constexpr (SAMPLE) rng[1] += 1;  // every CTA read it before taking its ticket
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_bf16(void* out, int out_int64, const u16* logits, long long row_stride, int V, int chunk,
             int vec_ok, u64* partial, u32* ticket) {
-  argmax_rows<true>(out, out_int64, logits, row_stride, V, chunk, vec_ok, partial, ticket);
+  argmax_rows<true, false>(out, out_int64, logits, row_stride, V, chunk, vec_ok, partial, ticket);
 }
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_f32(void* out, int out_int64, const float* logits, long long row_stride, int V, int chunk,
            int vec_ok, u64* partial, u32* ticket) {
-  argmax_rows<false>(out, out_int64, logits, row_stride, V, chunk, vec_ok, partial, ticket);
+  argmax_rows<false, false>(out, out_int64, logits, row_stride, V, chunk, vec_ok, partial, ticket);
+}
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+sample_bf16(void* out, int out_int64, const u16* logits, long long row_stride, int V, int chunk, int vec_ok,
+            u64* partial, u32* ticket, const float* temperature, u64* rng) {
+  argmax_rows<true, true>(out, out_int64, logits, row_stride, V, chunk, vec_ok, partial, ticket, temperature, rng);
+}
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+sample_f32(void* out, int out_int64, const float* logits, long long row_stride, int V, int chunk, int vec_ok,
+           u64* partial, u32* ticket, const float* temperature, u64* rng) {
+  argmax_rows<false, true>(out, out_int64, logits, row_stride, V, chunk, vec_ok, partial, ticket, temperature, rng);
 }

@@ -9,8 +9,15 @@ import torch
 
 from flint_sched.executor.graphs import padded_batch
 from flint_sched.executor.sampler import draw, filter_rows
+from flint_sched.kernels.sampling import argmax_workspace, rng_state, sample
 
 HOST_BUFFERS = 4
+# Temperature-only batches (no top-k / top-p / min-p) draw with kernels/sampling.py `sample`: one pass
+# over the bf16 logits (Gumbel-max) instead of an fp32 copy, a softmax and exponential noise of
+# [batch, vocab]; a call at 256 rows of Flint's vocabulary took 225 µs against 648 (H200, session 23).
+# Off until its GPU tests pass: the first build's noise had __logf near u = 1 (NaN keys, which won
+# the race for -inf logits); the fixed kernel was not yet run on a GPU.
+GUMBEL_MAX = False
 
 
 def plain(entry) -> bool:
@@ -24,7 +31,8 @@ def plain(entry) -> bool:
 class GraphSampler:
     """Temperature / top-k / top-p / min-p sampling of a decode batch from the executor's logits,
     captured in one CUDA graph per (padded batch size, masks in use) (a dozen kernels, a sort unless
-    only temperature is set, and no host work); greedy rows of the batch keep the graph's argmax.
+    only temperature is set, and no host work; GUMBEL_MAX: one kernel for temperature alone); greedy
+    rows of the batch keep the graph's argmax.
     Per-step parameters arrive in one pinned copy. The noise comes from torch's default CUDA
     generator (graph-safe), which the executor seeds; seeded requests and edited logits go through
     executor/sampler.py instead.
@@ -48,6 +56,10 @@ class GraphSampler:
         self._copied: list[torch.cuda.Event | None] = [None] * HOST_BUFFERS
         self._turn = 0
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=logits.device)
+        self.drawn = torch.zeros(rows, dtype=torch.int64, device=logits.device)
+        # `sample`'s state (its seed from torch's CUDA generator, which the executor seeds) and scratch
+        self.rng = rng_state(logits.device) if logits.is_cuda else None
+        self.workspace = argmax_workspace(rows, vocab, logits.device) if logits.is_cuda else None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
 
     def __call__(self, entries) -> torch.Tensor:
@@ -80,6 +92,10 @@ class GraphSampler:
 
     def _sample(self, b: int, use_top_k: bool, use_top_p: bool, use_min_p: bool) -> None:
         temperature, top_k, top_p, min_p, greedy = self.params[:, :b]
-        logits = filter_rows(self.logits[:b].float(), temperature, top_k, top_p, min_p, use_top_k, use_top_p,
-                             use_min_p)
-        self.tokens[:b] = torch.where(greedy > 0, self.greedy_tokens[:b], draw(torch.softmax(logits, dim=-1)))
+        if use_top_k or use_top_p or use_min_p or not GUMBEL_MAX:
+            logits = filter_rows(self.logits[:b].float(), temperature, top_k, top_p, min_p, use_top_k, use_top_p,
+                                 use_min_p)
+            drawn = draw(torch.softmax(logits, dim=-1))
+        else:
+            drawn = sample(self.logits[:b], temperature, self.rng, out=self.drawn[:b], workspace=self.workspace)
+        self.tokens[:b] = torch.where(greedy > 0, self.greedy_tokens[:b], drawn)

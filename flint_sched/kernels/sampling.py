@@ -1,7 +1,7 @@
-"""Token choice from logits (cuda/argmax.cu): greedy argmax now; temperature / top-p sampling
-will sit beside it with the same shape of API (logits [B, V] in, ids [B] out, no host sync).
+"""Token choice from logits (cuda/argmax.cu), logits [B, V] in, ids [B] out, no host sync: greedy
+(exact torch.argmax semantics: ties and NaN go to the lowest index, NaN counts as the maximum),
+and temperature sampling by the Gumbel-max trick in the same one pass over the logits.
 
-Exact torch.argmax semantics: ties and NaN go to the lowest index, NaN counts as the maximum.
 The workspace holds per-CTA candidates and a ticket that the kernel resets (graph-replayable).
 """
 
@@ -42,13 +42,41 @@ def argmax_workspace(max_batch: int, vocab: int, device: torch.device | str) -> 
 def greedy(logits: torch.Tensor, out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.int32,
            workspace: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """ids [B] = argmax over the last dim of logits [B, V] (bf16 or fp32, unit stride along V)."""
+    return _scan("argmax", logits, out, out_dtype, workspace, pdl, [])
+
+
+def rng_state(device: torch.device | str) -> torch.Tensor:
+    """`sample`'s noise state: int64 [seed, launches so far], the seed drawn from torch's generator of
+    the device (so torch.cuda.manual_seed makes the draws reproducible)."""
+    seed = torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64)
+    return torch.cat([seed, torch.zeros(1, dtype=torch.int64, device=device)])
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, rng: torch.Tensor, out: torch.Tensor | None = None,
+           out_dtype: torch.dtype = torch.int64, workspace: torch.Tensor | None = None,
+           pdl: bool = False) -> torch.Tensor:
+    """ids [B]: a draw of row b from softmax(logits[b] / temperature[b]) (fp32 temperature [B] > 0),
+    as argmax_v logits[b, v] / temperature[b] + Gumbel noise, in one pass over the logits. The noise
+    is Philox keyed by rng[0] (rng_state) at counter rng[1], which the kernel advances: each launch,
+    and each replay of a CUDA graph holding one, draws anew."""
+    _check_logits(logits)
+    check_tensor(temperature, "temperature", torch.float32, (logits.shape[0],), logits.device, 4)
+    check_tensor(rng, "rng", torch.int64, (2,), logits.device, 8)
+    return _scan("sample", logits, out, out_dtype, workspace, pdl, [temperature, rng])
+
+
+def _check_logits(logits) -> None:
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_cuda:
         raise ValueError("logits must be a CUDA tensor [B, V]")
     if logits.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"logits must be bf16 or fp32, got {logits.dtype}")
-    b, v = logits.shape
-    if b == 0 or v == 0 or logits.stride(1) != 1:
+    if logits.numel() == 0 or logits.stride(1) != 1:
         raise ValueError("logits must be non-empty with unit stride along the vocabulary")
+
+
+def _scan(kind: str, logits, out, out_dtype, workspace, pdl, extra) -> torch.Tensor:
+    _check_logits(logits)
+    b, v = logits.shape
     if out is None:
         out = torch.empty(b, dtype=out_dtype, device=logits.device)
     if out.dtype not in (torch.int32, torch.int64):
@@ -62,10 +90,10 @@ def greedy(logits: torch.Tensor, out: torch.Tensor | None = None, out_dtype: tor
         raise ValueError(f"argmax workspace must be int64 with >= {need} elements on {logits.device}")
     esize = logits.element_size()
     vec_ok = logits.data_ptr() % 16 == 0 and (logits.stride(0) * esize) % 16 == 0
-    name = "argmax_bf16" if logits.dtype == torch.bfloat16 else "argmax_f32"
+    name = f"{kind}_bf16" if logits.dtype == torch.bfloat16 else f"{kind}_f32"
     _kernel(name).launch(
         (splits, b), (THREADS,),
         [out, I32(out.dtype == torch.int64), logits, I64(logits.stride(0)), I32(v), I32(chunk), I32(vec_ok),
-         workspace, workspace[workspace.numel() - 1:]],
+         workspace, workspace[workspace.numel() - 1:], *extra],
         pdl=pdl, device=logits.device.index)
     return out

@@ -430,7 +430,8 @@ def test_a_sampled_eager_prompt_step_draws_on_the_device(ckpt):
     assert 0 <= tokens["r1"][0] < config.vocab_size
 
 
-def test_graph_sampler_calls_ahead_of_the_gpu_keep_their_own_parameters():
+@pytest.mark.parametrize("gumbel", [False, True], ids=["softmax-race", "gumbel-max"])
+def test_graph_sampler_calls_ahead_of_the_gpu_keep_their_own_parameters(gumbel, monkeypatch):
     """Host calls that run ahead of a busy GPU (a mixed step samples twice, and the next step is
     launched while it runs): each call's parameters reach the GPU as they were, not overwritten by a
     later call's through a reused pinned buffer. Greedy rows must keep the argmax even when the calls
@@ -438,6 +439,8 @@ def test_graph_sampler_calls_ahead_of_the_gpu_keep_their_own_parameters():
     from flint_sched.core.plan import ScheduledRequest
     from flint_sched.executor.graph_sampler import GraphSampler
 
+    from flint_sched.executor import graph_sampler
+    monkeypatch.setattr(graph_sampler, "GUMBEL_MAX", gumbel)    # temperature alone: kernels/sampling.py sample
     logits = torch.zeros(8, 1000, device="cuda", dtype=torch.bfloat16)
     logits[:, 7] = 0.5                                          # the argmax; a hot draw takes it ~0.2 % of the time
     greedy = logits.float().argmax(-1)

@@ -1,9 +1,11 @@
-"""Greedy token choice (cuda/argmax.cu) against torch.argmax: exact, including ties and NaN."""
+"""Greedy token choice (cuda/argmax.cu) against torch.argmax: exact, including ties and NaN; and
+temperature sampling by the Gumbel-max trick against softmax(logits / temperature)."""
 
 import pytest
 import torch
 
 from flint_sched.kernels import argmax_workspace, greedy
+from flint_sched.kernels.sampling import rng_state, sample
 
 pytestmark = pytest.mark.gpu
 
@@ -65,3 +67,69 @@ def test_workspace_reuse_and_cuda_graph():
     assert workspace[-1].item() == 0, "ticket not reset"
     for batch in (1, 5):                               # a smaller batch fits the same workspace
         assert torch.equal(greedy(x[:batch], workspace=workspace), torch.argmax(x[:batch], dim=-1).int())
+
+
+def frequencies(x: torch.Tensor, temperature: torch.Tensor, launches: int) -> torch.Tensor:
+    """How often each token of x's rows (identical rows) was drawn over `launches` launches."""
+    rng = rng_state("cuda")
+    counts = torch.zeros(x.shape[1], device="cuda")
+    for _ in range(launches):
+        counts += torch.bincount(sample(x, temperature, rng), minlength=x.shape[1])
+    assert int(rng[1]) == launches, "each launch advances the noise counter"
+    return counts / counts.sum()
+
+
+@pytest.mark.parametrize("v", [4104, 4099])      # 16-byte loads; 4099: rows not 16-byte aligned (scalar loads)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t", [0.7, 1.0, 1.6])
+def test_sample_draws_softmax_of_logits_over_temperature(t, dtype, v):
+    """Rows of 12 tokens at different logits (the rest -inf, never drawn): 64 rows x 300 launches,
+    each token's share within 0.015 of softmax(logits / t)."""
+    row = torch.full((v,), float("-inf"), device="cuda")
+    hot = torch.tensor([3, 100, 2000, 2001, 4000, v - 1, 7, 8, 9, 10, 11, 12], device="cuda")
+    row[hot] = torch.linspace(-1.5, 1.5, len(hot), device="cuda")
+    x = row.to(dtype).repeat(64, 1)
+    freq = frequencies(x, torch.full((64,), t, device="cuda"), 300)
+    expected = torch.softmax(x[0].float() / t, dim=-1)
+    assert (freq - expected).abs().max() < 0.015, (freq[hot], expected[hot])
+    assert freq[torch.isinf(x[0].float())].sum() == 0
+
+
+def test_sample_rows_keep_their_own_temperature_and_strided_rows():
+    """A cold row (t = 0.01) draws its argmax, a hot one spreads; rows of a strided view (the scalar
+    path) draw as well."""
+    wide = logits(4, 1003, torch.bfloat16, seed=9)
+    x = wide[:, :1001]
+    temperature = torch.tensor([0.01, 5.0, 0.01, 5.0], device="cuda")
+    rng = rng_state("cuda")
+    draws = torch.stack([sample(x, temperature, rng) for _ in range(50)])
+    assert (draws[:, 0] == x[0].float().argmax()).all() and (draws[:, 2] == x[2].float().argmax()).all()
+    assert len(set(draws[:, 1].tolist())) > 10 and len(set(draws[:, 3].tolist())) > 10
+
+
+def test_sample_in_a_cuda_graph_draws_anew_each_replay_and_a_seed_repeats():
+    b, v = 8, 151552
+    x = torch.zeros(b, v, device="cuda", dtype=torch.bfloat16)     # flat: every token as likely
+    temperature = torch.ones(b, device="cuda")
+    torch.cuda.manual_seed(5)
+    rng = rng_state("cuda")
+    workspace = argmax_workspace(b, v, "cuda")
+    out = torch.empty(b, dtype=torch.int64, device="cuda")
+    sample(x, temperature, rng, out=out, workspace=workspace)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sample(x, temperature, rng, out=out, workspace=workspace)
+    draws = []
+    for _ in range(20):
+        graph.replay()
+        draws.append(out.clone())
+    draws = torch.stack(draws)
+    assert len(set(draws.flatten().tolist())) > 150, "replays drew the same noise"
+    assert int(rng[1]) == 21                                        # one eager launch + 20 replays (capture runs nothing)
+    torch.cuda.manual_seed(5)
+    again = rng_state("cuda")
+    assert torch.equal(again[0], rng[0])
+    first = sample(x, temperature, again)
+    torch.cuda.manual_seed(5)
+    assert torch.equal(sample(x, temperature, rng_state("cuda")), first), "the same seed, the same draws"
