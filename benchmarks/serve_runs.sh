@@ -14,12 +14,15 @@
 # the CUDA executor's), and how many garbage-collector pauses of 50 ms or more its log reports.
 set -euo pipefail
 port=${PORT:-8000}
+# The CLI: the installed `flint-sched`, or the module where the package is only on PYTHONPATH
+# (the GPU machine installs wheels with --target, which writes no console scripts)
+if command -v flint-sched >/dev/null; then cli=(flint-sched); else cli=(python3 -m flint_sched.cli); fi
 log=${SERVE_LOG:-/tmp/flint-serve.log}
 server_flags=$1
 shift
 
 # shellcheck disable=SC2086
-flint-sched serve $server_flags --port "$port" >"$log" 2>&1 &
+"${cli[@]}" serve $server_flags --port "$port" >"$log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 
@@ -43,7 +46,7 @@ for bench_flags in "$@"; do
     echo "== flint-sched bench serve $bench_flags"
     read -r busy0 prompt0 idle0 stalled0 < <(gpu_seconds "$(curl -s "http://127.0.0.1:$port/metrics")")
     # shellcheck disable=SC2086
-    flint-sched bench serve --base-url "http://127.0.0.1:$port" --disable-tqdm $bench_flags
+    "${cli[@]}" bench serve --base-url "http://127.0.0.1:$port" --disable-tqdm $bench_flags
     metrics=$(curl -s "http://127.0.0.1:$port/metrics")
     read -r busy1 prompt1 idle1 stalled1 < <(gpu_seconds "$metrics")
     awk -v b="$busy1" -v b0="$busy0" -v p="$prompt1" -v p0="$prompt0" -v i="$idle1" -v i0="$idle0" \
