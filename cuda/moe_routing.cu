@@ -52,8 +52,10 @@ __device__ __forceinline__ void topk_tokens(int* ids, float* weights, const floa
   const int warp = threadIdx.x >> 5;
   const int t = blockIdx.x * ROUTING_WARPS + warp;
   if (t >= ntok) return;
-  float s[ROUTER_PER_LANE], part[MAX_LOGIT_PARTS - 1][ROUTER_PER_LANE];
+  float s[ROUTER_PER_LANE];
   lane_values(s, logits + (size_t)t * E, E);
+#if ROUTER_PER_LANE <= 8
+  float part[MAX_LOGIT_PARTS - 1][ROUTER_PER_LANE];
 #pragma unroll
   for (int q = 1; q < MAX_LOGIT_PARTS; ++q)  // every part's loads in flight before the first add
     if (q < parts) lane_values(part[q - 1], logits + ((size_t)q * M + t) * E, E);
@@ -63,6 +65,15 @@ __device__ __forceinline__ void topk_tokens(int* ids, float* weights, const floa
 #pragma unroll
       for (int i = 0; i < ROUTER_PER_LANE; ++i) s[i] += part[q - 1][i];
     }
+#else  // 32 experts a lane: a part at a time (all of them at once would spill), the same order
+#pragma unroll 1
+  for (int q = 1; q < parts; ++q) {
+    float part[ROUTER_PER_LANE];
+    lane_values(part, logits + ((size_t)q * M + t) * E, E);
+#pragma unroll
+    for (int i = 0; i < ROUTER_PER_LANE; ++i) s[i] += part[i];
+  }
+#endif
 #pragma unroll
   for (int i = 0; i < ROUTER_PER_LANE; ++i) s[i] = 1.0f / (1.0f + expf(-s[i]));
   router_select(ids + t * A, weights + t * A, s, bias, E, A, scaling, ids_copy ? ids_copy + warp * A : nullptr);

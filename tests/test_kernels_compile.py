@@ -64,6 +64,17 @@ def test_resource_usage_reports_registers_and_spills():
     assert usage["tiny"].registers >= 1 and usage["tiny"].spill_store_bytes == usage["tiny"].spill_load_bytes == 0
 
 
+@pytest.mark.parametrize("source,defines", [
+    ("moe_routing.cu", {"ROUTER_MAX_EXPERTS": 256}), ("moe_routing.cu", {"ROUTER_MAX_EXPERTS": 1024}),
+    ("moe_routing.cu", {"ROUTER_MAX_EXPERTS": 1024, "MASK_TOKENS": 0}), ("rmsnorm.cu", {}), ("argmax.cu", {}),
+    ("embedding.cu", {})])
+def test_small_kernels_do_not_spill(source, defines):
+    """The routing (split-K logit parts held at once for 256 experts, one part at a time for 1024),
+    norms, argmax / sampling and embedding builds keep everything in registers."""
+    for name, usage in _runtime.resource_usage(source, defines).items():
+        assert usage.spill_store_bytes == usage.spill_load_bytes == 0, f"{source} {defines} {name}: {usage}"
+
+
 def test_kernel_resources_command(monkeypatch, capsys):
     from flint_sched.benchmarks import kernel_resources
 
