@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The standard GPU measurements in one call (device time is scarce), by part:
+#
+#   benchmarks/gpu_suite.sh PART [PART ...]
+#
+#   tests         the GPU tests (tests/gpu; failures and the summary)
+#   latency       bench latency, NVFP4, bf16 KV: 1K context at 1-256 requests, and 16 at 100K
+#   latency-fp8   the same with an e4m3 KV cache: 16 / 64 / 256 at 1K, 16 / 64 at 100K
+#   latency-bf16  BF16 weights: 1 / 16 / 64 / 256 at 1K
+#   serve         serve_runs.sh, 1K in / 1K out: c=256 with the e4m3 and the bf16 cache, c=64 (bf16)
+#
+# Only the lines that carry figures are printed (decode steps, served throughput, TTFT / ITL, GPU
+# busy and idle, failures, what /metrics still holds after a run). On a machine with a GPU, the
+# wheels in ./.whl (../shared/tools/device-wheels) are installed into /tmp/site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ $# -gt 0 ] || { sed -n 2,14p "$0"; exit 2; }
+if command -v nvidia-smi >/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+latency() {  # weight format, then bench latency's other flags
+    local fmt=$1; shift
+    python3 -m flint_sched.benchmarks.latency --model flint --weight-format "$fmt" --executor cuda --device cuda \
+        --prefill-lens= --num-steps 20 "$@" 2>&1 | grep -E "^decode|^skipped|Error|error" || true
+}
+serve() {  # server flags after the model's, then bench flags
+    local extra=$1; shift
+    benchmarks/serve_runs.sh "flint --load-format dummy --weight-format nvfp4 --max-model-len 4096 $extra" "$@" 2>&1 |
+        grep -E "^==|Successful|Failed|Output token throughput|Median TTFT|P99 TTFT|Median ITL|P99 ITL|GPU during|num_requests|kv_cache_usage|GC|exited|Error" || true
+}
+RANDOM_1K="--endpoint /v1/completions --dataset-name random --random-token-ids --ignore-eos --random-input-len 1024 --random-output-len 1024"
+
+for part in "$@"; do
+    echo "== gpu_suite $part ($(date -u +%H:%M:%S), $(git rev-parse --short HEAD 2>/dev/null || echo no-git))"
+    case $part in
+        tests) python3 -m pytest -q tests/gpu 2>&1 | grep -E "^FAILED|^ERROR| in [0-9.]+s" ;;
+        latency)
+            latency nvfp4 --batch-sizes 1,8,9,12,16,32,64,128,256 --contexts 1024
+            latency nvfp4 --batch-sizes 16 --contexts 102400 --max-case-seconds 30 ;;
+        latency-fp8)
+            latency nvfp4 --kv-cache-dtype fp8 --batch-sizes 16,64,256 --contexts 1024
+            latency nvfp4 --kv-cache-dtype fp8 --batch-sizes 16,64 --contexts 102400 --max-case-seconds 30 ;;
+        latency-bf16) latency bf16 --batch-sizes 1,16,64,256 --contexts 1024 ;;
+        serve)
+            serve "--kv-cache-dtype fp8" "$RANDOM_1K --num-prompts 512 --max-concurrency 256 --seed 9"
+            serve "" "$RANDOM_1K --num-prompts 512 --max-concurrency 256 --seed 9" \
+                "$RANDOM_1K --num-prompts 128 --max-concurrency 64 --seed 7" ;;
+        *) echo "unknown part $part (tests, latency, latency-fp8, latency-bf16, serve)"; exit 2 ;;
+    esac
+done
