@@ -14,9 +14,9 @@ from flint_sched.kernels.sampling import argmax_workspace, rng_state, sample
 HOST_BUFFERS = 4
 # Temperature-only batches (no top-k / top-p / min-p) draw with kernels/sampling.py `sample`: one pass
 # over the bf16 logits (Gumbel-max) instead of an fp32 copy, a softmax and exponential noise of
-# [batch, vocab]; a call at 256 rows of Flint's vocabulary took 225 µs against 648 (H200, session 23).
-# Off until its GPU tests pass: the first build's noise had __logf near u = 1 (NaN keys, which won
-# the race for -inf logits); the fixed kernel was not yet run on a GPU.
+# [batch, vocab]; a call at 256 rows of Flint's vocabulary took 225 µs against 648 (H200, session 23,
+# the first build). Off until its GPU tests pass: that build's noise took __logf near u = 1 (NaN
+# keys, which won the race, -inf logits too); the fix (logf) has not run on a GPU yet.
 GUMBEL_MAX = False
 
 
