@@ -159,21 +159,12 @@ def _dense_bf16(w: Weight, row_splits: tuple[int, ...], pdl: bool) -> torch.Tens
 
 
 @functools.cache
-def mm_out_fp32_supported(device: torch.device) -> bool:
-    """Whether torch.mm takes out_dtype=torch.float32 for bf16 inputs here (CUDA, torch >= 2.8)."""
+def mm_out_fp32_supported(device: torch.device, batched: bool = False) -> bool:
+    """Whether torch.mm (batched: torch.bmm) takes out_dtype=torch.float32 for bf16 inputs here (CUDA,
+    torch >= 2.8)."""
     try:
-        a = torch.zeros(16, 16, dtype=torch.bfloat16, device=device)
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (TypeError, RuntimeError, NotImplementedError):
-        return False
-
-
-@functools.cache
-def bmm_out_fp32_supported(device: torch.device) -> bool:
-    """Whether torch.bmm takes out_dtype=torch.float32 for bf16 inputs here (CUDA, torch >= 2.8)."""
-    try:
-        a = torch.zeros(2, 16, 16, dtype=torch.bfloat16, device=device)
-        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        a = torch.zeros(*((2,) if batched else ()), 16, 16, dtype=torch.bfloat16, device=device)
+        return (torch.bmm if batched else torch.mm)(a, a, out_dtype=torch.float32).dtype == torch.float32
     except (TypeError, RuntimeError, NotImplementedError):
         return False
 
@@ -193,15 +184,27 @@ NORM_SPLIT_K = 4
 NORM_SPLIT_MAX_ROWS = 128
 
 
+def mm_f32_parts(x: torch.Tensor, w: torch.Tensor, parts: int, out: torch.Tensor | None = None
+                 ) -> torch.Tensor | None:
+    """x @ w^T (bf16 [M, K] and [N, K]) as `parts` split-K fp32 products [parts, M, N] on cuBLAS: one
+    batched GEMM over K / parts slices of both (views, no copies), into `out` where given. None where
+    it cannot: fewer than 2 parts, slices not whole 16-byte rows, inputs not contiguous, no bmm
+    out_dtype here."""
+    m, k = x.shape
+    if (parts < 2 or k % (8 * parts) or not (x.is_contiguous() and w.is_contiguous())
+            or not mm_out_fp32_supported(x.device, batched=True)):
+        return None
+    a, b = x.view(m, parts, k // parts).transpose(0, 1), w.t().view(parts, k // parts, w.shape[0])
+    if out is None:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a, b, out_dtype=torch.float32, out=out)
+
+
 def _mm_f32_parts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """_mm_f32 as [S, M, N] split-K parts where NORM_SPLIT_K / NORM_SPLIT_MAX_ROWS say, else [M, N]."""
-    m, k = x.shape
-    s = NORM_SPLIT_K
-    if not (1 < s <= MAX_NORM_PARTS and m <= NORM_SPLIT_MAX_ROWS and k % (8 * s) == 0 and x.is_contiguous()
-            and w.is_contiguous() and bmm_out_fp32_supported(x.device)):
-        return _mm_f32(x, w)
-    return torch.bmm(x.view(m, s, k // s).transpose(0, 1), w.t().view(s, k // s, w.shape[0]),
-                     out_dtype=torch.float32)
+    fits = x.shape[0] <= NORM_SPLIT_MAX_ROWS and NORM_SPLIT_K <= MAX_NORM_PARTS
+    parts = mm_f32_parts(x, w, NORM_SPLIT_K) if fits else None
+    return _mm_f32(x, w) if parts is None else parts
 
 
 def _sum_parts(p: torch.Tensor) -> torch.Tensor:

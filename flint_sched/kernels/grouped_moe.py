@@ -28,9 +28,8 @@ import torch
 
 from flint_sched.kernels import expert_decode, expert_gemm
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
-from flint_sched.kernels.grouped import (CHUNKS, TILE_ROWS, TILES_PER_CTA, WARPS, bmm_out_fp32_supported,
-                                         check_rows, gemm_kernel, grid, grouped_linear, moe_chunk, out_buffer,
-                                         work_bound)
+from flint_sched.kernels.grouped import (CHUNKS, TILE_ROWS, TILES_PER_CTA, WARPS, check_rows, gemm_kernel, grid,
+                                         grouped_linear, mm_f32_parts, moe_chunk, out_buffer, work_bound)
 from flint_sched.kernels.linear import (Weight, cdiv, check_tensor, expert_args, linear, moe_gate_up_args,
                                         weight_format)
 from flint_sched.kernels.norm import MAX_HIDDEN, norm_threads
@@ -428,16 +427,14 @@ def router_logits(x: torch.Tensor, router_gate: torch.Tensor, ws: MoeRoutingWork
     """fp32 logits of x bf16 [M, H] against the router's gate bf16 [E, H]: [M, E] (the GEMV up to
     ROUTER_GEMV_MAX_ROWS rows, else grouped_linear), or [S, M, E] split-K parts up to
     ROUTER_SPLIT_MAX_ROWS rows (route_and_sort adds them)."""
-    m, k = x.shape
-    e = router_gate.shape[0]
+    m, e = x.shape[0], router_gate.shape[0]
     if m <= ROUTER_GEMV_MAX_ROWS:
         return linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl, warps=ROUTER_GEMV_WARPS)
     s = ROUTER_SPLIT_K
-    if (1 < s <= MAX_LOGIT_PARTS and m <= ROUTER_SPLIT_MAX_ROWS and k % (8 * s) == 0 and x.is_contiguous()
-            and s * m * e <= ws.logit_parts.numel() and bmm_out_fp32_supported(x.device)):
-        parts = ws.logit_parts[:s * m * e].view(s, m, e)
-        return torch.bmm(x.view(m, s, k // s).transpose(0, 1), router_gate.t().view(s, k // s, e),
-                         out_dtype=torch.float32, out=parts)
+    if s <= MAX_LOGIT_PARTS and m <= ROUTER_SPLIT_MAX_ROWS and s * m * e <= ws.logit_parts.numel():
+        parts = mm_f32_parts(x, router_gate, s, out=ws.logit_parts[:s * m * e].view(s, m, e))
+        if parts is not None:
+            return parts
     return grouped_linear(x, router_gate, out=ws.logits[:m], out_dtype=torch.float32, pdl=pdl)
 
 
