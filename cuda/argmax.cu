@@ -56,7 +56,9 @@ struct Noise {  // SAMPLE: the scan's values become f / temperature + Gumbel noi
   }
 };
 
-__device__ __forceinline__ u32 lane_of(const uint4& d, int j) { return j == 0 ? d.x : j == 1 ? d.y : j == 2 ? d.z : d.w; }
+__device__ __forceinline__ u32 lane_of(const uint4& d, int j) {
+  return j == 0 ? d.x : j == 1 ? d.y : j == 2 ? d.z : d.w;
+}
 
 template <bool BF16, bool SAMPLE>
 __device__ __forceinline__ void argmax_rows(void* out, int out_int64, const void* logits,

@@ -160,7 +160,8 @@ __device__ __forceinline__ void sort_pairs(const Sorted& out, const int* ids, in
     return r;
   };
   if (masks) {
-    for (int i = tid; i < ntok * A; i += blockDim.x) atomicOr(&mask[ids[i] * MASK_WORDS + i / A / 32], 1u << (i / A % 32));
+    for (int i = tid; i < ntok * A; i += blockDim.x)  // routed pair i: token i / A
+      atomicOr(&mask[ids[i] * MASK_WORDS + i / A / 32], 1u << (i / A % 32));
   } else {
     for (int i = tid; i < ROUTING_WARPS * bins; i += blockDim.x) hist[i] = 0;
     __syncthreads();

@@ -126,7 +126,7 @@ def test_sample_in_a_cuda_graph_draws_anew_each_replay_and_a_seed_repeats():
         draws.append(out.clone())
     draws = torch.stack(draws)
     assert len(set(draws.flatten().tolist())) > 150, "replays drew the same noise"
-    assert int(rng[1]) == 21                                        # one eager launch + 20 replays (capture runs nothing)
+    assert int(rng[1]) == 21                          # one eager launch + 20 replays (capture runs nothing)
     torch.cuda.manual_seed(5)
     again = rng_state("cuda")
     assert torch.equal(again[0], rng[0])
