@@ -28,9 +28,12 @@ latency() {  # weight format, then bench latency's other flags
 serve() {  # server flags after the model's, then bench flags
     local extra=$1; shift
     benchmarks/serve_runs.sh "flint --load-format dummy --weight-format nvfp4 --max-model-len 4096 $extra" "$@" 2>&1 |
-        grep -E "^==|Successful|Failed|Output token throughput|Median TTFT|P99 TTFT|Median ITL|P99 ITL|GPU during|num_requests|kv_cache_usage|GC|exited|Error" || true
+        grep -E "$SERVED_FIGURES" || true
 }
-RANDOM_1K="--endpoint /v1/completions --dataset-name random --random-token-ids --ignore-eos --random-input-len 1024 --random-output-len 1024"
+SERVED_FIGURES="^==|Successful|Failed|Output token throughput|Median TTFT|P99 TTFT|Median ITL|P99 ITL"
+SERVED_FIGURES+="|GPU during|num_requests|kv_cache_usage|GC|exited|Error"
+RANDOM_1K="--endpoint /v1/completions --dataset-name random --random-token-ids --ignore-eos"
+RANDOM_1K+=" --random-input-len 1024 --random-output-len 1024"
 
 for part in "$@"; do
     echo "== gpu_suite $part ($(date -u +%H:%M:%S), $(git rev-parse --short HEAD 2>/dev/null || echo no-git))"
