@@ -39,11 +39,12 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
   return c;
 }
 
-// Gumbel noise -log(-log u) of a 32-bit draw, u = (top 24 bits + 0.5) / 2^24 in (0, 1). The inner
-// log is the accurate one: near u = 1 (e = -log u down to 3e-8) __logf's absolute error (~1e-7)
-// would give e <= 0, an infinite or NaN key, which wins the race (and 1 value in ~10^6 is that near).
+// Gumbel noise -log(-log u) of a 32-bit draw, u = (top 23 bits + 0.5) / 2^23 in (0, 1), exact in
+// fp32 (with 24 bits, 2^24 - 0.5 rounds to 2^24: u = 1, a NaN key that wins the race, 1 draw in
+// 2^24). The inner log is the accurate one: near u = 1 (e = -log u down to 6e-8) __logf's absolute
+// error (~1e-7) would give e <= 0 as well.
 __device__ __forceinline__ float gumbel(u32 bits) {
-  const float u = ((float)(bits >> 8) + 0.5f) * 5.9604644775390625e-8f;
+  const float u = ((float)(bits >> 9) + 0.5f) * 1.1920928955078125e-7f;
   return -__logf(-logf(u));
 }
 
