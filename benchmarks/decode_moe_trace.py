@@ -89,8 +89,9 @@ def report(m: int, config: str, trace: torch.Tensor, items: int, gate_up_per_ite
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256])
-    p.add_argument("--config", choices=sorted(grouped_moe.FUSED_DECODE_CONFIGS),
-                   help="an expert_decode config with one launch (default: the pick for the tokens)")
+    traced = sorted(c for c in grouped_moe.FUSED_DECODE_CONFIGS if not expert_decode.CONFIGS[c].get("ED_CLUSTER"))
+    p.add_argument("--config", choices=traced,
+                   help="an expert_decode config with one (queue) launch (default: the pick for the tokens)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -98,8 +99,8 @@ def main() -> int:
     sets = [moe_set("nvfp4") for _ in range(2)]
     for m in args.tokens:
         config = args.config or expert_decode.pick_config(m)
-        if config not in grouped_moe.FUSED_DECODE_CONFIGS:
-            print(f"\n{m} tokens: {config} runs two launches; only the one-launch kernel is traced")
+        if config not in traced:
+            print(f"\n{m} tokens: {config} runs two launches or clusters; only the queue kernel is traced")
             continue
         report(m, config, *trace_once(m, config, sets, args.seed))
     return 0

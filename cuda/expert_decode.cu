@@ -27,6 +27,7 @@
 //
 // PDL as grouped_gemm.cu: gate/up waits first (its work list comes from the launch before) and then
 // lets the down kernel start, which reads the work list and its first weights before its own wait.
+#include "async_copy.cuh"  // cluster barriers
 #include "expert_decode_trace.cuh"
 #include "gemv_tile.cuh"  // nvfp4.cuh, silu
 
@@ -57,6 +58,9 @@
 #ifndef ED_DOWN_PAIRS
 #define ED_DOWN_PAIRS 0  // 1: the one-launch kernel's down units take two items of an expert at once (below)
 #endif
+#ifndef ED_CLUSTER
+#define ED_CLUSTER 0  // > 0: expert_decode_moe_cluster_nvfp4, an item's units as one cluster of this many CTAs (below)
+#endif
 #ifndef ED_PROBE
 #define ED_PROBE 0  // timing probes, wrong results (benchmarks/bench_grouped.py --decode-probes): 1 leaves out
                     // the NVFP4 decode (code words straight into the MMAs), 2 the weight loads after a warp's
@@ -65,6 +69,7 @@
 #define ED_KR 512            // weights of K per round: 4 lanes x 4 k-steps x 32
 #define ED_ROWS (ED_GROUPS * 8)
 static_assert(ED_GROUPS == 1 || ED_GROUPS == 2, "items of one or two 8-row groups");
+static_assert(!(ED_CLUSTER && ED_DOWN_PAIRS), "a cluster's CTAs take one item's units: no down pairs");
 #define ED_TABLE_BYTES 1024  // the scale table, then the x rows
 
 // x row r, 16-byte chunk c (elements 8c .. 8c + 7, pair order) at byte r * x_row_bytes(K) +
@@ -120,8 +125,10 @@ struct EdRound {  // one round of a lane: 128 weights of tile rows g and g + 8
 // tile_group: which ED_WARPS * TILES tiles (blockIdx.y of the two-kernel grid). ready (the fused
 // kernel's down units): x is written during this launch, ready once ready[0 .. ready_items) all
 // reach ready_count; the first weights are loaded before that wait and x is staged from L2, not
-// through L1.
-template <bool GATE_UP, int G>
+// through L1. CLUSTER (expert_decode_moe_cluster): a down unit waits as that at the cluster's barrier,
+// which the caller arrived at after its gate/up unit; a gate/up unit stages x with the cluster's
+// other CTAs.
+template <bool GATE_UP, int G, bool CLUSTER = false>
 __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const int* gather, const EdWeights (&w)[4],
                                                    int expert, int row0, int rows, int N, int K, int E,
                                                    int tile_group, const int* ready, int ready_count,
@@ -170,6 +177,7 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
   };
   if (rounds > 0) next_load(fa);  // in flight while x is staged
   if (!GATE_UP) pdl_wait();       // h comes from the gate/up launch
+  if (!GATE_UP && CLUSTER) cluster_wait_acquire();  // or from this cluster's gate/up units
   if (ready && threadIdx.x == 0)  // or from this one (the __syncthreads below releases the CTA)
     for (int i = 0; i < ready_items; ++i)
       while (ld_acquire_gpu(ready + i) < ready_count) __nanosleep(100);
@@ -183,23 +191,51 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
     src_row[threadIdx.x] = threadIdx.x >= rows ? -1 : gather ? __ldcg(gather + row0 + threadIdx.x) : row0 + threadIdx.x;
   __syncthreads();
   const int chunks = K / 8, total = 8 * G * chunks;
-  for (int base = threadIdx.x; base < total; base += ED_STAGE_LOADS * blockDim.x) {
+  // A gate/up unit of the cluster kernel: the cluster's CTAs load a share of the chunks each (CTA r:
+  // blocks r, r + ED_CLUSTER, .. of blockDim chunks) and store them into every CTA's rows once all
+  // have started: x read from L2 once a cluster, not once a CTA (9 tokens: the MoE layer 50.6 ->
+  // 44.1 µs).
+  constexpr int SHARES = GATE_UP && CLUSTER ? ED_CLUSTER : 1;
+  u32 dst[SHARES];
+  int stage_first = threadIdx.x;
+  if constexpr (SHARES > 1) {
+    stage_first += (int)cluster_ctarank() * blockDim.x;
+#pragma unroll
+    for (int q = 0; q < SHARES; ++q) dst[q] = cluster_map(x_base, q);
+    cluster_arrive_relaxed();
+    cluster_wait_acquire();
+  } else {
+    dst[0] = x_base;
+  }
+  for (int base = stage_first; base < total; base += SHARES * ED_STAGE_LOADS * blockDim.x) {
     uint4 v[ED_STAGE_LOADS];
 #pragma unroll
     for (int j = 0; j < ED_STAGE_LOADS; ++j) {
-      const int idx = base + j * blockDim.x, r = idx / chunks;
+      const int idx = base + j * SHARES * blockDim.x, r = idx / chunks;
       const int src = idx < total ? src_row[r] : -1;
       const u16* p = x + (size_t)src * K + 8 * (idx - r * chunks);
-      v[j] = src < 0 ? make_uint4(0, 0, 0, 0) : ready ? __ldcg(reinterpret_cast<const uint4*>(p)) : ld_act_v4(p);
+      v[j] = src < 0                  ? make_uint4(0, 0, 0, 0)
+             : ready || CLUSTER ? __ldcg(reinterpret_cast<const uint4*>(p))
+                                : ld_act_v4(p);
     }
 #pragma unroll
     for (int j = 0; j < ED_STAGE_LOADS; ++j) {
-      const int idx = base + j * blockDim.x, r = idx / chunks;
+      const int idx = base + j * SHARES * blockDim.x, r = idx / chunks;
       if (idx >= total) break;
       u32 p[4];
       x_pairs_for_e2m1(v[j], p);
-      sts_v4(x_base + r * row_bytes + x_slot(idx - r * chunks) * 16u, make_uint4(p[0], p[1], p[2], p[3]));
+      const u32 at = r * row_bytes + x_slot(idx - r * chunks) * 16u;
+      if constexpr (SHARES > 1) {
+#pragma unroll
+        for (int q = 0; q < SHARES; ++q) st_cluster_v4(dst[q] + at, make_uint4(p[0], p[1], p[2], p[3]));
+      } else {
+        sts_v4(dst[0] + at, make_uint4(p[0], p[1], p[2], p[3]));
+      }
     }
+  }
+  if constexpr (SHARES > 1) {  // every CTA's share stored
+    cluster_arrive_release();
+    cluster_wait_acquire();
   }
   __syncthreads();
   ed_mark(3);
@@ -299,7 +335,7 @@ __device__ __forceinline__ void expert_decode_item(u16* out, const u16* x, const
 
 // One item's tiles of one tile group (or with ED_DOWN_PAIRS, a down unit's two items: rows up to
 // 2 ED_ROWS).
-template <bool GATE_UP>
+template <bool GATE_UP, bool CLUSTER = false>
 __device__ __forceinline__ void expert_decode_unit(u16* out, const u16* x, const int* gather, const EdWeights (&w)[4],
                                                    int expert, int row0, int rows, int N, int K, int E,
                                                    int tile_group, const int* ready = nullptr, int ready_count = 0,
@@ -312,10 +348,10 @@ __device__ __forceinline__ void expert_decode_unit(u16* out, const u16* x, const
 #if ED_GROUPS == 2
   // Items of up to 16 rows (routing chunk 16): one of 8 or fewer decodes for one group only.
   if (rows > 8)
-    return expert_decode_item<GATE_UP, 2>(out, x, gather, w, expert, row0, rows, N, K, E, tile_group, ready,
-                                          ready_count, ready_items);
+    return expert_decode_item<GATE_UP, 2, CLUSTER>(out, x, gather, w, expert, row0, rows, N, K, E, tile_group,
+                                                   ready, ready_count, ready_items);
 #endif
-  expert_decode_item<GATE_UP, 1>(out, x, gather, w, expert, row0, rows, N, K, E, tile_group, ready, ready_count,
+  expert_decode_item<GATE_UP, 1, CLUSTER>(out, x, gather, w, expert, row0, rows, N, K, E, tile_group, ready, ready_count,
                                  ready_items);
 }
 
@@ -418,3 +454,34 @@ ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorte
 #endif
   ed_mark(5);
 }
+
+#if ED_CLUSTER
+// ---- the same in one launch, an item's units as one thread block cluster ------------------------
+// (configs ...c, kernels/expert_decode.py expert_decode_moe): cluster i takes item i of the work list
+// (clusters past num_work exit at once), its CTA r the item's gate/up tile group r and then its down
+// tile group r (the config has as many of each as the cluster has CTAs). A CTA arrives at the
+// cluster barrier once its h columns are written, loads its first down weights, then waits there
+// for the item's other gate/up units and stages the item's h rows from L2. No queue: the down work
+// runs in the CTAs that did the gate/up work (in the queue kernel a down unit is a CTA that starts,
+// builds its table and stages only as a gate/up CTA ends), and a down unit waits on its own item
+// alone. Clusters are co-scheduled, so no CTA waits on one that has not started.
+extern "C" __global__ void __cluster_dims__(ED_CLUSTER, 1, 1) __launch_bounds__(ED_WARPS * 32, ED_MIN_CTAS)
+expert_decode_moe_cluster_nvfp4(u16* y, u16* h, const u16* x, const int* sorted_token, Q_ARGS(g), Q_ARGS(u),
+                                Q_ARGS(sg), Q_ARGS(su), Q_ARGS(d), Q_ARGS(sd), WORK_ARGS, int I, int H, int E) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  u32* table = reinterpret_cast<u32*>(smem);
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) table[i] = ue4m3_scale_bf16x2(i);
+  pdl_wait();  // the work list comes from the routing launch
+  pdl_launch_dependents();
+  const int item = blockIdx.x / ED_CLUSTER, group = (int)cluster_ctarank();
+  if (item >= __ldcg(num_work)) return;  // every CTA of the cluster: the same item
+  const int expert = __ldcg(work_expert + item), row0 = __ldcg(work_row + item);
+  const int rows = min(ED_ROWS, __ldcg(offsets + expert + 1) - row0);
+  const EdWeights gate_up[4] = {Q(g), Q(u), Q(sg), Q(su)};
+  expert_decode_unit<true, true>(h, x, sorted_token, gate_up, expert, row0, rows, I, H, E, group);
+  __threadfence();  // this thread's h stores, before the barrier the item's down units wait at
+  cluster_arrive_release();
+  const EdWeights down[4] = {Q(d), Q(d), Q(sd), Q(sd)};
+  expert_decode_unit<false, true>(y, h, nullptr, down, expert, row0, rows, H, I, E, group);
+}
+#endif

@@ -14,7 +14,10 @@ needs_nvrtc = pytest.mark.skipif(not available, reason=f"NVRTC cannot be importe
 def test_compiles_for_sm90a(config, private_cache):
     cubin = _runtime.compile_only("expert_decode.cu", expert_decode.CONFIGS[config], arch="sm_90a")
     assert cubin[:4] == b"\x7fELF"
-    for entry in ("expert_decode_gate_up_nvfp4", "expert_decode_down_nvfp4", "expert_decode_moe_nvfp4"):
+    entries = ["expert_decode_gate_up_nvfp4", "expert_decode_down_nvfp4", "expert_decode_moe_nvfp4"]
+    if expert_decode.CONFIGS[config].get("ED_CLUSTER"):
+        entries.append("expert_decode_moe_cluster_nvfp4")
+    for entry in entries:
         assert entry.encode() in cubin, f"{config} lacks {entry}"
 
 
@@ -55,6 +58,9 @@ def test_grid_per_config():
     assert expert_decode.moe_units("g1t2d4", 2048, 512) == (8, 8)          # 64 / (4 x 2), 128 / (4 x 4)
     assert expert_decode.moe_units("g2w8t4p", 2048, 512) == (2, 4)
     assert expert_decode.moe_grid_ctas(300, "g2w8t4p", 2048, 512) == 1800
+    # a cluster an item: each CTA a gate/up and a down unit
+    assert expert_decode.moe_units("g1t2d4c", 2048, 512) == (8, 8)
+    assert expert_decode.moe_grid_ctas(300, "g1t2d4c", 2048, 512) == 300 * 8
 
 
 def test_shapes_and_shared_memory():
@@ -70,7 +76,8 @@ def test_shapes_and_shared_memory():
 
 
 def test_config_by_token_count(monkeypatch):
-    assert expert_decode.pick_config(1) == expert_decode.pick_config(32) == "g1t2d4"
+    assert expert_decode.pick_config(1) == expert_decode.pick_config(16) == "g1t2d4c"
+    assert expert_decode.pick_config(17) == expert_decode.pick_config(32) == "g1t2d4"
     assert expert_decode.pick_config(33) == expert_decode.pick_config(160) == "g1t4d8"
     assert expert_decode.pick_config(161) == expert_decode.pick_config(1023) == "g2w8t4p"
     assert expert_decode.rows_per_item("g2w8t4p") == 16 and expert_decode.warps("g2w8t4p") == 8

@@ -55,6 +55,14 @@ CONFIGS = {
     "g1t2p": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_DOWN_PAIRS": 1},
     "g1t4d8p": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_DOWN_PAIRS": 1},
     "g2w8t4p": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1},
+    # one launch only: an item's units as one thread block cluster (ED_CLUSTER CTAs, each its gate/up
+    # tile group, then the same down tile group after the cluster's barrier; x staged by the cluster
+    # together; no queue). MoE layer alone (bench_grouped) at 9 / 12 / 16 / 24 tokens 44.1 / 52.4 / 53.7
+    # / 70.0 µs against g1t2d4's 51.1 / 52.8 / 54.0 / 62.7 (x staged by each CTA: 50.6 / 52.5 / 53.4 /
+    # 70.1); a cluster for g1t4d8 (4 CTAs: 64 tokens 84.0 / 84.0, the full model +0.2 ms) or a
+    # 16-row g2w8t2d4 (128 / 256 tokens: 115.0 / 147.6 against g2w8t4p's 105.8 / 135.3) lost
+    # (RESULTS.md, session 24)
+    "g1t2d4c": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 4, "ED_CLUSTER": 8},
 }
 # Tried from benchmarks/decode_moe_trace.py and not kept (MoE layer, bench_grouped, RESULTS.md session
 # 22): x chunks staged from a line that depends on the CTA (all units read the same tokens' rows at
@@ -77,7 +85,7 @@ CONFIG: str | None = None   # a CONFIGS key for every call (benchmarks), or None
 # 12.44 / 12.41 against 12.58 / 12.49, 256: 14.78 / 14.83 against 15.01 / 14.96). Since session 21
 # every config's prefetch loop has one copy of the round body (was two): 16 / 64 / 256 requests
 # 5.40 / 5.34, 8.07 / 8.01, 15.33 / 15.41 -> 5.11 / 5.10, 7.97 / 7.95, 14.92 / 14.92 ms.
-PICKS: tuple[tuple[int, str], ...] = ((32, "g1t2d4"), (160, "g1t4d8"), (1 << 30, "g2w8t4p"))
+PICKS: tuple[tuple[int, str], ...] = ((16, "g1t2d4c"), (32, "g1t2d4"), (160, "g1t4d8"), (1 << 30, "g2w8t4p"))
 
 
 def pick_config(num_tokens: int) -> str:
@@ -206,14 +214,17 @@ def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weigh
                       config: str | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
     """expert_decode_gate_up then expert_decode_down in one launch (cuda/expert_decode.cu
     expert_decode_moe_nvfp4): CTAs take gate/up units, then down units, each down unit starting
-    once its item's gate/up units are done. h_out: the h_sorted buffer [P, I]; queue: the routing
-    workspace's (route_and_sort zeroes it). Returns y_sorted [P, N].
+    once its item's gate/up units are done (configs with ED_CLUSTER: expert_decode_moe_cluster_nvfp4,
+    an item's CTAs a cluster, each a gate/up unit and then a down unit). h_out: the h_sorted buffer
+    [P, I]; queue: the routing workspace's (route_and_sort zeroes it; the cluster kernel takes none).
+    Returns y_sorted [P, N].
     trace: int64 [grid CTAs, TRACE_SLOTS] (moe_grid_ctas): the ED_TRACE build, writing each CTA's
     %globaltimer (ns) at entry, unit taken, inputs ready, x staged, warp 0's rounds done and end
     (0 where a CTA did not get there), its SM and its unit (benchmarks/decode_moe_trace.py)."""
     config = config or pick_config(x.shape[0])
     e, i, n = gate.shape[0], gate.shape[1], down.shape[1]
     p = routing.sorted_token.numel()
+    cluster = CONFIGS[config].get("ED_CLUSTER", 0)
     _, k = _check_x(x, routing, e, config)
     check_tensor(h_out, "h_out", torch.bfloat16, (p, i), x.device)
     if n != k or tuple(down.shape) != (e, k, i):
@@ -225,13 +236,24 @@ def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weigh
     _check(fmt, k, i, config, gate, up, shared_gate, shared_up, down, shared_down)
     y = output(out, "out", (p, n), x)
     ctas = moe_grid_ctas(routing.max_items, config, k, i)
+    moe_args = [*moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device),
+                *expert_args(down, shared_down, ("down", "shared_down"), n, i, e, x.device), *routing.work_args]
+    if cluster:
+        if trace is not None:
+            raise ValueError(f"{config} has no trace build (its items run as clusters)")
+        if moe_units(config, k, i) != (cluster, cluster):
+            raise ValueError(f"{config}: an item of hidden {k}, intermediate {i} takes {moe_units(config, k, i)} "
+                             f"gate/up and down units, not {cluster} of each (its cluster)")
+        _kernel("expert_decode_moe_cluster_nvfp4", config).launch(
+            (ctas,), (32 * warps(config),), [y, h_out, x, routing.sorted_token, *moe_args, I32(i), I32(k), I32(e)],
+            shared_bytes=moe_shared_bytes(config, k, i), pdl=pdl, device=x.device.index)
+        return y
     if trace is not None:
         check_tensor(trace, "trace", torch.int64, (ctas, TRACE_SLOTS), x.device, 8)
     _kernel("expert_decode_moe_nvfp4", config, trace is not None).launch(
         (ctas,), (32 * warps(config),),
-        [y, h_out, x, routing.sorted_token, *moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device),
-         *expert_args(down, shared_down, ("down", "shared_down"), n, i, e, x.device), *routing.work_args, queue,
-         I32(i), I32(k), I32(e), *([] if trace is None else [trace])],
+        [y, h_out, x, routing.sorted_token, *moe_args, queue, I32(i), I32(k), I32(e),
+         *([] if trace is None else [trace])],
         shared_bytes=moe_shared_bytes(config, k, i), pdl=pdl, device=x.device.index)
     return y
 
@@ -242,5 +264,7 @@ def moe_units(config: str, hidden: int, inter: int) -> tuple[int, int]:
 
 
 def moe_grid_ctas(max_items: int, config: str, hidden: int, inter: int) -> int:
-    """expert_decode_moe's grid: every unit of the work list's most items."""
-    return max_items * sum(moe_units(config, hidden, inter))
+    """expert_decode_moe's grid: every unit of the work list's most items (a cluster's CTAs an item
+    where the config has them: each takes a gate/up and a down unit)."""
+    cluster = CONFIGS[config].get("ED_CLUSTER", 0)
+    return max_items * (cluster or sum(moe_units(config, hidden, inter)))

@@ -340,7 +340,7 @@ ROUTER_SPLIT_MAX_ROWS = 256
 # 48: 7.69 / 7.63, 64: 7.80 / 7.92, 96: 9.85 / 9.67, 128: 11.27 / 11.43; g2w8t4 192: 13.44 / 12.84,
 # 256: 15.70 / 14.87. The picks of session 17 (g1t2d4, g2w8t4p) run one launch; g2w8t4p's down
 # units take two items of an expert (ED_DOWN_PAIRS), which only the one-launch kernel does.
-FUSED_DECODE_CONFIGS = frozenset({"g1t2", "g2w8t4", "g1t2d4", "g2w8t4p"})
+FUSED_DECODE_CONFIGS = frozenset({"g1t2", "g2w8t4", "g1t2d4", "g2w8t4p", "g1t2d4c"})
 # NVFP4 steps of at least HYBRID_MIN_TOKENS tokens split the experts by their rows (route_and_split):
 # those of more than HYBRID_SPLIT_ROWS take the tiled GEMMs (each weight decoded once a 128-row tile;
 # on the decode GEMMs once an item of 8-16 rows), the others the decode GEMMs (no tile of 128 rows
