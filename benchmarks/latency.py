@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-format", default="bf16", choices=("nvfp4", "bf16"))
     p.add_argument("--device", default="auto")
     p.add_argument("--executor", default="torch", choices=("torch", "cuda"),
-                   help="cuda: our kernels (fused path for <= 8 decodes, grouped above, from CUDA graphs)")
+                   help="cuda: our kernels (fused path for <= 6 decodes (BF16: 8), grouped above, from CUDA graphs)")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,64,256")
     p.add_argument("--contexts", default="1024,32768,102400")
     p.add_argument("--prefill-lens", default="1024,8192,102400")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flint_sched.core.plan import PLACEHOLDER_TOKEN, ScheduledRequest, StepPlan, StepResult
-from flint_sched.executor.cuda_executor import ONE_FORWARD_MAX_CONTEXT, CudaExecutor
+from flint_sched.executor.cuda_executor import FUSED_PATH_MAX_BATCH, ONE_FORWARD_MAX_CONTEXT, CudaExecutor
 from flint_sched.executor.graphs import GROUPED_BATCH_SIZES, padded_batch
 from flint_sched.config import preset
 from flint_sched.executor.kv_cache import KVCache
@@ -82,6 +82,7 @@ class SplitExecutor(CudaExecutor):
 
     def __init__(self):                                   # noqa: D107 - no GPU state
         self.grouped_batch_sizes = GROUPED_BATCH_SIZES
+        self.limits = ExecutorLimits(FUSED_PATH_MAX_BATCH["nvfp4"])
         self.prompt_graph_tokens = ()
         self.inputs = DecodeInputs(256, 64, 4, torch.device("cpu"))
         self.sampled = SampledTokens(512, torch.device("cpu"))
@@ -109,7 +110,9 @@ def test_a_mixed_step_is_one_forward_over_its_decodes_and_prompt_chunks():
     assert set(result.sampled_token_ids) == {e.request_id for e in decodes} | {"r100"}
 
 
-@pytest.mark.parametrize("num_decodes, variant, rows", [(3, "fused", 4), (12, "grouped", 16)])
+# decode rows: the decodes and r101 (NVFP4: the fused path up to 6)
+@pytest.mark.parametrize("num_decodes, variant, rows", [(3, "fused", 4), (5, "fused", 6), (6, "grouped", 16),
+                                                        (12, "grouped", 16)])
 def test_a_mixed_step_with_a_long_decode_runs_its_decodes_from_a_graph_and_its_prompts_eagerly(num_decodes, variant,
                                                                                                rows):
     long = ONE_FORWARD_MAX_CONTEXT         # one decode this long takes the split

@@ -1,7 +1,8 @@
 """CudaExecutor: every step on our kernels (executor/kernel_ops.py), through the one forward.
 
     plan                                   variant    how
-    <= 8 one-token decodes ("fused")       fused      CUDA graph per batch size 1..8
+    <= 6 one-token decodes ("fused")       fused      CUDA graph per batch size 1..6 (BF16 weights: 8;
+                                                      FUSED_PATH_MAX_BATCH)
     more decodes, up to the largest size   grouped    CUDA graph per padded batch size (graphs.py)
     prompt chunks (mixed steps), or more   prompt     CUDA graph per padded row count up to 2,048
                                                       (graphs.PROMPT_GRAPH_TOKENS), eager above
@@ -60,6 +61,12 @@ from flint_sched.quant.nvfp4 import NVFP4Tensor
 from flint_sched.sampling_params import SamplingParams
 
 FUSED_MAX_BATCH = MAX_TOKENS      # the GEMV and small-batch MoE kernels' limit (kernels/linear.py)
+# Decode steps of at most this many requests take the fused path (the executor's
+# limits.fused_max_batch), by weight format; above, the grouped path. Full model, NVFP4, 1K context,
+# ms a step fused / grouped (its 16-row graph; tmpdev probe, RESULTS.md session 24): 1 request 1.95 /
+# 3.19, 2: 2.30 / 3.27, 4: 2.97 / 3.52, 6: 3.60 / 3.65, 8: 4.22 / 3.80. BF16: not measured, the
+# fused kernels' limit.
+FUSED_PATH_MAX_BATCH = {"nvfp4": 6, "bf16": FUSED_MAX_BATCH}
 # NOTE: the prefill attention kernel gives a one-token chunk one CTA per KV head and no split over
 # its keys (~1 µs per 64 keys): ~70 µs a full layer at 4K, 0.5 ms at 32K, for all decodes at once,
 # against a decode graph step (weights read a second time) of 6-22 ms at batch 16-256 (H200, NVFP4).
@@ -90,14 +97,19 @@ def prompt_rows(entries: list) -> tuple[list[int], list[int]]:
     return ids, sample_rows
 
 
-def _hybrid_available(config: FlintConfig, w: dict) -> bool:
-    """Whether the model's experts fit both kinds of expert GEMMs (NVFP4 at the kernels' shapes)."""
+def _expert_format(config: FlintConfig, w: dict) -> str | None:
+    """"nvfp4" or "bf16": the routed experts' weights (None: no MoE layer)."""
     moe = next((i for i in range(config.num_hidden_layers) if config.is_moe(i)), None)
     if moe is None:
-        return False
-    gate = w[f"model.layers.{moe}.mlp.experts.gate_proj.weight"]
-    fmt = "nvfp4" if isinstance(gate, NVFP4Tensor) else "bf16"
-    return expert_gemms(1, fmt, config.hidden_size, config.moe_intermediate_size, "hybrid") == "hybrid"
+        return None
+    return "nvfp4" if isinstance(w[f"model.layers.{moe}.mlp.experts.gate_proj.weight"], NVFP4Tensor) else "bf16"
+
+
+def _hybrid_available(config: FlintConfig, w: dict) -> bool:
+    """Whether the model's experts fit both kinds of expert GEMMs (NVFP4 at the kernels' shapes)."""
+    fmt = _expert_format(config, w)
+    return fmt is not None and expert_gemms(1, fmt, config.hidden_size, config.moe_intermediate_size,
+                                            "hybrid") == "hybrid"
 
 
 def hybrid_rows(rows: int, available: bool) -> bool:
@@ -145,10 +157,11 @@ class CudaExecutor:
         self.device = torch.device(device)
         self.max_model_len = max_model_len
         self.use_graphs = use_graphs
-        self.limits = ExecutorLimits(FUSED_MAX_BATCH, tuple(range(1, FUSED_MAX_BATCH + 1)) + grouped_batch_sizes)
         self.grouped_batch_sizes = grouped_batch_sizes
         max_rows = max((FUSED_MAX_BATCH, *grouped_batch_sizes))
         self.w = {name: _kernel_weight(t, self.device) for name, t in weights.items()}
+        fused = FUSED_PATH_MAX_BATCH[_expert_format(config, self.w) or "bf16"]
+        self.limits = ExecutorLimits(fused, tuple(range(1, fused + 1)) + grouped_batch_sizes)
         qkv = {i: self._fuse_qkv(f"model.layers.{i}.self_attn.") for i in range(config.num_hidden_layers)}
         self.prompt_graph_tokens = tuple(sorted(prompt_graph_tokens)) if use_graphs else ()
         self.ws = Workspaces(config, max_rows, kv_cache.ring.shape[2], self.device,
@@ -227,7 +240,7 @@ class CudaExecutor:
         def decodes(names: list[str], params: SamplingParams) -> StepPlan:
             """One token at position n for each name, ring slot = its index (position n fits the table)."""
             return StepPlan([entry(i, [0], n, slot, params) for slot, i in enumerate(names)], len(names),
-                            "grouped" if len(names) > FUSED_MAX_BATCH else "fused", [], [])
+                            "grouped" if len(names) > self.limits.fused_max_batch else "fused", [], [])
 
         # The prompt graphs of every padded size a step of this budget can take (captured while their
         # first step runs): serving then never stops for a capture (gc, empty_cache, a sync).
@@ -243,7 +256,7 @@ class CudaExecutor:
                 self.inputs.forget(StepPlan([], 0, "fused", [], ids[:2]))
         for params in greedy_and_sampled:
             plans = [StepPlan([entry(ids[0], [0] * n, 0, 0, params)], n, "grouped", [], []), decodes(ids[:1], params)]
-            if len(ids) > FUSED_MAX_BATCH:
+            if len(ids) > self.limits.fused_max_batch:
                 plans.append(decodes(ids, params))
             for plan in plans:
                 self.execute(plan)
@@ -297,7 +310,8 @@ class CudaExecutor:
         # A mixed step with a long decode: its decode rows replay their graph, its prompt chunks run
         # eagerly after it. The requests are disjoint, so the order of the two parts does not matter.
         prompts = [e for e in entries if not (e.num_tokens == 1 and e.samples)]
-        first = self._decode(decodes, *self._decode_graph(len(decodes)))
+        b = len(decodes)
+        first = self._decode(decodes, *self._decode_graph(b, b <= self.limits.fused_max_batch))
         if first[1] is not None:                      # the static buffers the prompt part may reuse
             first = (first[0], first[1].clone(), first[2])
         first_logits = self.last_logits.clone()
@@ -320,10 +334,10 @@ class CudaExecutor:
             return result
         return one_token_each([e.request_id for e in entries], tokens.tolist())
 
-    def _decode_graph(self, b: int, fused: bool = True) -> tuple[str, int] | None:
+    def _decode_graph(self, b: int, fused: bool) -> tuple[str, int] | None:
         """(variant, padded rows) of the graph for b decode rows, or None past the largest: the fused
         path up to FUSED_MAX_BATCH rows where the plan names it (the scheduler does for decode-only
-        steps within `limits.fused_max_batch`; a mixed step's decode rows take it too)."""
+        steps within `limits.fused_max_batch`; a mixed step's decode rows within it take it too)."""
         if fused and b <= FUSED_MAX_BATCH:
             return "fused", b
         rows = padded_batch(b, self.grouped_batch_sizes)

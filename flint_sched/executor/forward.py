@@ -2,7 +2,7 @@
 
 Executors run a step by handing `forward` an implementation of these operations for the step's
 rows: torch ops (executor/torch_ops.py, any device) or our kernels (executor/kernel_ops.py: the
-fused path for <= 8 decodes, the grouped path for larger batches and prompt chunks). The loop is
+fused path for <= 6-8 decodes, the grouped path for larger batches and prompt chunks). The loop is
 the model; the ops decide how each piece runs. model/reference.py stays the oracle, apart.
 
     h = embed(tokens)

@@ -2,7 +2,7 @@
 
 Three variants of the same operations, chosen per step by the CUDA executor:
 
-    fused     <= 8 decode rows: GEMVs and the small-batch MoE that reads only the chosen experts
+    fused     <= 6-8 decode rows: GEMVs and the small-batch MoE that reads only the chosen experts
     grouped   decode batches above that: GEMMs over all rows, the grouped MoE (tokens sorted by
               expert on the GPU, each chosen expert's weights read once per step), batched attention
     prompt    steps with prompt chunks: the grouped GEMMs and MoE, prefill attention over every
