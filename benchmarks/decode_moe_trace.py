@@ -98,7 +98,7 @@ def main() -> int:
         raise SystemExit("decode_moe_trace: needs a CUDA GPU")
     sets = [moe_set("nvfp4") for _ in range(2)]
     for m in args.tokens:
-        config = args.config or expert_decode.pick_config(m)
+        config = args.config or expert_decode.pick_config(m, HIDDEN, INTER)
         if config not in traced:
             print(f"\n{m} tokens: {config} runs two launches or clusters; only the queue kernel is traced")
             continue

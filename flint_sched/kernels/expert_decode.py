@@ -88,11 +88,20 @@ CONFIG: str | None = None   # a CONFIGS key for every call (benchmarks), or None
 PICKS: tuple[tuple[int, str], ...] = ((16, "g1t2d4c"), (32, "g1t2d4"), (160, "g1t4d8"), (1 << 30, "g2w8t4p"))
 
 
-def pick_config(num_tokens: int) -> str:
-    """The config for a call of num_tokens tokens (routed rows: num_tokens * top_k): measured above."""
+def pick_config(num_tokens: int, hidden: int = 2048, inter: int = 512) -> str:
+    """The config for a call of num_tokens tokens (routed rows: num_tokens * top_k) of these shapes:
+    measured above. A cluster config fits only shapes where an item takes as many gate/up as down
+    units (Flint's 2048 / 512 do); the next pick is taken where it does not."""
     if CONFIG is not None:
         return CONFIG
-    return next(config for bound, config in PICKS if num_tokens <= bound)
+    return next(config for bound, config in PICKS if num_tokens <= bound and fits(config, hidden, inter))
+
+
+def fits(config: str, hidden: int, inter: int) -> bool:
+    """Whether the config's one-launch kernel takes these shapes: a cluster config, an item's gate/up
+    and down units one to one on its cluster's CTAs."""
+    cluster = CONFIGS[config].get("ED_CLUSTER", 0)
+    return not cluster or moe_units(config, hidden, inter) == (cluster, cluster)
 
 
 def rows_per_item(config: str) -> int:
@@ -176,8 +185,8 @@ def expert_decode_gate_up(x: torch.Tensor, routing, gate: Weight, up: Weight, sh
     """h_sorted [P, I]: row r = silu(x[t] @ Wg_e^T) * (x[t] @ Wu_e^T), t = sorted_token[r], e the
     expert of row r (E: shared_gate / shared_up); rows past the routed count are not written.
     config: a CONFIGS key (None: pick_config of x's rows)."""
-    config = config or pick_config(x.shape[0])
     e, i = gate.shape[0], gate.shape[1]
+    config = config or pick_config(x.shape[0], x.shape[1], i)
     _, k = _check_x(x, routing, e, config)
     _check(weight_format(gate, up, shared_gate, shared_up), k, i, config, gate, up, shared_gate, shared_up)
     args = moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device)
@@ -194,8 +203,8 @@ def expert_decode_down(h: torch.Tensor, routing, down: Weight, shared_down: Weig
     """y_sorted [P, N]: row r = h_sorted[r] @ Wd_e^T (e: the expert of row r, E the shared one).
     config: a CONFIGS key (None: pick_config of the routing's tokens)."""
     p, k = h.shape
-    config = config or pick_config(routing.pair_row.shape[0])
     e, n = down.shape[0], down.shape[1]
+    config = config or pick_config(routing.pair_row.shape[0], n, k)
     check_tensor(h, "h", torch.bfloat16, (p, k), h.device)
     _check_routing(routing, p, e, config)
     _check(weight_format(down, shared_down), n, k, config, down, shared_down)
@@ -221,8 +230,8 @@ def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weigh
     trace: int64 [grid CTAs, TRACE_SLOTS] (moe_grid_ctas): the ED_TRACE build, writing each CTA's
     %globaltimer (ns) at entry, unit taken, inputs ready, x staged, warp 0's rounds done and end
     (0 where a CTA did not get there), its SM and its unit (benchmarks/decode_moe_trace.py)."""
-    config = config or pick_config(x.shape[0])
     e, i, n = gate.shape[0], gate.shape[1], down.shape[1]
+    config = config or pick_config(x.shape[0], x.shape[1], i)
     p = routing.sorted_token.numel()
     cluster = CONFIGS[config].get("ED_CLUSTER", 0)
     _, k = _check_x(x, routing, e, config)
@@ -241,7 +250,7 @@ def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weigh
     if cluster:
         if trace is not None:
             raise ValueError(f"{config} has no trace build (its items run as clusters)")
-        if moe_units(config, k, i) != (cluster, cluster):
+        if not fits(config, k, i):
             raise ValueError(f"{config}: an item of hidden {k}, intermediate {i} takes {moe_units(config, k, i)} "
                              f"gate/up and down units, not {cluster} of each (its cluster)")
         _kernel("expert_decode_moe_cluster_nvfp4", config).launch(

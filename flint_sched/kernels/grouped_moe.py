@@ -393,7 +393,7 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
     path = expert_gemms(m, weight_format(gate), hidden, inter, gemms)
     h_out, y_out = ws.h_sorted[:pairs], ws.y_sorted[:pairs]
     if path == "hybrid":   # the tiled GEMMs over the heavy experts first, the decode GEMMs then write the rest
-        config = expert_decode.pick_config(m)
+        config = expert_decode.pick_config(m, hidden, inter)
         routing, tiled = route_and_split(logits, bias, top_k, scaling, ws, expert_decode.rows_per_item(config),
                                          HYBRID_SPLIT_ROWS, num_tokens=num_tokens, pdl=pdl)
         # One after the other: on a side stream beside the tiled GEMMs, a 1K prompt lost 4 % instead
@@ -405,7 +405,7 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
         y = _decode_gemms(x, routing, ws.queue, config, gate, up, shared_gate, shared_up, down, shared_down,
                           h_out, y_out, pdl)
     elif path == "decode":
-        config = expert_decode.pick_config(m)
+        config = expert_decode.pick_config(m, hidden, inter)
         routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl,
                                  chunk=expert_decode.rows_per_item(config))
         y = _decode_gemms(x, routing, ws.queue, config, gate, up, shared_gate, shared_up, down, shared_down,

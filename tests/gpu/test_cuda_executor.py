@@ -114,8 +114,8 @@ def test_grouped_decode_of_9_to_16_requests(ckpt, router_gemv, monkeypatch):
 @pytest.mark.parametrize("num_blocks", [512, 24], ids=["roomy", "preempting"])
 def test_block_tables_follow_rows_changes_torch_steps_and_preemption(ckpt, num_blocks):
     """Requests finish at different times (rows change owner), more than 8 decode at times (those
-    steps run on torch while the device block tables go stale), decodes cross several block
-    boundaries, and with 24 blocks requests are preempted and recomputed."""
+    steps run on the grouped path while the fused one's block tables go stale), decodes cross
+    several block boundaries, and with 24 blocks requests are preempted and recomputed."""
     gen = torch.Generator().manual_seed(1)
     lengths = [3, 40, 17, 90, 1, 60, 33, 8, 70, 25, 50]
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in lengths]
@@ -123,7 +123,8 @@ def test_block_tables_follow_rows_changes_torch_steps_and_preemption(ckpt, num_b
     decode_logits, outputs, preemptions = run(ckpt, prompts, limits, seqs=10, num_blocks=num_blocks)
     assert all(len(outputs[f"r{n}"]) == limit for n, limit in enumerate(limits))
     assert (preemptions > 0) == (num_blocks == 24)
-    assert ("grouped" in run.paths) == (num_blocks == 512)     # 24 blocks never hold 9 requests
+    # 24 blocks never hold 9 requests (NVFP4 steps of 7-8 run grouped too: FUSED_PATH_MAX_BATCH)
+    assert "grouped" in run.paths or num_blocks == 24
     check_against_reference(ckpt, prompts, decode_logits, outputs)
 
 
