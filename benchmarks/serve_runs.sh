@@ -7,6 +7,9 @@
 #          "--endpoint /v1/completions --dataset-name random --random-token-ids --ignore-eos \
 #           --random-input-len 1024 --random-output-len 256 --num-prompts 192 --max-concurrency 64"
 #
+# SERVE_SET="module.ATTR=value,..." starts the server with those module constants set first
+# (benchmarks/with_constants.py), so that two settings can be compared on one machine.
+#
 # The server's log goes to ${SERVE_LOG:-/tmp/flint-serve.log}; after each run the script prints the
 # lines of /metrics that say what is still running or waiting and how full the KV cache is (all should
 # be back to 0), the prefix cache's counters, the server's mean time to first token and queue time,
@@ -21,8 +24,10 @@ log=${SERVE_LOG:-/tmp/flint-serve.log}
 server_flags=$1
 shift
 
+server_cli=("${cli[@]}")
+if [ -n "${SERVE_SET:-}" ]; then server_cli=(python3 "$(dirname "$0")/with_constants.py" "$SERVE_SET"); fi
 # shellcheck disable=SC2086
-"${cli[@]}" serve $server_flags --port "$port" >"$log" 2>&1 &
+"${server_cli[@]}" serve $server_flags --port "$port" >"$log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 
@@ -33,7 +38,7 @@ until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
     fi
     sleep 1
 done
-echo "== server ready in $(( $(date +%s) - start )) s: flint-sched serve $server_flags"
+echo "== server ready in $(( $(date +%s) - start )) s: flint-sched serve $server_flags${SERVE_SET:+ (SERVE_SET=$SERVE_SET)}"
 grep -i "kv\|tokens of\|warm" "$log" | tail -5 || true
 
 gpu_seconds() {  # "busy prompt-busy idle stalled" GPU seconds so far (CUDA executor with async scheduling; else zeros)

@@ -188,6 +188,21 @@ def test_ab_decode_times_decode_and_prompt_steps_under_each_variant(monkeypatch,
     assert grouped_moe.HYBRID_SPLIT_ROWS == before
 
 
+def test_with_constants_sets_them_before_the_cli_runs(monkeypatch, capsys):
+    """benchmarks/with_constants.py (serve_runs.sh's SERVE_SET): the constants are set, then the CLI
+    gets the remaining arguments; a bad assignment is refused before anything runs."""
+    from flint_sched.benchmarks import with_constants
+    from flint_sched.executor import graph_sampler
+
+    monkeypatch.setattr(graph_sampler, "GUMBEL_MAX", True)
+    with pytest.raises(SystemExit) as done:
+        with_constants.main(["flint_sched.executor.graph_sampler.GUMBEL_MAX=False", "--help"])
+    assert done.value.code == 0 and graph_sampler.GUMBEL_MAX is False
+    assert "usage: flint-sched" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="with_constants: variant set: .*graph_sampler has no NOPE"):
+        with_constants.main(["flint_sched.executor.graph_sampler.NOPE=1", "serve"])
+
+
 def test_routing_stats_counts_items_per_chunk():
     """benchmarks/routing_stats.py's summary of one layer's rows per expert (the shared expert last)."""
     from flint_sched.benchmarks import routing_stats
