@@ -83,6 +83,7 @@ class SplitExecutor(CudaExecutor):
     def __init__(self):                                   # noqa: D107 - no GPU state
         self.grouped_batch_sizes = GROUPED_BATCH_SIZES
         self.limits = ExecutorLimits(FUSED_PATH_MAX_BATCH["nvfp4"])
+        self.device = torch.device("cpu")
         self.prompt_graph_tokens = ()
         self.inputs = DecodeInputs(256, 64, 4, torch.device("cpu"))
         self.sampled = SampledTokens(512, torch.device("cpu"))

@@ -318,8 +318,11 @@ class CudaExecutor:
         second = self._prompt(prompts)
         done = first[0] + second[0]
         where = {e.request_id: row for row, e in enumerate(done)}
-        logits = torch.cat([first_logits, self.last_logits])
-        self.last_logits = logits[[where[e.request_id] for e in entries if e.samples]]
+        # NOTE: not `logits[list]`: torch copies a host index to the GPU with a stream sync, which
+        # would make the host wait for both parts before it prepares the next step (async scheduling)
+        order = torch.tensor([where[e.request_id] for e in entries if e.samples], dtype=torch.long)
+        self.last_logits = torch.cat([first_logits, self.last_logits]).index_select(
+            0, order.to(self.device, non_blocking=True))
         if first[2] is None and second[2] is None:
             return self.sampled.record(done, torch.cat([first[1], second[1]]))
         first_result, second_result = (self._on_host(*part) for part in (first, second))
