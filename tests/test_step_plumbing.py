@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flint_sched.core.plan import PLACEHOLDER_TOKEN, ScheduledRequest, StepPlan, StepResult
+from flint_sched.executor import cuda_executor
 from flint_sched.executor.cuda_executor import FUSED_PATH_MAX_BATCH, ONE_FORWARD_MAX_CONTEXT, CudaExecutor
 from flint_sched.executor.graphs import GROUPED_BATCH_SIZES, padded_batch
 from flint_sched.config import preset
@@ -109,6 +110,26 @@ def test_a_mixed_step_is_one_forward_over_its_decodes_and_prompt_chunks():
     result = ex.execute(StepPlan(decodes + prompts, 10, "grouped", [], []))
     assert ex.calls == [("prompt", None, [e.request_id for e in decodes + prompts])]
     assert set(result.sampled_token_ids) == {e.request_id for e in decodes} | {"r100"}
+
+
+@pytest.mark.parametrize("num_decodes", [63, 64, 200])
+def test_a_mixed_step_of_many_decodes_runs_them_apart_where_asked(num_decodes, monkeypatch):
+    """From MIXED_SPLIT_MIN_DECODES decode rows (short ones; an option, off by default) a mixed step
+    replays their decode graph, then runs its prompt chunks as a step of their own; below, one
+    forward over all rows."""
+    monkeypatch.setattr(cuda_executor, "MIXED_SPLIT_MIN_DECODES", 64)
+    decodes = [entry(f"r{n}", [1], 10, [0, 1, 2]) for n in range(num_decodes)]
+    prompts = [entry("r1000", [1, 2, 3], 0, [5]), entry("r1002", [4, 5], 4, [7, 8], samples=False)]
+    ex = SplitExecutor()
+    result = ex.execute(StepPlan(decodes + prompts, num_decodes + 5, "grouped", [], []))
+    ids = [e.request_id for e in decodes]
+    if num_decodes < 64:
+        assert ex.calls == [("prompt", None, ids + ["r1000", "r1002"])]
+    else:
+        assert ex.calls == [("grouped", padded_batch(num_decodes, GROUPED_BATCH_SIZES), ids),
+                            ("prompt", None, ["r1000", "r1002"])]
+    assert set(result.sampled_token_ids) == set(ids) | {"r1000"}
+    assert ex.last_logits.flatten().tolist() == [float(n) for n in range(num_decodes)] + [1000.0]
 
 
 # decode rows: the decodes and r101 (NVFP4: the fused path up to 6)

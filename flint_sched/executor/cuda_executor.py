@@ -9,8 +9,9 @@
 
 A mixed step (prompt chunks beside running decodes) is one forward of the prompt variant over all
 rows, a decode being a chunk of one token, so every weight is read once for both. Past
-ONE_FORWARD_MAX_CONTEXT a decode's attention is better served by the split-KV decode kernel: then
-the decode rows replay their graph and the prompt chunks run eagerly after it.
+ONE_FORWARD_MAX_CONTEXT a decode's attention is better served by the split-KV decode kernel (and
+from MIXED_SPLIT_MIN_DECODES decodes, an option, their experts may be read apart): then the decode
+rows replay their graph and the prompt chunks run after it.
 
 Every variant shares one KVCache and the same weights. Decode steps copy their inputs into static
 buffers (step_inputs.py) and keep the greedy ids, or sample in a graph (graph_sampler.py), or
@@ -71,6 +72,14 @@ FUSED_PATH_MAX_BATCH = {"nvfp4": 6, "bf16": FUSED_MAX_BATCH}
 # its keys (~1 µs per 64 keys): ~70 µs a full layer at 4K, 0.5 ms at 32K, for all decodes at once,
 # against a decode graph step (weights read a second time) of 6-22 ms at batch 16-256 (H200, NVFP4).
 ONE_FORWARD_MAX_CONTEXT = 32768
+# Mixed steps of at least this many decode rows could run them apart too (their decode graph, then
+# the prompt chunks as a step of their own): in one forward the decode rows' experts, at 256 decodes
+# nearly all of them with a few rows each, are read a second time beside the prompt's, and their
+# attention runs on the prefill kernel. Off: each such step alone was 4-17 % shorter apart (64:
+# 64 + 1,024 prompt rows 23.2 against 24.1 ms, 256 + 7,936 139.8 against 147.7), but served at 256
+# streams the split lost (13,902 against 14,644 tok/s), then with a stream sync in the split path,
+# since removed (RESULTS.md, session 24); to measure again with serve_runs.sh's SERVE_SET.
+MIXED_SPLIT_MIN_DECODES = 1 << 30
 # Mixed steps (prompt chunks beside decodes) of at least this many rows run the hybrid expert GEMMs
 # (kernels/grouped_moe.py: experts of many rows tiled, the rest on the decode GEMMs): the decode
 # rows' experts the prompts do not touch leave the 128-row tiles. Full model, NVFP4, 1,536 tokens of
@@ -305,10 +314,10 @@ class CudaExecutor:
             return self.sampled.record(*self._prompt(entries))
         if len(decodes) == len(entries):
             return self.sampled.record(*self._decode(entries, *graph))
-        if max(e.start_position for e in decodes) < ONE_FORWARD_MAX_CONTEXT:
+        if len(decodes) < MIXED_SPLIT_MIN_DECODES and max(e.start_position for e in decodes) < ONE_FORWARD_MAX_CONTEXT:
             return self.sampled.record(*self._prompt(entries))
-        # A mixed step with a long decode: its decode rows replay their graph, its prompt chunks run
-        # eagerly after it. The requests are disjoint, so the order of the two parts does not matter.
+        # A mixed step with a long decode (or many): its decode rows replay their graph, its prompt
+        # chunks run after it. The requests are disjoint, so the order of the two parts does not matter.
         prompts = [e for e in entries if not (e.num_tokens == 1 and e.samples)]
         b = len(decodes)
         first = self._decode(decodes, *self._decode_graph(b, b <= self.limits.fused_max_batch))
