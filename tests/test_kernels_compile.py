@@ -183,3 +183,17 @@ def test_every_launch_shape_of_flint_uses_a_compiled_variant():
     assert linear_mod.gemv_warps(5120 // 16, 2048, "nvfp4") == 8
     assert linear_mod.gemv_warps(5120 // 16, 2048, "nvfp4", 2) == 4    # 9-16 tokens: 8 warps would take 1.2 waves
     assert [moe_mod.gate_up_warps("bf16", t) for t in (1, 3, 4, 8)] == [8, 8, 4, 4]
+
+
+@pytest.mark.parametrize("waves", [1, 2, 8, 64])
+def test_the_argmax_workspace_holds_every_split_count(waves, monkeypatch):
+    """argmax_workspace is sized for the most CTAs a row can take, so a WAVES changed after it is
+    made (ab_decode variants) still fits: every batch size's candidates and the ticket."""
+    from flint_sched.kernels import sampling
+    monkeypatch.setattr(sampling, "sm_count", lambda *a, **k: 132)
+    monkeypatch.setattr(sampling, "WAVES", waves)
+    vocab, rows = 151552, 256
+    size = sampling.argmax_workspace(rows, vocab, "cpu").numel()
+    for b in range(1, rows + 1):
+        splits, chunk = sampling.argmax_splits(b, vocab)
+        assert b * splits + 1 <= size and splits * chunk >= vocab and chunk % 8 == 0

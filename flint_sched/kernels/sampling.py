@@ -34,9 +34,10 @@ def argmax_splits(batch: int, vocab: int) -> tuple[int, int]:
 
 
 def argmax_workspace(max_batch: int, vocab: int, device: torch.device | str) -> torch.Tensor:
-    """int64 scratch: one candidate per CTA, then the ticket (last element, zero)."""
-    need = max(b * argmax_splits(b, vocab)[0] for b in range(1, max_batch + 1))
-    return torch.zeros(need + 1, dtype=torch.int64, device=device)
+    """int64 scratch: one candidate per CTA, then the ticket (last element, zero). Sized for the most
+    CTAs a row can take (vocab / MIN_CHUNK; Flint's 256 rows: 152 KB), so any WAVES fits it
+    (benchmarks/ab_decode.py variants change WAVES after it is made)."""
+    return torch.zeros(max_batch * -(-vocab // MIN_CHUNK) + 1, dtype=torch.int64, device=device)
 
 
 def greedy(logits: torch.Tensor, out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.int32,
