@@ -76,14 +76,14 @@ def test_shapes_and_shared_memory():
 
 
 def test_config_by_token_count(monkeypatch):
-    assert expert_decode.pick_config(1) == expert_decode.pick_config(16) == "g1t2d4c"
-    assert expert_decode.pick_config(17) == expert_decode.pick_config(32) == "g1t2d4"
+    assert expert_decode.pick_config(1, 2048, 512) == expert_decode.pick_config(16, 2048, 512) == "g1t2d4c"
+    assert expert_decode.pick_config(17, 2048, 512) == expert_decode.pick_config(32, 2048, 512) == "g1t2d4"
     # where an item's gate/up and down units differ in number, not the cluster kernel (hidden 512:
     # 8 gate/up, 2 down units)
     assert expert_decode.pick_config(16, 512, 512) == "g1t2d4" and not expert_decode.fits("g1t2d4c", 512, 512)
     assert expert_decode.fits("g1t2d4c", 2048, 512) and expert_decode.fits("g1t4d8", 512, 512)
-    assert expert_decode.pick_config(33) == expert_decode.pick_config(160) == "g1t4d8"
-    assert expert_decode.pick_config(161) == expert_decode.pick_config(1023) == "g2w8t4p"
+    assert expert_decode.pick_config(33, 2048, 512) == expert_decode.pick_config(160, 2048, 512) == "g1t4d8"
+    assert expert_decode.pick_config(161, 2048, 512) == expert_decode.pick_config(1023, 2048, 512) == "g2w8t4p"
     assert expert_decode.rows_per_item("g2w8t4p") == 16 and expert_decode.warps("g2w8t4p") == 8
     monkeypatch.setattr(expert_decode, "CONFIG", "g2t4")
-    assert expert_decode.pick_config(64) == "g2t4" and expert_decode.rows_per_item("g2t4") == 16
+    assert expert_decode.pick_config(64, 2048, 512) == "g2t4" and expert_decode.rows_per_item("g2t4") == 16

@@ -56,7 +56,7 @@ from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.executor.workspace import Workspaces
 from flint_sched.kernels import attention as attn
 from flint_sched.kernels.grouped_moe import expert_gemms
-from flint_sched.kernels.linear import MAX_TOKENS, concat_rows
+from flint_sched.kernels.linear import MAX_TOKENS, concat_rows, weight_format
 from flint_sched.kernels.prefill_attention import Chunk, PrefillBuffers, prefill_metadata
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 from flint_sched.sampling_params import SamplingParams
@@ -111,7 +111,7 @@ def _expert_format(config: FlintConfig, w: dict) -> str | None:
     moe = next((i for i in range(config.num_hidden_layers) if config.is_moe(i)), None)
     if moe is None:
         return None
-    return "nvfp4" if isinstance(w[f"model.layers.{moe}.mlp.experts.gate_proj.weight"], NVFP4Tensor) else "bf16"
+    return weight_format(w[f"model.layers.{moe}.mlp.experts.gate_proj.weight"])
 
 
 def _hybrid_available(config: FlintConfig, w: dict) -> bool:

@@ -88,7 +88,7 @@ CONFIG: str | None = None   # a CONFIGS key for every call (benchmarks), or None
 PICKS: tuple[tuple[int, str], ...] = ((16, "g1t2d4c"), (32, "g1t2d4"), (160, "g1t4d8"), (1 << 30, "g2w8t4p"))
 
 
-def pick_config(num_tokens: int, hidden: int = 2048, inter: int = 512) -> str:
+def pick_config(num_tokens: int, hidden: int, inter: int) -> str:
     """The config for a call of num_tokens tokens (routed rows: num_tokens * top_k) of these shapes:
     measured above. A cluster config fits only shapes where an item takes as many gate/up as down
     units (Flint's 2048 / 512 do); the next pick is taken where it does not."""
