@@ -5,6 +5,7 @@ graph per (batch size, masks in use). Everything else samples through executor/s
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from flint_sched.executor.graphs import padded_batch
@@ -49,6 +50,7 @@ class GraphSampler:
         rows, vocab = logits.shape
         self.vocab = vocab
         self.params = torch.zeros(5, rows, dtype=torch.float32, device=logits.device)
+        self._padding = np.repeat(np.array([[1.0], [vocab], [1.0], [0.0], [1.0]], dtype=np.float32), rows, axis=1)
         # Pinned buffers in turn, each refilled only once the GPU has run its last copy (its event):
         # a step may sample twice (a mixed step's decode and prompt parts) and the next one is
         # launched while it runs, so four keep the host from waiting.
@@ -71,11 +73,15 @@ class GraphSampler:
         params_host = self._hosts[turn]
         b, host = len(entries), params_host.numpy()
         rows = padded_batch(b, self.batch_sizes) or b
-        for row, e in enumerate(entries):
-            p = e.sampling_params
-            host[:, row] = (1.0 if p.is_greedy else p.temperature, p.top_k if 0 < p.top_k < self.vocab else self.vocab,
-                            p.top_p, p.min_p, p.is_greedy)
-        host[:, b:rows] = [[1.0], [self.vocab], [1.0], [0.0], [1.0]]     # padding: greedy rows, no masks
+        # A list per parameter and one numpy write each (a write per row took ~3 µs a row)
+        params = [e.sampling_params for e in entries]
+        vocab = self.vocab
+        host[0, :b] = [1.0 if p.is_greedy else p.temperature for p in params]
+        host[1, :b] = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        host[2, :b] = [p.top_p for p in params]
+        host[3, :b] = [p.min_p for p in params]
+        host[4, :b] = [p.is_greedy for p in params]
+        host[:, b:rows] = self._padding[:, b:rows]     # padding: greedy rows, no masks
         self.params.copy_(params_host, non_blocking=True)
         self._copied[turn] = torch.cuda.Event()
         self._copied[turn].record()
