@@ -77,8 +77,9 @@ ONE_FORWARD_MAX_CONTEXT = 32768
 # nearly all of them with a few rows each, are read a second time beside the prompt's, and their
 # attention runs on the prefill kernel. Off: each such step alone was 4-17 % shorter apart (64:
 # 64 + 1,024 prompt rows 23.2 against 24.1 ms, 256 + 7,936 139.8 against 147.7), but served at 256
-# streams the split lost (13,902 against 14,644 tok/s), then with a stream sync in the split path,
-# since removed (RESULTS.md, session 24); to measure again with serve_runs.sh's SERVE_SET.
+# streams the split lost (13,902 against 14,644 tok/s, session 24), and again without the stream
+# sync the split path then had (13,967 against 14,499, one machine, session 25: GPU busy 37.1 against
+# 35.8 s); the served steps are not the benchmark's (RESULTS.md). An option for serve_runs.sh's SERVE_SET.
 MIXED_SPLIT_MIN_DECODES = 1 << 30
 # Mixed steps (prompt chunks beside decodes) of at least this many rows run the hybrid expert GEMMs
 # (kernels/grouped_moe.py: experts of many rows tiled, the rest on the decode GEMMs): the decode
