@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 import time
@@ -68,7 +69,8 @@ def test_every_id_decodes_to_bytes(tiny):
 def test_same_seed_gives_identical_files_across_processes(tiny, tmp_path):
     tiny.save(tmp_path / "here")
     script = "import sys; from flint_sched.tokenizer import build_tokenizer; build_tokenizer(4096, 0).save(sys.argv[1])"
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "there")], check=True, cwd=REPO_ROOT)
+    fresh = {**os.environ, "FLINT_SCHED_CACHE": str(tmp_path / "cache")}     # it trains, not reads the cache
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "there")], check=True, cwd=REPO_ROOT, env=fresh)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "here" / name).read_bytes() == (tmp_path / "there" / name).read_bytes()
 
@@ -115,7 +117,8 @@ def test_unknown_token_id_raises(tiny):
         tiny.token_id("<nope>")
 
 
-def test_short_training_is_filled_to_exact_size(monkeypatch):
+def test_short_training_is_filled_to_exact_size(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))     # not the cached full training
     train = bpe.train_merges
     monkeypatch.setattr(bpe, "train_merges", lambda seed, num_merges: train(seed, 500))
     tok = build_tokenizer(4096, seed=0)
@@ -127,7 +130,8 @@ def test_short_training_is_filled_to_exact_size(monkeypatch):
 
 
 @pytest.mark.slow
-def test_full_size_builds_fast():
+def test_full_size_builds_fast(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))     # trained, not read from the cache
     start = time.perf_counter()
     tok = build_tokenizer(151552, seed=0)
     assert time.perf_counter() - start < 30
@@ -135,6 +139,20 @@ def test_full_size_builds_fast():
     assert tok.token_id("<|endoftext|>") == 151535 and tok.token_id("</arg_value>") == 151551
     for text in SAMPLES:
         assert tok.decode(tok.encode(text)) == text
+
+
+def test_the_cache_gives_the_trained_tokenizer_and_survives_a_corrupt_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
+    trained = build_tokenizer(1024, seed=3)
+    (cached,) = (tmp_path / "tokenizers").iterdir()
+    assert build_tokenizer(1024, seed=3).backend.to_str() == trained.backend.to_str()
+    calls = []
+    monkeypatch.setattr(bpe, "train_merges", lambda *args: calls.append(args) or [])
+    assert build_tokenizer(1024, seed=3).backend.to_str() == trained.backend.to_str() and not calls
+    cached.write_text("{not json")
+    rebuilt = build_tokenizer(1024, seed=3)                    # trains again (here: no merges), rewrites
+    assert calls and rebuilt.vocab_size == 1024
+    assert json.loads(cached.read_text())["model"]["type"] == "BPE"
 
 
 # --- files -----------------------------------------------------------------------------------------
