@@ -200,8 +200,12 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
             echoed[index] = True
             text = s.prompts[index // n].text
             yield s.chunk([CompletionChoice(index=index, text=text, logprobs=None, finish_reason=None)])
+    # One prompt (the usual request) is read directly: each async generator between the engine and
+    # the socket costs every token a frame resume (~1 µs), ~5 % of the host's time a token at 256 streams
+    merged = merge_streams(streams) if len(streams) > 1 else None
     try:
-        async for prompt_index, out in merge_streams(streams):
+        async for item in merged or streams[0]:
+            prompt_index, out = (0, item) if merged is None else item
             num_cached_tokens[prompt_index] = max(num_cached_tokens[prompt_index], out.num_cached_tokens)
             for output in out.outputs:
                 index = prompt_index * n + output.index
@@ -228,6 +232,9 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
         yield sse_error(engine_failed(error))
         yield SSE_DONE
         return
+    finally:
+        if merged is None:
+            await streams[0].aclose()
     options = s.request.stream_options
     if options is not None and options.include_usage:
         yield s.chunk([], usage(sum(len(p.token_ids) for p in s.prompts), sum(num_tokens), sum(num_cached_tokens)))

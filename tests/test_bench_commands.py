@@ -63,6 +63,16 @@ def test_bench_host_and_disconnect_storm_smoke(request):
     assert report["outcomes"].get("dropped", 0) > 0 and not any(report["idle_gauges"].values())
 
 
+def test_bench_server_host_smoke(tmp_path, monkeypatch):
+    """The server-level host benchmark: a real server on the fake executor, driven by bench serve;
+    every request completes and the fake GPU's steps are counted."""
+    from flint_sched.benchmarks import bench_server_host
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
+    r = bench_server_host.run_case(streams=4, gpu_ms=1.0, tokens=8, prompt_len=16, num_prompts=8)
+    assert r["output_tok_s"] > 0 and r["steps"] >= 8 and 0 <= r["gpu_idle_share"] < 1
+    assert 0 < r["median_itl_ms"] < 1000
+
+
 def test_bench_structured_smoke():
     from flint_sched.benchmarks.bench_structured import run
     from flint_sched.tokenizer import build_tokenizer
