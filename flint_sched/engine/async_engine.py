@@ -58,11 +58,37 @@ class StepTimeoutError(EngineError):
     """The watchdog: a step ran past the engine's step timeout."""
 
 
+class _Outputs:
+    """A request's outputs on their way to its one reader, on the loop's thread: asyncio.Queue's work
+    (getter and putter lists, size checks) cut to a deque and a future, since it runs once per
+    streamed token."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self):
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self):
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 @dataclass(eq=False)
 class _Request:
     request_id: str
     prompt_token_ids: list[int]
-    queue: asyncio.Queue
+    queue: _Outputs
     choices: dict[str, ChoiceState] = field(default_factory=dict)   # scheduler id -> choice
     num_finished: int = 0
     # by every choice, so it is complete at each choice's first output (a stream's echo needs that)
@@ -164,7 +190,7 @@ class AsyncEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = _Request(request_id, prompt_ids, asyncio.Queue())
+        request = _Request(request_id, prompt_ids, _Outputs())
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(prompt_ids)
         one = dataclasses.replace(params, n=1)
