@@ -65,7 +65,10 @@ def cached_backend(vocab_size: int, seed: int, make: Callable[[], Tokenizer]) ->
     a cache that cannot be written is skipped). The file name carries a digest of the sources that
     decide the merges and of the `tokenizers` version that trains them, so a change to either
     makes it anew."""
-    path = cache_dir() / "tokenizers" / f"bpe-{vocab_size}-seed{seed}-{_source_digest()}.json"
+    digest = _source_digest()
+    if digest is None:
+        return make()
+    path = cache_dir() / "tokenizers" / f"bpe-{vocab_size}-seed{seed}-{digest}.json"
     try:
         return Tokenizer.from_str(path.read_text(encoding="utf-8"))
     except Exception:               # missing, unreadable or corrupt (tokenizers raises Exception): make it anew
@@ -82,10 +85,14 @@ def cached_backend(vocab_size: int, seed: int, make: Callable[[], Tokenizer]) ->
 
 
 @functools.cache
-def _source_digest() -> str:
+def _source_digest() -> str | None:
+    """None where the sources cannot be read (then nothing is cached)."""
     h = hashlib.sha256(tokenizers.__version__.encode())
-    for module in (sys.modules[__name__], byte_level, synthetic_text):
-        h.update(Path(module.__file__).read_bytes())
+    try:
+        for module in (sys.modules[__name__], byte_level, synthetic_text):
+            h.update(Path(module.__file__).read_bytes())
+    except (OSError, TypeError):                 # no file (a zip import: __file__ None or unreadable)
+        return None
     return h.hexdigest()[:12]
 
 
