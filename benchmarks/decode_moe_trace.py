@@ -89,7 +89,7 @@ def report(m: int, config: str, trace: torch.Tensor, items: int, gate_up_per_ite
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256])
-    traced = sorted(c for c in grouped_moe.FUSED_DECODE_CONFIGS if not expert_decode.CONFIGS[c].get("ED_CLUSTER"))
+    traced = sorted(c for c in grouped_moe.FUSED_DECODE_CONFIGS if not expert_decode.cluster_size(c))
     p.add_argument("--config", choices=traced,
                    help="an expert_decode config with one (queue) launch (default: the pick for the tokens)")
     p.add_argument("--seed", type=int, default=0)

@@ -15,7 +15,7 @@ def test_compiles_for_sm90a(config, private_cache):
     cubin = _runtime.compile_only("expert_decode.cu", expert_decode.CONFIGS[config], arch="sm_90a")
     assert cubin[:4] == b"\x7fELF"
     entries = ["expert_decode_gate_up_nvfp4", "expert_decode_down_nvfp4", "expert_decode_moe_nvfp4"]
-    if expert_decode.CONFIGS[config].get("ED_CLUSTER"):
+    if expert_decode.cluster_size(config):
         entries.append("expert_decode_moe_cluster_nvfp4")
     for entry in entries:
         assert entry.encode() in cubin, f"{config} lacks {entry}"

@@ -97,10 +97,15 @@ def pick_config(num_tokens: int, hidden: int, inter: int) -> str:
     return next(config for bound, config in PICKS if num_tokens <= bound and fits(config, hidden, inter))
 
 
+def cluster_size(config: str) -> int:
+    """CTAs of an item's thread block cluster (ED_CLUSTER configs), else 0."""
+    return CONFIGS[config].get("ED_CLUSTER", 0)
+
+
 def fits(config: str, hidden: int, inter: int) -> bool:
     """Whether the config's one-launch kernel takes these shapes: a cluster config, an item's gate/up
     and down units one to one on its cluster's CTAs."""
-    cluster = CONFIGS[config].get("ED_CLUSTER", 0)
+    cluster = cluster_size(config)
     return not cluster or moe_units(config, hidden, inter) == (cluster, cluster)
 
 
@@ -233,7 +238,7 @@ def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weigh
     e, i, n = gate.shape[0], gate.shape[1], down.shape[1]
     config = config or pick_config(x.shape[0], x.shape[1], i)
     p = routing.sorted_token.numel()
-    cluster = CONFIGS[config].get("ED_CLUSTER", 0)
+    cluster = cluster_size(config)
     _, k = _check_x(x, routing, e, config)
     check_tensor(h_out, "h_out", torch.bfloat16, (p, i), x.device)
     if n != k or tuple(down.shape) != (e, k, i):
@@ -275,5 +280,5 @@ def moe_units(config: str, hidden: int, inter: int) -> tuple[int, int]:
 def moe_grid_ctas(max_items: int, config: str, hidden: int, inter: int) -> int:
     """expert_decode_moe's grid: every unit of the work list's most items (a cluster's CTAs an item
     where the config has them: each takes a gate/up and a down unit)."""
-    cluster = CONFIGS[config].get("ED_CLUSTER", 0)
+    cluster = cluster_size(config)
     return max_items * (cluster or sum(moe_units(config, hidden, inter)))
