@@ -43,15 +43,14 @@ def serve(gpu_ms: float, port: int, streams: int, stats: str, cpu: int | None) -
     executor = FakeExecutor(state.parts.checkpoint.config.vocab_size, gpu_ms)
     state.parts = dataclasses.replace(state.parts, executor=executor, async_scheduling=True)
 
-    started = [0.0]
+    cpu_start = time.process_time()              # the serving's CPU time (all threads), not the loading's
 
     def report() -> None:
         span = executor.ends[-1] - executor.starts[0] if executor.ends else 0.0
         Path(stats).write_text(json.dumps({"steps": executor.steps, "busy_s": executor.busy_s, "span_s": span,
-                                           "cpu_s": time.process_time() - started[0]}))
+                                           "cpu_s": time.process_time() - cpu_start}))
 
     atexit.register(report)
-    started[0] = time.process_time()             # the serving's CPU time (all threads), not the loading's
     return run_server(state, ServerConfig(host="127.0.0.1", port=port, served_model_names=("flint-tiny",),
                                           log_level="warning"))
 
@@ -92,14 +91,16 @@ def run_case(streams: int, gpu_ms: float, tokens: int, prompt_len: int, num_prom
                                    "--stats", str(stats), *pin], stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(port, server, Path(log.name))
-            subprocess.run([sys.executable, "-m", "flint_sched.cli", "bench", "serve", "--base-url",
-                            f"http://127.0.0.1:{port}", "--model", "flint-tiny", "--endpoint", "/v1/completions",
-                            "--dataset-name", "random", "--random-token-ids", "--ignore-eos",
-                            "--random-input-len", str(prompt_len), "--random-output-len", str(tokens),
-                            "--num-prompts", str(num_prompts), "--max-concurrency", str(streams), "--seed", "0",
-                            "--disable-tqdm", "--save-result", "--no-plot", "--result-filename", str(result)],
-                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           preexec_fn=None if others is None else lambda: os.sched_setaffinity(0, others))
+            load = [sys.executable, "-m", "flint_sched.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+                    "--model", "flint-tiny", "--endpoint", "/v1/completions", "--dataset-name", "random",
+                    "--random-token-ids", "--ignore-eos", "--random-input-len", str(prompt_len),
+                    "--random-output-len", str(tokens), "--num-prompts", str(num_prompts),
+                    "--max-concurrency", str(streams), "--seed", "0", "--disable-tqdm", "--save-result", "--no-plot",
+                    "--result-filename", str(result)]
+            bench_run = subprocess.run(load, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                       preexec_fn=None if others is None else lambda: os.sched_setaffinity(0, others))
+            if bench_run.returncode:
+                raise SystemExit(f"bench serve failed (code {bench_run.returncode}):\n{bench_run.stderr[-2000:]}")
         finally:
             server.send_signal(signal.SIGINT)
             try:
