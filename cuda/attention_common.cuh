@@ -45,7 +45,14 @@ __device__ __forceinline__ u32 e4m3x4_from_bf16x4(uint2 v) {
 // Two e4m3 values (the low 16 bits of v: byte 0 -> the low half) as f16x2.
 __device__ __forceinline__ u32 f16x2_from_e4m3x2(u32 v) {
   u32 d;
-  asm("{.reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;\n}" : "=r"(d) : "r"(v));
+  asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(d) : "r"(v));
+  return d;
+}
+// The high two (bytes 2, 3): the same as f16x2_from_e4m3x2(v >> 16) without the shift (the
+// conversion reads the upper half of the register).
+__device__ __forceinline__ u32 f16x2_from_e4m3x2_hi(u32 v) {
+  u32 d;
+  asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(d) : "r"(v));
   return d;
 }
 // Two e4m3 values as bf16x2 (exact: every e4m3 value is a bf16 value).

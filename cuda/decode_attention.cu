@@ -81,7 +81,7 @@ __device__ __forceinline__ void attend_tile(SplitState& st, const u32 (&qa)[8][2
 #pragma unroll
       for (int i = 0; i < 4; ++i)
         mma_f16_16x8x16(s[j][i % ATTN_S_ACCS], qa[4 * c2 + i][0], 0u, qa[4 * c2 + i][1], 0u, f16x2_from_e4m3x2(kb[i]),
-                        f16x2_from_e4m3x2(kb[i] >> 16));
+                        f16x2_from_e4m3x2_hi(kb[i]));
     }
 #else
 #pragma unroll
@@ -132,7 +132,8 @@ __device__ __forceinline__ void attend_tile(SplitState& st, const u32 (&qa)[8][2
         float(&o)[4] = st.o[2 * (2 * n2 + h) + e];
         o[0] *= alpha;
         o[1] *= alpha;
-        mma_f16_16x8x16(o, pa0, 0u, pa2, 0u, f16x2_from_e4m3x2(lo >> (16 * e)), f16x2_from_e4m3x2(hi >> (16 * e)));
+        mma_f16_16x8x16(o, pa0, 0u, pa2, 0u, e ? f16x2_from_e4m3x2_hi(lo) : f16x2_from_e4m3x2(lo),
+                        e ? f16x2_from_e4m3x2_hi(hi) : f16x2_from_e4m3x2(hi));
       }
     }
   }
@@ -154,20 +155,18 @@ __device__ __forceinline__ void attend_tile(SplitState& st, const u32 (&qa)[8][2
 #endif
 }
 
-// Starts one tile (K and V of 16 keys from `first_pos`) into a pipeline stage. Keys at or past
-// `end` are zeroed instead (finite zeros: 0 * NaN would poison P.V).
+// Starts one tile (K and V of 16 keys, `valid_keys` of them before the split's end) into a pipeline
+// stage. `my_row`: this lane's key (lane % 16) as the element offset of its row in the pool, -1 at or
+// past the end: such keys are zeroed instead (finite zeros: 0 * NaN would poison P.V).
 //   bulk copies: lanes 0-15 copy K rows, lanes 16-31 V rows, one row each, completing on the
 //     stage's mbarrier by bytes (one arrival)
-//   ATTN_CP_ASYNC: lane k < 16 looks up key k's row; each warp instruction then moves 512 bytes,
+//   ATTN_CP_ASYNC: lane k < 16 holds key k's row; each warp instruction then moves 512 bytes,
 //     whole rows (16-byte chunk lane % CHUNKS of row lane / CHUNKS), and every lane arrives on the
 //     mbarrier when its copies land (32 arrivals)
 __device__ __forceinline__ void load_tile(u32 stage, u32 bar, const kv_t* k_cache, const kv_t* v_cache,
-                                          const KvPages& pages, long long head_offset, int kv_row_elems,
-                                          int first_pos, int end, int lane) {
-  const int key = lane & 15, pos = first_pos + key;
+                                          long long my_row, long long head_offset, int valid_keys, int lane) {
 #if ATTN_CP_ASYNC
   constexpr int CHUNKS = ROW_BYTES / 16, ROWS_PER_COPY = 32 / CHUNKS;
-  const long long my_row = pos < end ? pages.row(pos) * kv_row_elems + head_offset : -1;
   const int c = lane % CHUNKS;
 #pragma unroll
   for (int i = 0; i < ATTN_TILE / ROWS_PER_COPY; ++i) {
@@ -180,12 +179,11 @@ __device__ __forceinline__ void load_tile(u32 stage, u32 bar, const kv_t* k_cach
   }
   cp_async_arrive_noinc(bar);
 #else
-  const int valid_keys = min(ATTN_TILE, end - first_pos);
-  const u32 dst = stage + (lane >> 4) * TILE_BYTES + key * SMEM_ROW_BYTES;
+  const u32 dst = stage + (lane >> 4) * TILE_BYTES + (lane & 15) * SMEM_ROW_BYTES;
   if (lane == 0) mbarrier_arrive_expect_tx(bar, 2 * valid_keys * ROW_BYTES);
   __syncwarp();
-  if (pos < end) {
-    const kv_t* src = (lane < 16 ? k_cache : v_cache) + pages.row(pos) * kv_row_elems + head_offset;
+  if (my_row >= 0) {
+    const kv_t* src = (lane < 16 ? k_cache : v_cache) + my_row;
     fence_proxy_async_shared();
     bulk_copy_g2s(dst, src, ROW_BYTES, bar);
   } else {
@@ -195,6 +193,37 @@ __device__ __forceinline__ void load_tile(u32 stage, u32 bar, const kv_t* k_cach
   }
 #endif
 }
+
+// This lane's key (lane % 16) of the warp's next tile in the loop: position, (page, row in the
+// page) and the page's pool page. The warp's tiles step ATTN_WARPS * 16 keys, so the row moves on by
+// subtractions rather than a division by the run-time page_rows, and the block table entry of the
+// next tile is read one tile ahead: its load is not on the warp's way from one tile to the next.
+struct KeyCursor {
+  int pos, page, offset;  // p, p / page_rows, p % page_rows (a ring's page is unused: its rows wrap)
+  long long page_base;    // block_tables[b][page] (0 past the end: nothing read), or the ring's slot
+
+  __device__ __forceinline__ KeyCursor(int p, const KvPages& pages, int end)
+      : pos(p), page(p / pages.page_rows), offset(p % pages.page_rows) {
+    fetch(pages, end);
+  }
+
+  __device__ __forceinline__ void fetch(const KvPages& pages, int end) {
+    page_base = !pages.table ? pages.ring_page : pos < end ? (long long)pages.table[page] : 0ll;
+  }
+
+  // Element offset of the key's row in the pool (KvPages::row times the row's elements), -1 past the end.
+  __device__ __forceinline__ long long row(const KvPages& pages, int end, int kv_row_elems,
+                                           long long head_offset) const {
+    return pos < end ? (page_base * pages.page_rows + offset) * kv_row_elems + head_offset : -1ll;
+  }
+
+  __device__ __forceinline__ void advance(int keys, const KvPages& pages, int end) {
+    pos += keys;
+    offset += keys;
+    while (offset >= pages.page_rows) offset -= pages.page_rows, ++page;
+    fetch(pages, end);
+  }
+};
 
 __device__ __forceinline__ float load_sink(const void* sinks, int sinks_bf16, int h) {
   return sinks_bf16 ? bf16_to_f32(static_cast<const u16*>(sinks)[h]) : static_cast<const float*>(sinks)[h];
@@ -309,14 +338,18 @@ decode_attention_bf16(u16* out, const u16* q, const kv_t* k_cache, const kv_t* v
   fence_mbarrier_init();
   __syncwarp();
   // The first tiles of the pipeline go out before the wait when they end before the new key.
+  const int key = lane & 15;
+  const auto tile_row = [&](int first) {  // this lane's row in a tile of the prologue
+    return first + key < end ? pages.row(first + key) * kv_row_elems + head_offset : -1ll;
+  };
   bool early[ATTN_STAGES - 1];
 #pragma unroll
   for (int s = 0; s < ATTN_STAGES - 1; ++s) {
     const int first = begin + (warp + s * ATTN_WARPS) * ATTN_TILE;
     early[s] = s < my_tiles && first + ATTN_TILE < L;
     if (early[s])
-      load_tile(stage0 + s * STAGE_BYTES, bar0 + 8 * s, k_cache, v_cache, pages, head_offset, kv_row_elems, first,
-                end, lane);
+      load_tile(stage0 + s * STAGE_BYTES, bar0 + 8 * s, k_cache, v_cache, tile_row(first), head_offset,
+                min(ATTN_TILE, end - first), lane);
   }
   pdl_wait();
   // Q fragments (A operand rows 0-7 = the 8 heads): qa[kk] = Q[row][16kk + 2t ..], Q[row][16kk + 8 + 2t ..].
@@ -338,10 +371,14 @@ decode_attention_bf16(u16* out, const u16* q, const kv_t* k_cache, const kv_t* v
   }
 #endif
 #pragma unroll
-  for (int s = 0; s < ATTN_STAGES - 1; ++s)
+  for (int s = 0; s < ATTN_STAGES - 1; ++s) {
+    const int first = begin + (warp + s * ATTN_WARPS) * ATTN_TILE;
     if (s < my_tiles && !early[s])
-      load_tile(stage0 + s * STAGE_BYTES, bar0 + 8 * s, k_cache, v_cache, pages, head_offset, kv_row_elems,
-                begin + (warp + s * ATTN_WARPS) * ATTN_TILE, end, lane);
+      load_tile(stage0 + s * STAGE_BYTES, bar0 + 8 * s, k_cache, v_cache, tile_row(first), head_offset,
+                min(ATTN_TILE, end - first), lane);
+  }
+  // The loop's loads: tile ATTN_STAGES - 1 on.
+  KeyCursor next(begin + (warp + (ATTN_STAGES - 1) * ATTN_WARPS) * ATTN_TILE + key, pages, end);
   SplitState st;
   st.m = NEG_INF;
   st.l = 0.0f;
@@ -350,9 +387,12 @@ decode_attention_bf16(u16* out, const u16* q, const kv_t* k_cache, const kv_t* v
   // Tile i lives in stage i % STAGES; its barrier completes phase i / STAGES (parity (i / STAGES) & 1).
   for (int i = 0; i < my_tiles; ++i) {
     const int ahead = i + ATTN_STAGES - 1;
-    if (ahead < my_tiles)
+    if (ahead < my_tiles) {
+      const int first = begin + (warp + ahead * ATTN_WARPS) * ATTN_TILE;
       load_tile(stage0 + (ahead % ATTN_STAGES) * STAGE_BYTES, bar0 + 8 * (ahead % ATTN_STAGES), k_cache, v_cache,
-                pages, head_offset, kv_row_elems, begin + (warp + ahead * ATTN_WARPS) * ATTN_TILE, end, lane);
+                next.row(pages, end, kv_row_elems, head_offset), head_offset, min(ATTN_TILE, end - first), lane);
+      next.advance(ATTN_WARPS * ATTN_TILE, pages, end);
+    }
     mbarrier_wait_parity(bar0 + 8 * (i % ATTN_STAGES), (i / ATTN_STAGES) & 1);
     __syncwarp();  // the zero rows other lanes stored are visible too
     const u32 stage = stage0 + (i % ATTN_STAGES) * STAGE_BYTES;

@@ -41,8 +41,9 @@ MIN_SPLIT_KEYS = 64          # cuda/decode_attention.cu ATTN_MIN_SPLIT_KEYS (a d
 # MMAs. Prepared, not yet measured on a GPU (RESULTS.md, session 25): 1, the build measured so far.
 S_ACCS = 1
 MAX_SPLITS = 128
-# NOTE: 68 KiB of shared memory and 142 registers per thread let three CTAs share an SM
-# (228 KiB, 64 K registers): a grid of 3 CTAs per SM is one full wave. Measured on the H200,
+# NOTE: 68 KiB of shared memory and <= 168 registers a thread (160 bf16, 158 e4m3) let three CTAs
+# share an SM (228 KiB, 64 K registers; tests/test_kernels_compile_attention.py checks the builds):
+# a grid of 3 CTAs per SM is one full wave. Measured on the H200,
 # three CTAs of 2 stages beat two of 3 stages: the per-warp tile loop is latency-bound.
 CTAS_PER_SM = 3
 # Past one wave: when one split per (request, KV head) leaves the last wave of CTAs poorly filled,
