@@ -1,7 +1,9 @@
 // Split-KV decode attention with sinks: one new query per request, 8 query heads per KV head.
 // Grid (S splits, G kv heads, B requests), 4 warps: each CTA reads its key range of one KV head
 // once and serves all 8 query heads of the group with mma.sync (the heads are rows 0-7 of the
-// 16-row A operand; rows 8-15 are zero). Visible keys of request b, L = seq_lens[b]:
+// 16-row A operand; rows 8-15 are zero). Request b's query heads start q_stride elements after b-1's
+// (H * 128 for a [B, H, 128] q; a prompt step's decode rows read theirs from q/k/v rows in place).
+// Visible keys of request b, L = seq_lens[b]:
 //   full (window == 0): 0 .. L-1          sliding: max(0, L-window) .. L-1
 // The host picks S from an upper bound on L; the key range is cut on the device from the real L:
 //   n = #visible   chunk = max(MIN_SPLIT_KEYS, roundup(ceil(n / S), 16))   active = ceil(n / chunk)
@@ -294,7 +296,7 @@ __device__ __forceinline__ bool take_ticket(u32* ticket, int arrivals, int* flag
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-decode_attention_bf16(u16* out, const u16* q, const kv_t* k_cache, const kv_t* v_cache, const int* block_tables,
+decode_attention_bf16(u16* out, const u16* q, int q_stride, const kv_t* k_cache, const kv_t* v_cache, const int* block_tables,
                       int table_stride, const int* ring_slots, int page_rows, int window, const int* seq_lens,
                       int one_split_below, const void* sinks, int sinks_bf16, float scale_log2, u32* tickets,
                       float* partials) {
@@ -355,7 +357,7 @@ decode_attention_bf16(u16* out, const u16* q, const kv_t* k_cache, const kv_t* v
   // Q fragments (A operand rows 0-7 = the 8 heads): qa[kk] = Q[row][16kk + 2t ..], Q[row][16kk + 8 + 2t ..].
   u32 qa[8][2];
 #if KV_FP8  // f16, dims 16kk + 4t .. 4t+3 (the K words' order, attend_tile)
-  const u16* q_row = q + (((long long)b * G + g) * GROUP + row) * HEAD_DIM + 4 * t;
+  const u16* q_row = q + (long long)b * q_stride + (g * GROUP + row) * HEAD_DIM + 4 * t;
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
     const uint2 v = *reinterpret_cast<const uint2*>(q_row + 16 * kk);
@@ -363,7 +365,7 @@ decode_attention_bf16(u16* out, const u16* q, const kv_t* k_cache, const kv_t* v
     qa[kk][1] = pack_f16x2(bf16x2_lo(v.y), bf16x2_hi(v.y));
   }
 #else
-  const u16* q_row = q + (((long long)b * G + g) * GROUP + row) * HEAD_DIM + 2 * t;
+  const u16* q_row = q + (long long)b * q_stride + (g * GROUP + row) * HEAD_DIM + 2 * t;
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
     qa[kk][0] = *reinterpret_cast<const u32*>(q_row + 16 * kk);

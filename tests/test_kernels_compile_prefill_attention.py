@@ -110,6 +110,38 @@ def test_metadata_of_a_mixed_step_row_by_row():
         assert not meta.block_tables[e, len(c.block_table):].any()
 
 
+def test_metadata_sends_the_leading_decodes_apart():
+    """max_decodes: the leading one-row entries (up to that many) leave the tiles for `decodes`
+    (seq_len, ring slot, row, ring row); a one-row entry after a chunk stays in the tiles, and every
+    row keeps its positions, cache rows and ring rows."""
+    chunks = [Chunk(100, 1, 3, [0] * 7), Chunk(7, 1, 1, [2]), Chunk(0, 40, 2, [5, 6, 7]), Chunk(50, 1, 0, [1] * 4)]
+    plain = prefill_metadata(chunks, 16, 513, "cpu", ring_rows=528)
+    assert plain.num_decodes == 0 and plain.decodes.shape == (4, 0) and plain.num_tiles == 1 + 1 + 3 + 1
+    for cap, d in ((8, 2), (1, 1)):
+        meta = prefill_metadata(chunks, 16, 513, "cpu", ring_rows=528, max_decodes=cap)
+        assert meta.num_decodes == d and meta.decode_max_len == 101
+        assert meta.decodes.tolist() == [[101, 8][:d], [3, 1][:d], [0, 1][:d], [3 * 528 + 100, 1 * 528 + 7][:d]]
+        assert sorted(map(tuple, meta.tiles.tolist())) == sorted({(e, 0) for e in range(d, 4)} | {(2, 16), (2, 32)})
+        for name in ("entries", "positions", "kv_rows", "ring_src", "ring_dst", "block_tables"):
+            assert torch.equal(getattr(meta, name), getattr(plain, name)), name
+    only = prefill_metadata(chunks[:2], 16, 513, "cpu", max_decodes=8)
+    assert only.num_decodes == 2 and only.num_tiles == 0
+
+
+def test_static_buffers_hold_the_decodes_apart_then_padding():
+    chunks = [Chunk(100, 1, 3, [0] * 7), Chunk(7, 1, 1, [2]), Chunk(0, 40, 2, [5, 6, 7])]
+    buffers = PrefillBuffers(64, 4, 10, 16, 513, 528, "cpu", max_decodes=8)
+    assert buffers.meta.num_decodes == 4 and buffers.meta.decode_max_len == 160     # the capacity, the tables
+    for step in (chunks, chunks[2:]):
+        buffers.fill(step)
+        ref = prefill_metadata(step, 16, 513, "cpu", ring_rows=528, max_decodes=8)
+        d = ref.num_decodes
+        assert torch.equal(buffers.meta.decodes[:, :d], ref.decodes)
+        assert buffers.meta.decodes[:, d:].tolist() == [[0] * (4 - d), [0] * (4 - d), [0] * (4 - d), [-1] * (4 - d)]
+        assert torch.equal(buffers.meta.tiles[:ref.num_tiles], ref.tiles)
+        assert (buffers.meta.tiles[ref.num_tiles:] == torch.tensor([-1, 0])).all()
+
+
 def test_metadata_ring_rows_are_distinct_per_slot():
     meta = prefill_metadata([Chunk(200, 2000, 4, [0] * 200), Chunk(0, 513, 2, [0] * 40)], 16, 513, "cpu")
     dst = meta.ring_dst.numpy()

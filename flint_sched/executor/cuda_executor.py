@@ -32,6 +32,7 @@ import torch
 from flint_sched.checkpoint.common import Weights
 from flint_sched.config import FlintConfig
 from flint_sched.core.plan import ScheduledRequest, StepPlan, StepResult
+from flint_sched.executor import kernel_ops
 from flint_sched.executor.dense_copies import make_copies
 from flint_sched.executor.forward import forward
 from flint_sched.executor.grammar_masks import GrammarMasks
@@ -389,7 +390,8 @@ class CudaExecutor:
         token_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         sample_rows = torch.tensor(samples, dtype=torch.long).to(self.device, non_blocking=True)
         self._feed(entries, token_ids)
-        prefill = prefill_metadata(chunks, self.kv.block_size, self.kv.window, self.device, ring_rows=self.kv.ring_rows)
+        prefill = prefill_metadata(chunks, self.kv.block_size, self.kv.window, self.device, ring_rows=self.kv.ring_rows,
+                                   max_decodes=self.ws.max_rows if kernel_ops.DECODES_APART else 0)
         sampling = [e for e in entries if e.samples]
         spans = prompt_spans(entries)        # rows of requests that ask for prompt logprobs
         if spans:
@@ -440,7 +442,7 @@ class CudaExecutor:
             hidden, ids, samples, tables = self._prompt_shared
             entries = min(rows, max_entries)
             buffers = PrefillBuffers(rows, entries, tables.shape[1], kv.block_size, kv.window, kv.ring_rows,
-                                     self.device, block_tables=tables)
+                                     self.device, block_tables=tables, max_decodes=entries if kernel_ops.DECODES_APART else 0)
             static = self._prompt_static[rows] = (buffers, hidden[:, :rows], ids[:rows], samples[:entries])
         return static
 

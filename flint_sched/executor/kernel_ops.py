@@ -34,6 +34,7 @@ from flint_sched.kernels.moe import moe_down, moe_gate_up, route
 from flint_sched.kernels.norm import rms_norm
 from flint_sched.kernels.prefill_attention import (
     PrefillMetadata,
+    decode_ring_write,
     prefill_attention,
     prefill_qk_norm_rope,
     prefill_ring_write,
@@ -54,6 +55,14 @@ FUSE_NORMS = True
 # The GEMVs take up to 32 rows (four groups); NVFP4 at 24 / 32 requests with them: 6.16, 6.05 /
 # 7.14, 6.81 ms against 6.16, 6.25 / 6.81, 6.77 on cuBLAS (session 14): no gain, so 16.
 GEMV_MAX_ROWS = {"nvfp4": 16, "bf16": 16}
+
+# Prompt steps: their leading one-row entries (the decodes beside the chunks of a mixed step) attend
+# on the decode kernel, the chunks on the prefill kernel (PrefillMetadata.decodes). In the prefill
+# kernel a decode is a 16-row query tile with one row, and an e4m3 cache's history goes through its
+# slow converting producer: 256 decodes at 1,536 beside a 1,024-row chunk took 25.7 ms of prefill
+# attention a step (e4m3; the chunk alone ~2), against 3.4 ms for the decodes on the decode kernel
+# (benchmarks/RESULTS.md, session 26). 0: every row in the prefill kernel, as before.
+DECODES_APART = True
 
 
 @dataclass
@@ -164,10 +173,23 @@ class KernelOps:
         return out.view(b, c.q_size)
 
     def _prefill_attention(self, i: int, qkv: torch.Tensor) -> torch.Tensor:
-        """Sliding layers read the ring's history first and write the chunk's last keys after."""
-        kv, sliding, sinks = self.k.kv, self.c.is_sliding(i), self.w[f"model.layers.{i}.self_attn.sinks"]
+        """Sliding layers read the ring's history first and write the chunk's last keys after. The
+        decodes apart (DECODES_APART) attend first, from their q/k/v rows, into the same output rows
+        (a sliding layer's decodes put their new key in the ring before)."""
+        c, meta = self.c, self.prefill
+        kv, sliding, sinks = self.k.kv, c.is_sliding(i), self.w[f"model.layers.{i}.self_attn.sinks"]
         pools = kv.ring[kv.ring_index[i]] if sliding else kv.full[kv.full_index[i]]
-        out = prefill_attention(qkv, pools[0], pools[1], self.prefill, sinks, sliding, pdl=self.pdl)
+        out = torch.empty(self.rows, c.num_attention_heads, c.head_dim, dtype=torch.bfloat16, device=qkv.device)
+        if d := meta.num_decodes:
+            q = qkv[:d, :c.q_size].view(d, c.num_attention_heads, c.head_dim)
+            if sliding:
+                decode_ring_write(qkv, pools[0], pools[1], meta, pdl=self.pdl)
+                attn.decode_attention_sliding(q, pools[0], pools[1], meta.decode_slots, meta.decode_lens, sinks,
+                                              self.ws.attention, out=out[:d], pdl=self.pdl, window=c.sliding_window)
+            else:
+                attn.decode_attention_full(q, pools[0], pools[1], meta.block_tables[:d], meta.decode_lens, sinks,
+                                           self.ws.attention, meta.decode_max_len, out=out[:d], pdl=self.pdl)
+        out = prefill_attention(qkv, pools[0], pools[1], meta, sinks, sliding, out=out, pdl=self.pdl)
         if sliding:
             prefill_ring_write(qkv, pools[0], pools[1], self.prefill, pdl=self.pdl)
         return out.view(self.rows, self.c.q_size)

@@ -216,6 +216,9 @@ def decode_attention_full(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           softmax_scale: float | None = None, pdl: bool = False) -> torch.Tensor:
     """out [B, H, 128] = attention of q over keys 0 .. seq_lens[b]-1 read through block_tables.
 
+    q [B, H, 128] bf16: contiguous, or a view whose rows are further apart (`_check_q`: a prompt
+    step's decode rows attend from their q/k/v rows in place).
+
     seq_lens int32 [B] on the device (0: padding, output zeros), each <= max_seq_len, the host
     bound that picks the splits. sinks [H] bf16 or fp32. workspace: `attention_workspace`.
     """
@@ -234,6 +237,8 @@ def decode_attention_sliding(q: torch.Tensor, k_ring: torch.Tensor, v_ring: torc
     """out = attention over the last min(seq_lens[b], window) positions; position p at ring row
     p % ring rows (window: the model's, at most the ring's rows; default the ring's rows)."""
     b = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else -1
+    if not isinstance(q, torch.Tensor):
+        raise ValueError("q must be a CUDA tensor [B, H, 128]")
     check_tensor(ring_slots, "ring_slots", torch.int32, (b,), q.device, 4)
     window = k_ring.shape[1] if window is None else window
     if not 1 <= window <= k_ring.shape[1]:
@@ -251,7 +256,7 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
     if not 1 <= b <= MAX_BATCH:
         raise ValueError(f"batch {b} outside 1..{MAX_BATCH}")
     dev = q.device
-    check_tensor(q, "q", torch.bfloat16, (b, h, HEAD_DIM), dev)
+    q_stride = _check_q(q, b, h)
     check_tensor(seq_lens, "seq_lens", torch.int32, (b,), dev, 4)
     if sinks.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"sinks must be bf16 or fp32, got {sinks.dtype}")
@@ -277,7 +282,7 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
     defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *cp_async, *kv_defines(k_pool), *stages, *accs)
     _kernel("decode_attention.cu", "decode_attention_bf16", defines).launch(
         (splits, g, b), (ATTN_THREADS,),
-        [out, q, k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window),
+        [out, q, I32(q_stride), k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window),
          seq_lens, I32(one_below), sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E), workspace,
          workspace[TICKET_SLOTS:]],
         shared_bytes=fp8_smem_bytes(FP8_STAGES) if fp8 else ATTN_SMEM_BYTES, pdl=pdl, device=dev.index)
@@ -285,6 +290,18 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
 
 
 # ---- checks ------------------------------------------------------------------------------------
+
+
+def _check_q(q: torch.Tensor, b: int, h: int) -> int:
+    """Elements from one request's q heads to the next: q [B, H, 128] bf16, contiguous or a view of
+    rows further apart (a prompt step's q/k/v rows: the q heads first), 16-byte aligned."""
+    if q.dtype != torch.bfloat16 or tuple(q.shape) != (b, h, HEAD_DIM):
+        raise ValueError(f"q must be bf16 [{b}, {h}, {HEAD_DIM}], got {q.dtype} {tuple(q.shape)}")
+    stride = q.stride(0) if b > 1 else h * HEAD_DIM
+    if q.stride()[1:] != (HEAD_DIM, 1) or stride < h * HEAD_DIM or stride % 8 or q.data_ptr() % 16:
+        raise ValueError(f"q must be [B, H, 128] with rows >= H * 128 elements apart (a multiple of 8) and "
+                         f"16-byte aligned, got strides {q.stride()}")
+    return stride
 
 
 def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> int:

@@ -115,6 +115,11 @@ class PrefillMetadata:
     kv_rows [T]           the paged pool row of each row's K/V: block * block_size + offset
     ring_src / ring_dst [R]   the rows a sliding layer keeps (each entry's last <= ring_rows) and
                           their ring rows, slot * ring_rows + position % ring_rows
+    decodes [4, D]        the step's leading one-row entries that attend apart, on the decode
+                          kernel (`max_decodes`; their rows in no tile): seq_len, ring slot, row,
+                          ring row of each (padding of static buffers: 0, 0, 0, -1)
+    num_decodes           D (static buffers: their capacity, the decode launch's grid)
+    decode_max_len        the longest of their seq_lens (static buffers: what their tables hold)
     """
 
     num_tokens: int
@@ -128,6 +133,17 @@ class PrefillMetadata:
     kv_rows: torch.Tensor
     ring_src: torch.Tensor
     ring_dst: torch.Tensor
+    decodes: torch.Tensor | None = None
+    num_decodes: int = 0
+    decode_max_len: int = 0
+
+    @property
+    def decode_lens(self) -> torch.Tensor:
+        return self.decodes[0]
+
+    @property
+    def decode_slots(self) -> torch.Tensor:
+        return self.decodes[1]
 
     @property
     def num_entries(self) -> int:
@@ -139,11 +155,12 @@ class PrefillMetadata:
 
 
 def prefill_metadata(chunks: Sequence[Chunk], block_size: int, window: int,
-                     device: torch.device | str, ring_rows: int | None = None) -> PrefillMetadata:
+                     device: torch.device | str, ring_rows: int | None = None, max_decodes: int = 0) -> PrefillMetadata:
     """The step's metadata for `chunks` (in row order); one host-to-device copy, not waited for.
-    ring_rows: rows of a ring slot (>= window; default window; the engine's: core/kv_allocator.ring_rows)."""
+    ring_rows: rows of a ring slot (>= window; default window; the engine's: core/kv_allocator.ring_rows).
+    max_decodes: up to this many leading one-row entries attend apart (`decodes`), not in the tiles."""
     ring_rows = _check_sizes(block_size, window, ring_rows)
-    rows, parts = _metadata_parts(chunks, block_size, ring_rows)
+    rows, parts = _metadata_parts(chunks, block_size, ring_rows, max_decodes)
     # Without blocking: a blocking copy syncs the stream, and the host would wait for the step before.
     flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).astype(np.int32)).to(
         device, non_blocking=True)
@@ -151,7 +168,9 @@ def prefill_metadata(chunks: Sequence[Chunk], block_size: int, window: int,
     for p in parts:
         views.append(flat[start:start + p.size].view(p.shape))
         start += p.size
-    return PrefillMetadata(rows, block_size, window, ring_rows, *views)
+    decodes = parts[-1]
+    return PrefillMetadata(rows, block_size, window, ring_rows, *views, num_decodes=decodes.shape[1],
+                           decode_max_len=int(decodes[0].max(initial=0)))
 
 
 class PrefillBuffers:
@@ -163,15 +182,19 @@ class PrefillBuffers:
     holds the real row count for the MoE, whose routing skips the rest. Of the block tables only
     each step's [entries, longest table] corner is copied (an entry reads no further than its own
     table); `block_tables` ([>= max_entries, table_width] int32) may be shared by several buffers
-    whose graphs never run at once."""
+    whose graphs never run at once. max_decodes: as prefill_metadata's; the decode launch then
+    covers min(max_decodes, max_entries) rows, the step's leading one-row entries and padding."""
 
     def __init__(self, tokens: int, max_entries: int, table_width: int, block_size: int, window: int,
-                 ring_rows: int, device: torch.device | str, block_tables: torch.Tensor | None = None):
+                 ring_rows: int, device: torch.device | str, block_tables: torch.Tensor | None = None,
+                 max_decodes: int = 0):
         self.ring_rows = _check_sizes(block_size, window, ring_rows)
         self.tokens, self.max_entries, self.table_width = tokens, max_entries, table_width
+        self.max_decodes = min(max_decodes, max_entries)
         self.max_tiles = math.ceil(tokens / TILE_TOKENS) + max_entries
-        # entries, tiles, positions, kv_rows, ring_src, ring_dst, num_tokens
-        self.shapes = [(max_entries, 4), (self.max_tiles, 2), (tokens,), (tokens,), (tokens,), (tokens,), (1,)]
+        # entries, tiles, positions, kv_rows, ring_src, ring_dst, decodes, num_tokens
+        self.shapes = [(max_entries, 4), (self.max_tiles, 2), (tokens,), (tokens,), (tokens,), (tokens,),
+                       (4, self.max_decodes), (1,)]
         sizes = [math.prod(shape) for shape in self.shapes]
         self.flat = torch.zeros(sum(sizes), dtype=torch.int32, device=device)
         self._host = np.zeros(sum(sizes), dtype=np.int32)
@@ -184,7 +207,8 @@ class PrefillBuffers:
             raise ValueError(f"block_tables must be int32 [>= {max_entries}, {table_width}]")
         self.num_tokens = views[-1]
         self.meta = PrefillMetadata(tokens, block_size, window, self.ring_rows, views[0], views[1],
-                                    block_tables[:max_entries], *views[2:-1])
+                                    block_tables[:max_entries], *views[2:-1], num_decodes=self.max_decodes,
+                                    decode_max_len=table_width * block_size)
 
     def fits(self, chunks: Sequence[Chunk]) -> bool:
         return (len(chunks) <= self.max_entries and sum(c.num_tokens for c in chunks) <= self.tokens
@@ -195,8 +219,8 @@ class PrefillBuffers:
             raise ValueError(f"{len(chunks)} entries / {sum(c.num_tokens for c in chunks)} tokens / tables of "
                              f"{max(len(c.block_table) for c in chunks)} blocks do not fit buffers of "
                              f"{self.max_entries} / {self.tokens} / {self.table_width}")
-        rows, parts = _metadata_parts(chunks, self.meta.block_size, self.ring_rows)
-        entries, tiles, tables, *per_row = parts
+        rows, parts = _metadata_parts(chunks, self.meta.block_size, self.ring_rows, self.max_decodes)
+        entries, tiles, tables, *per_row, decodes = parts
         host = self._host
         for i, (part, pad) in enumerate(zip([entries, tiles, *per_row], [0, -1, 0, -1, 0, -1])):
             region = host[self._offsets[i]:self._offsets[i + 1]].reshape(self.shapes[i])
@@ -204,6 +228,9 @@ class PrefillBuffers:
             if i == 1:
                 region[:, 1] = 0                    # padding tiles: (-1, 0)
             region[:len(part)] = part
+        region = host[self._offsets[6]:self._offsets[7]].reshape(self.shapes[6])
+        region[:3], region[3] = 0, -1
+        region[:, :decodes.shape[1]] = decodes
         host[-1] = rows
         # Pageable host memory: each copy is staged at once, so the host arrays are free again.
         self.flat.copy_(torch.from_numpy(host), non_blocking=True)
@@ -219,9 +246,10 @@ def _check_sizes(block_size: int, window: int, ring_rows: int | None) -> int:
     return ring_rows
 
 
-def _metadata_parts(chunks: Sequence[Chunk], block_size: int, ring_rows: int) -> tuple[int, list[np.ndarray]]:
-    """(rows, [entries, tiles, block_tables, positions, kv_rows, ring_src, ring_dst]) on the host,
-    whole arrays at a time (a mixed step has an entry per decode: 256 at 256 streams)."""
+def _metadata_parts(chunks: Sequence[Chunk], block_size: int, ring_rows: int,
+                    max_decodes: int = 0) -> tuple[int, list[np.ndarray]]:
+    """(rows, [entries, tiles, block_tables, positions, kv_rows, ring_src, ring_dst, decodes]) on the
+    host, whole arrays at a time (a mixed step has an entry per decode: 256 at 256 streams)."""
     if not chunks:
         raise ValueError("a prompt step needs at least one entry")
     num = len(chunks)
@@ -249,12 +277,17 @@ def _metadata_parts(chunks: Sequence[Chunk], block_size: int, ring_rows: int) ->
     kept = offset >= (counts - ring_rows)[entry]                # each entry's last <= ring_rows rows
     ring_src = np.flatnonzero(kept)
     ring_dst = slots[entry[kept]] * ring_rows + positions[kept] % ring_rows
+    # The leading one-row entries (a mixed step's decodes come first) attend apart, up to max_decodes.
+    d = min(max_decodes, int(np.argmax(counts != 1)) if (counts != 1).any() else num)
+    decodes = np.stack([starts[:d] + 1, slots[:d], first_row[:d], slots[:d] * ring_rows + starts[:d] % ring_rows])
     num_tiles = -(-counts // TILE_TOKENS)
+    num_tiles[:d] = 0
     tile_entry = np.repeat(np.arange(num), num_tiles)
     tile_first = (np.arange(int(num_tiles.sum())) - np.repeat(np.cumsum(num_tiles) - num_tiles, num_tiles)) * TILE_TOKENS
     work = starts[tile_entry] + tile_first + TILE_TOKENS        # keys of a full layer: the cost of the tile
     tiles = np.stack([tile_entry, tile_first], axis=1)[np.argsort(-work, kind="stable")]
-    parts = [np.stack([first_row, starts, counts, slots], axis=1), tiles, tables, positions, kv_rows, ring_src, ring_dst]
+    parts = [np.stack([first_row, starts, counts, slots], axis=1), tiles, tables, positions, kv_rows, ring_src,
+             ring_dst, decodes]
     if max(int(p.max(initial=0)) for p in parts) >= 2**31:
         raise ValueError("prompt step metadata exceeds int32")
     return rows, parts
@@ -336,7 +369,8 @@ def prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     if tma:
         compiled.load(dev.index)                  # the driver's context, for the descriptors
         args += [pool_tensor_map(k_pool), pool_tensor_map(v_pool)]
-    compiled.launch((meta.num_tiles * g,), (threads,), args, shared_bytes=smem, pdl=pdl, device=dev.index)
+    if meta.num_tiles:          # none when every entry is a decode apart
+        compiled.launch((meta.num_tiles * g,), (threads,), args, shared_bytes=smem, pdl=pdl, device=dev.index)
     return out
 
 
@@ -352,6 +386,21 @@ def prefill_ring_write(qkv: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Te
     _kernel("prefill_qkv.cu", "prefill_kv_copy_bf16", defines).launch(
         (rows,), (COPY_THREADS,), [k_ring, v_ring, qkv, meta.ring_src, meta.ring_dst, I32(h), I32(g)],
         pdl=pdl, device=qkv.device.index)
+
+
+def decode_ring_write(qkv: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor, meta: PrefillMetadata,
+                      pdl: bool = False) -> None:
+    """The new K/V row of each decode apart (meta.decodes) into its ring, before their attention: a
+    decode's row p overwrites position p - ring_rows, which no window reaches. (prefill_ring_write
+    writes them again after the step's attention, with the chunks' rows.)"""
+    h, g = _check_qkv(qkv, meta)
+    ring_g, defines = _check_kv(k_ring, v_ring)
+    if ring_g != g or k_ring.shape[1] != meta.ring_rows or k_ring.device != qkv.device:
+        raise ValueError(f"rings must be [slots, {meta.ring_rows}, {g}, {HEAD_DIM}] on {qkv.device}")
+    if meta.num_decodes:
+        _kernel("prefill_qkv.cu", "prefill_kv_copy_bf16", defines).launch(
+            (meta.num_decodes,), (COPY_THREADS,), [k_ring, v_ring, qkv, meta.decodes[2], meta.decodes[3], I32(h), I32(g)],
+            pdl=pdl, device=qkv.device.index)
 
 
 def _check_qkv(qkv: torch.Tensor, meta: PrefillMetadata) -> tuple[int, int]:

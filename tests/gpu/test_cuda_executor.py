@@ -328,6 +328,33 @@ def test_mixed_steps_on_the_hybrid_expert_gemms(ckpt, monkeypatch):
         assert errors[len(errors) // 2] < 1e-2 and errors[-1] < 0.4, errors
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-kv", "e4m3-kv"])
+def test_decodes_beside_prompt_chunks_attend_apart(ckpt, kv_dtype, monkeypatch):
+    """A prompt step's leading decodes on the decode kernel (kernel_ops.DECODES_APART; sliding layers
+    put their new key in the ring first), eager and from the prompt graphs, bf16 and e4m3 caches:
+    against the reference, and the eager steps did send decodes apart (none with the option off)."""
+    prompts = [list(range(3, 603)), [7] * 5, list(range(50, 1050)), list(range(9, 29))]
+    seen = []
+    attend = kernel_ops.KernelOps._prefill_attention
+
+    def recording(self, i, qkv):
+        seen.append(self.prefill.num_decodes)
+        return attend(self, i, qkv)
+
+    monkeypatch.setattr(kernel_ops.KernelOps, "_prefill_attention", recording)
+    typical = 3e-2 if kv_dtype == torch.float8_e4m3fn else 1.5e-2
+    for graphs in (False, True):
+        seen.clear()
+        logits, out, _ = run(ckpt, prompts, 6, use_graphs=graphs, budget=512, kv_dtype=kv_dtype)
+        check_against_reference(ckpt, prompts, logits, out, kv_dtype=None if kv_dtype == torch.bfloat16 else kv_dtype,
+                                typical=typical)
+        assert max(seen) >= 1
+    monkeypatch.setattr(kernel_ops, "DECODES_APART", False)
+    seen.clear()
+    run(ckpt, prompts, 2, use_graphs=False, budget=512, kv_dtype=kv_dtype)
+    assert seen and max(seen) == 0
+
+
 def test_an_fp8_kv_cache_matches_the_reference_reading_the_same_rounded_keys(ckpt):
     """--kv-cache-dtype fp8: prompts in chunks (full layers reading their own keys back from the
     e4m3 pool, sliding layers their ring's history) and decodes of mixed lengths on both sides of
