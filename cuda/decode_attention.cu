@@ -35,10 +35,6 @@
 #define ATTN_CP_ASYNC 0
 #endif
 #define ATTN_THREADS (ATTN_WARPS * 32)
-#ifndef ATTN_S_ACCS
-#define ATTN_S_ACCS 1  // 2: Q.K's eight k-steps a tile alternate between two accumulators (chains of 4 MMAs, not 8)
-#endif
-static_assert(ATTN_S_ACCS == 1 || ATTN_S_ACCS == 2, "one or two Q.K accumulators");
 #define ATTN_TILE 16            // keys per warp step
 #ifndef ATTN_MIN_SPLIT_KEYS
 #define ATTN_MIN_SPLIT_KEYS 64  // flint_sched/kernels/attention.py MIN_SPLIT_KEYS (passed as a define)
@@ -72,7 +68,7 @@ __device__ __forceinline__ void attend_tile(SplitState& st, const u32 (&qa)[8][2
                                             int first_pos, int end, float scale_log2, int lane) {
   const int t = lane & 3, mi = lane >> 3, r8 = lane & 7;
   // S[g][key] for keys 8j..8j+7 (n-tile j): B operand = K rows, ldmatrix (non-trans) over dims.
-  float s[2][ATTN_S_ACCS][4] = {};
+  float s[2][4] = {};
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
 #if KV_FP8
@@ -82,7 +78,7 @@ __device__ __forceinline__ void attend_tile(SplitState& st, const u32 (&qa)[8][2
       ldmatrix_x4(kb, k_base + tile_offset(8 * j + r8, 4 * c2 + mi));
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        mma_f16_16x8x16(s[j][i % ATTN_S_ACCS], qa[4 * c2 + i][0], 0u, qa[4 * c2 + i][1], 0u, f16x2_from_e4m3x2(kb[i]),
+        mma_f16_16x8x16(s[j], qa[4 * c2 + i][0], 0u, qa[4 * c2 + i][1], 0u, f16x2_from_e4m3x2(kb[i]),
                         f16x2_from_e4m3x2_hi(kb[i]));
     }
 #else
@@ -90,8 +86,8 @@ __device__ __forceinline__ void attend_tile(SplitState& st, const u32 (&qa)[8][2
     for (int c2 = 0; c2 < 4; ++c2) {  // 32 dims per ldmatrix.x4: k-steps 2c2 and 2c2+1
       u32 kb[4];
       ldmatrix_x4(kb, k_base + tile_offset(8 * j + r8, 4 * c2 + mi));
-      mma_bf16_16x8x16(s[j][0], qa[2 * c2][0], 0u, qa[2 * c2][1], 0u, kb[0], kb[1]);
-      mma_bf16_16x8x16(s[j][ATTN_S_ACCS - 1], qa[2 * c2 + 1][0], 0u, qa[2 * c2 + 1][1], 0u, kb[2], kb[3]);
+      mma_bf16_16x8x16(s[j], qa[2 * c2][0], 0u, qa[2 * c2][1], 0u, kb[0], kb[1]);
+      mma_bf16_16x8x16(s[j], qa[2 * c2 + 1][0], 0u, qa[2 * c2 + 1][1], 0u, kb[2], kb[3]);
     }
 #endif
   }
@@ -102,8 +98,7 @@ __device__ __forceinline__ void attend_tile(SplitState& st, const u32 (&qa)[8][2
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const bool valid = first_pos + 8 * j + 2 * t + e < end;
-      const float dot = ATTN_S_ACCS == 2 ? s[j][0][e] + s[j][ATTN_S_ACCS - 1][e] : s[j][0][e];
-      x[j][e] = valid ? dot * scale_log2 : NEG_INF;
+      x[j][e] = valid ? s[j][e] * scale_log2 : NEG_INF;
       tile_max = fmaxf(tile_max, x[j][e]);
     }
   tile_max = fmaxf(tile_max, __shfl_xor_sync(0xFFFFFFFFu, tile_max, 1));

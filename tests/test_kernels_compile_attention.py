@@ -28,8 +28,7 @@ def test_fp8_kv_variants_compile(source, private_cache):
 
 @needs_nvrtc
 @pytest.mark.parametrize("defines", [{"ATTN_STAGES": 3}, {"ATTN_STAGES": 4}, {"ATTN_CP_ASYNC": 1},
-                                     {"ATTN_CP_ASYNC": 1, "KV_FP8": 1, "ATTN_STAGES": 4}, {"ATTN_S_ACCS": 2},
-                                     {"ATTN_CP_ASYNC": 1, "KV_FP8": 1, "ATTN_STAGES": 4, "ATTN_S_ACCS": 2}])
+                                     {"ATTN_CP_ASYNC": 1, "KV_FP8": 1, "ATTN_STAGES": 4}])
 def test_attention_pipeline_variants_compile(defines, private_cache):
     assert _runtime.compile_only("decode_attention.cu", defines, arch="sm_90a")[:4] == b"\x7fELF"
 

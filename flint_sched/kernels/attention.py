@@ -37,9 +37,6 @@ FP8_STAGES = 4
 CP_ASYNC_DTYPES = (torch.float8_e4m3fn,)
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)        # the cache's element types (KV_FP8 compiles)
 MIN_SPLIT_KEYS = 64          # cuda/decode_attention.cu ATTN_MIN_SPLIT_KEYS (a define from here)
-# Q.K accumulators a warp's tile (cuda/decode_attention.cu ATTN_S_ACCS): 2 halves the chain of dependent
-# MMAs. Prepared, not yet measured on a GPU (RESULTS.md, session 25): 1, the build measured so far.
-S_ACCS = 1
 MAX_SPLITS = 128
 # NOTE: 68 KiB of shared memory and <= 168 registers a thread (160 bf16, 158 e4m3) let three CTAs
 # share an SM (228 KiB, 64 K registers; tests/test_kernels_compile_attention.py checks the builds):
@@ -278,8 +275,7 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
     fp8 = k_pool.dtype == torch.float8_e4m3fn
     stages = (("ATTN_STAGES", FP8_STAGES),) if fp8 else ()
     cp_async = (("ATTN_CP_ASYNC", 1),) if k_pool.dtype in CP_ASYNC_DTYPES else ()
-    accs = (("ATTN_S_ACCS", S_ACCS),) if S_ACCS != 1 else ()
-    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *cp_async, *kv_defines(k_pool), *stages, *accs)
+    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *cp_async, *kv_defines(k_pool), *stages)
     _kernel("decode_attention.cu", "decode_attention_bf16", defines).launch(
         (splits, g, b), (ATTN_THREADS,),
         [out, q, I32(q_stride), k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window),

@@ -266,16 +266,6 @@ def test_tile_loaders(kv_dtype, cp_async, monkeypatch):
                 kv_dtype=kv_dtype)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "e4m3"])
-def test_two_qk_accumulators(kv_dtype, monkeypatch):
-    """attention.S_ACCS 2 (Q.K's k-steps alternating between two accumulators) against the reference."""
-    monkeypatch.setattr(attention, "S_ACCS", 2)
-    run_full([1, 7, 513, 1000, 4097, LONG], block_size=7, seed=110, kv_dtype=kv_dtype)
-    run_full([1, 700, 4097], num_splits=5, seed=111, kv_dtype=kv_dtype)
-    run_sliding([CONTEXTS[(5 * i) % len(CONTEXTS)] + 1000 * (i % 3) for i in range(19)], seed=112, rows=WINDOW + 15,
-                kv_dtype=kv_dtype)
-
-
 # ---- one graph, growing lengths --------------------------------------------------------------------
 
 
