@@ -6,7 +6,8 @@ Three variants of the same operations, chosen per step by the CUDA executor:
     grouped   decode batches above that: GEMMs over all rows, the grouped MoE (tokens sorted by
               expert on the GPU, each chosen expert's weights read once per step), batched attention
     prompt    steps with prompt chunks: the grouped GEMMs and MoE, prefill attention over every
-              chunk of the step in one launch per layer (kernels/prefill_attention.py)
+              chunk of the step in one launch per layer (kernels/prefill_attention.py), the
+              decodes beside them on the decode attention kernel (DECODES_APART)
 
 Decode variants run from CUDA graphs: inputs live in `DecodeInputs` (padded rows: position -1, no
 KV write; length 0, zero attention; outside `num_rows`, no expert work), the hidden state stays in
