@@ -10,11 +10,12 @@
 #   serve         serve_runs.sh, 1K in / 1K out: c=256 with the e4m3 and the bf16 cache, c=64 (bf16)
 #
 # Only the lines that carry figures are printed (decode steps, served throughput, TTFT / ITL, GPU
-# busy and idle, failures, what /metrics still holds after a run). On a machine with a GPU, the
+# busy and idle, failures, what /metrics still holds after a run), after one on the machine (GPU
+# clocks and power limit, the host's CPU and its time for a plain Python loop). On a machine with a GPU, the
 # wheels in ./.whl (../shared/tools/device-wheels) are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,14p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,15p "$0"; exit 2; }
 if command -v nvidia-smi >/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -34,6 +35,23 @@ SERVED_FIGURES="^==|Successful|Failed|Output token throughput|Median TTFT|P99 TT
 SERVED_FIGURES+="|GPU during|num_requests|kv_cache_usage|GC|exited|Error"
 RANDOM_1K="--endpoint /v1/completions --dataset-name random --random-token-ids --ignore-eos"
 RANDOM_1K+=" --random-input-len 1024 --random-output-len 1024"
+
+# Machines of one kind differ (RESULTS.md sessions 25-26: B=1 1.95-2.13 ms, served runs idling the GPU
+# 0-23 % between steps): a line on what besides the code decides a run's pace, to compare runs by.
+machine() {
+    local gpu cpu
+    gpu=$(nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem,power.limit --format=csv,noheader 2>/dev/null)
+    cpu=$(grep -m1 "model name" /proc/cpuinfo 2>/dev/null | cut -d: -f2 | sed 's/^ *//')
+    python3 - "$gpu" "$cpu" <<'EOF'
+import sys, time
+start, d = time.perf_counter(), {}
+for i in range(1_000_000):
+    d[i & 1023] = d.get(i & 4095, 0) + 1
+print(f"== machine: {sys.argv[1] or 'no GPU'}; host {sys.argv[2] or '?'}, "
+      f"{(time.perf_counter() - start) * 1e3:.0f} ms for a 1M-step Python loop")
+EOF
+}
+machine
 
 for part in "$@"; do
     echo "== gpu_suite $part ($(date -u +%H:%M:%S), $(git rev-parse --short HEAD 2>/dev/null || echo no-git))"
