@@ -11,8 +11,8 @@
 #
 # Only the lines that carry figures are printed (decode steps, served throughput, TTFT / ITL, GPU
 # busy and idle, failures, what /metrics still holds after a run), after one on the machine (GPU
-# clocks and power limit, the host's CPU and its time for a plain Python loop). On a machine with a GPU, the
-# wheels in ./.whl (../shared/tools/device-wheels) are installed into /tmp/site first.
+# clocks and power limit, the host's CPU and its time for a plain Python loop). On a machine with a
+# GPU, the wheels in ./.whl (../shared/tools/device-wheels) are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || { sed -n 2,15p "$0"; exit 2; }
