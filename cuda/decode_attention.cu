@@ -291,10 +291,10 @@ __device__ __forceinline__ bool take_ticket(u32* ticket, int arrivals, int* flag
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-decode_attention_bf16(u16* out, const u16* q, int q_stride, const kv_t* k_cache, const kv_t* v_cache, const int* block_tables,
-                      int table_stride, const int* ring_slots, int page_rows, int window, const int* seq_lens,
-                      int one_split_below, const void* sinks, int sinks_bf16, float scale_log2, u32* tickets,
-                      float* partials) {
+decode_attention_bf16(u16* out, const u16* q, int q_stride, const kv_t* k_cache, const kv_t* v_cache,
+                      const int* block_tables, int table_stride, const int* ring_slots, int page_rows, int window,
+                      const int* seq_lens, int one_split_below, const void* sinks, int sinks_bf16, float scale_log2,
+                      u32* tickets, float* partials) {
   extern __shared__ uint4 smem[];
   __shared__ u64 stage_bars[ATTN_WARPS][ATTN_STAGES];
   __shared__ int is_last;

@@ -278,9 +278,9 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
     defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *cp_async, *kv_defines(k_pool), *stages)
     _kernel("decode_attention.cu", "decode_attention_bf16", defines).launch(
         (splits, g, b), (ATTN_THREADS,),
-        [out, q, I32(q_stride), k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window),
-         seq_lens, I32(one_below), sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E), workspace,
-         workspace[TICKET_SLOTS:]],
+        [out, q, I32(q_stride), k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]),
+         I32(window), seq_lens, I32(one_below), sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E),
+         workspace, workspace[TICKET_SLOTS:]],
         shared_bytes=fp8_smem_bytes(FP8_STAGES) if fp8 else ATTN_SMEM_BYTES, pdl=pdl, device=dev.index)
     return out
 

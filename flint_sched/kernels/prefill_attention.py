@@ -399,8 +399,8 @@ def decode_ring_write(qkv: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Ten
         raise ValueError(f"rings must be [slots, {meta.ring_rows}, {g}, {HEAD_DIM}] on {qkv.device}")
     if meta.num_decodes:
         _kernel("prefill_qkv.cu", "prefill_kv_copy_bf16", defines).launch(
-            (meta.num_decodes,), (COPY_THREADS,), [k_ring, v_ring, qkv, meta.decodes[2], meta.decodes[3], I32(h), I32(g)],
-            pdl=pdl, device=qkv.device.index)
+            (meta.num_decodes,), (COPY_THREADS,),
+            [k_ring, v_ring, qkv, meta.decodes[2], meta.decodes[3], I32(h), I32(g)], pdl=pdl, device=qkv.device.index)
 
 
 def _check_qkv(qkv: torch.Tensor, meta: PrefillMetadata) -> tuple[int, int]:
