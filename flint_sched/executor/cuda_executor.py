@@ -441,8 +441,9 @@ class CudaExecutor:
         if static is None:
             hidden, ids, samples, tables = self._prompt_shared
             entries = min(rows, max_entries)
+            decodes = entries if kernel_ops.DECODES_APART else 0
             buffers = PrefillBuffers(rows, entries, tables.shape[1], kv.block_size, kv.window, kv.ring_rows,
-                                     self.device, block_tables=tables, max_decodes=entries if kernel_ops.DECODES_APART else 0)
+                                     self.device, block_tables=tables, max_decodes=decodes)
             static = self._prompt_static[rows] = (buffers, hidden[:, :rows], ids[:rows], samples[:entries])
         return static
 

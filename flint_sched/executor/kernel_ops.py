@@ -62,7 +62,7 @@ GEMV_MAX_ROWS = {"nvfp4": 16, "bf16": 16}
 # kernel a decode is a 16-row query tile with one row, and an e4m3 cache's history goes through its
 # slow converting producer: 256 decodes at 1,536 beside a 1,024-row chunk took 25.7 ms of prefill
 # attention a step (e4m3; the chunk alone ~2), against 3.4 ms for the decodes on the decode kernel
-# (benchmarks/RESULTS.md, session 26). 0: every row in the prefill kernel, as before.
+# (benchmarks/RESULTS.md, session 26). False: every row in the prefill kernel, as before.
 DECODES_APART = True
 
 
@@ -192,8 +192,8 @@ class KernelOps:
                                            self.ws.attention, meta.decode_max_len, out=out[:d], pdl=self.pdl)
         out = prefill_attention(qkv, pools[0], pools[1], meta, sinks, sliding, out=out, pdl=self.pdl)
         if sliding:
-            prefill_ring_write(qkv, pools[0], pools[1], self.prefill, pdl=self.pdl)
-        return out.view(self.rows, self.c.q_size)
+            prefill_ring_write(qkv, pools[0], pools[1], meta, pdl=self.pdl)
+        return out.view(self.rows, c.q_size)
 
     def _gemv(self, rows: int, weight) -> bool:
         """Whether a dense GEMM of `rows` rows over `weight` runs on the GEMV kernels."""
