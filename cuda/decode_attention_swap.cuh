@@ -58,7 +58,7 @@ struct SplitState {
 // One tile of 16 keys at `first_pos` (keys >= end masked) from shared memory into the state.
 __device__ __forceinline__ void attend_tile(SplitState& st, const u32 (&qa)[8][2], u32 k_base, u32 v_base,
                                             int first_pos, int end, float scale_log2, int lane) {
-  const int t = lane & 3, g = lane >> 2, mi = lane >> 3, r8 = lane & 7;
+  const int g = lane >> 2, mi = lane >> 3, r8 = lane & 7;
   // S^T: k-steps alternate between two accumulators (two chains of four MMAs), summed after.
   float s[2][4] = {};
 #if KV_FP8
