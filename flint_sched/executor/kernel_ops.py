@@ -183,12 +183,13 @@ class KernelOps:
         out = torch.empty(self.rows, c.num_attention_heads, c.head_dim, dtype=torch.bfloat16, device=qkv.device)
         if d := meta.num_decodes:
             q = qkv[:d, :c.q_size].view(d, c.num_attention_heads, c.head_dim)
+            lens, slots = meta.decodes[0], meta.decodes[1]
             if sliding:
                 decode_ring_write(qkv, pools[0], pools[1], meta, pdl=self.pdl)
-                attn.decode_attention_sliding(q, pools[0], pools[1], meta.decode_slots, meta.decode_lens, sinks,
-                                              self.ws.attention, out=out[:d], pdl=self.pdl, window=c.sliding_window)
+                attn.decode_attention_sliding(q, pools[0], pools[1], slots, lens, sinks, self.ws.attention,
+                                              out=out[:d], pdl=self.pdl, window=c.sliding_window)
             else:
-                attn.decode_attention_full(q, pools[0], pools[1], meta.block_tables[:d], meta.decode_lens, sinks,
+                attn.decode_attention_full(q, pools[0], pools[1], meta.block_tables[:d], lens, sinks,
                                            self.ws.attention, meta.decode_max_len, out=out[:d], pdl=self.pdl)
         out = prefill_attention(qkv, pools[0], pools[1], meta, sinks, sliding, out=out, pdl=self.pdl)
         if sliding:

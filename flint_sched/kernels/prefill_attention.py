@@ -138,22 +138,6 @@ class PrefillMetadata:
     decode_max_len: int = 0
 
     @property
-    def decode_lens(self) -> torch.Tensor:
-        return self.decodes[0]
-
-    @property
-    def decode_slots(self) -> torch.Tensor:
-        return self.decodes[1]
-
-    @property
-    def decode_rows(self) -> torch.Tensor:
-        return self.decodes[2]
-
-    @property
-    def decode_ring_rows(self) -> torch.Tensor:
-        return self.decodes[3]
-
-    @property
     def num_entries(self) -> int:
         return self.entries.shape[0]
 
@@ -408,7 +392,7 @@ def decode_ring_write(qkv: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Ten
     if meta.num_decodes:
         _kernel("prefill_qkv.cu", "prefill_kv_copy_bf16", defines).launch(
             (meta.num_decodes,), (COPY_THREADS,),
-            [k_ring, v_ring, qkv, meta.decode_rows, meta.decode_ring_rows, I32(h), I32(g)], pdl=pdl,
+            [k_ring, v_ring, qkv, meta.decodes[2], meta.decodes[3], I32(h), I32(g)], pdl=pdl,  # rows -> ring rows
             device=qkv.device.index)
 
 
