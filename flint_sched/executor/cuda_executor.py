@@ -177,7 +177,8 @@ class CudaExecutor:
         self.prompt_graph_tokens = tuple(sorted(prompt_graph_tokens)) if use_graphs else ()
         self.ws = Workspaces(config, max_rows, kv_cache.ring.shape[2], self.device,
                              prompt_graph_rows=max(self.prompt_graph_tokens, default=0))
-        self._prompt_static: dict[int, tuple] = {}    # padded rows -> (PrefillBuffers, hidden, token ids, sample rows)
+        # (padded rows, decodes apart) -> (PrefillBuffers, hidden, token ids, sample rows)
+        self._prompt_static: dict[tuple[int, bool], tuple] = {}
         self._prompt_shared: tuple | None = None       # what the sizes' views are of (_prompt_buffers)
         self.weights = KernelWeights(config, self.w, qkv, kv_cache, self.ws, pdl,
                                      make_copies(self.w, qkv, self.device) if dense_copies else None)
@@ -380,9 +381,10 @@ class CudaExecutor:
         if self.use_graphs and self.layer_outputs is None and not prompt_spans(entries):
             rows = padded_batch(sum(e.num_tokens for e in entries), self.prompt_graph_tokens)
             if rows is not None:
-                static = self._prompt_buffers(rows)
+                apart = kernel_ops.DECODES_APART and entries[0].num_tokens == 1
+                static = self._prompt_buffers(rows, apart)
                 if static[0].fits(chunks):
-                    return self._prompt_graph(entries, chunks, rows, *static)
+                    return self._prompt_graph(entries, chunks, rows, apart, *static)
         # NOTE: built on the host and copied without blocking: torch.tensor(..., device=cuda) copies
         # with a stream sync, which would make the host wait for the previous step before launching
         # this one (pageable memory is staged at once, so the lists are free when this returns).
@@ -424,10 +426,12 @@ class CudaExecutor:
         fed = [(row, source) for row, source in zip(starts, sources) if source >= 0]
         self.sampled.resolve(token_ids, [row for row, _ in fed], [source for _, source in fed])
 
-    def _prompt_buffers(self, rows: int) -> tuple:
+    def _prompt_buffers(self, rows: int, apart: bool) -> tuple:
         """The static inputs of the prompt graphs of `rows` rows: metadata buffers for up to as many
-        entries as the logits buffer has rows, and views of buffers shared by every size (the graphs
-        never run at once): hidden state, token ids, sample rows, block tables."""
+        entries as the logits buffer has rows (`apart`: their leading decodes on the decode kernel,
+        DECODES_APART; steps without decodes keep graphs without those launches), and views of buffers
+        shared by every size (the graphs never run at once): hidden state, token ids, sample rows,
+        block tables."""
         kv = self.kv
         max_entries = min(self.ws.max_rows, kv.ring.shape[2])
         if self._prompt_shared is None:
@@ -437,18 +441,18 @@ class CudaExecutor:
                                    torch.zeros(top, dtype=torch.long, device=self.device),
                                    torch.zeros(max_entries, dtype=torch.long, device=self.device),
                                    torch.zeros(max_entries, width, dtype=torch.int32, device=self.device))
-        static = self._prompt_static.get(rows)
+        static = self._prompt_static.get((rows, apart))
         if static is None:
             hidden, ids, samples, tables = self._prompt_shared
             entries = min(rows, max_entries)
-            decodes = entries if kernel_ops.DECODES_APART else 0
             buffers = PrefillBuffers(rows, entries, tables.shape[1], kv.block_size, kv.window, kv.ring_rows,
-                                     self.device, block_tables=tables, max_decodes=decodes)
-            static = self._prompt_static[rows] = (buffers, hidden[:, :rows], ids[:rows], samples[:entries])
+                                     self.device, block_tables=tables, max_decodes=entries if apart else 0)
+            static = (buffers, hidden[:, :rows], ids[:rows], samples[:entries])
+            self._prompt_static[rows, apart] = static
         return static
 
-    def _prompt_graph(self, entries: list, chunks: list, rows: int, buffers: PrefillBuffers, hidden: torch.Tensor,
-                      token_ids: torch.Tensor, sample_rows: torch.Tensor) -> tuple:
+    def _prompt_graph(self, entries: list, chunks: list, rows: int, apart: bool, buffers: PrefillBuffers,
+                      hidden: torch.Tensor, token_ids: torch.Tensor, sample_rows: torch.Tensor) -> tuple:
         """A prompt step from the graph of `rows` padded rows: its inputs copied into the static
         buffers (padding: see PrefillBuffers), then replayed; the first step of a size runs eagerly
         while its graph is captured."""
@@ -463,7 +467,8 @@ class CudaExecutor:
         ops = KernelOps(self.weights, "prompt", rows, hidden, self.ws.logits, self.ws.next_tokens,
                         token_ids=token_ids, prefill=buffers.meta, sample_rows=sample_rows, num_rows=buffers.num_tokens,
                         moe_gemms=gemms)
-        key = ("prompt", rows) if gemms is None else ("prompt", rows, gemms)   # mixed steps: graphs of their own
+        # steps with decodes apart, and mixed steps' expert GEMMs: graphs of their own
+        key = ("prompt", rows, *(("decodes",) if apart else ()), *((gemms,) if gemms is not None else ()))
         self.graphs.run(key, lambda first, last: forward(ops, self.config, first, last), replay_first=False)
         self.last_logits = self.ws.logits[:n]
         # The logits and greedy ids sit where the graph sampler reads them: sampled rows draw on the
