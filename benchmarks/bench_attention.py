@@ -6,7 +6,8 @@ Each case is captured in a CUDA graph that replays the kernel over rotating KV p
 include the graph's inter-kernel gap (shorter with --pdl). GB/s counts the K and V bytes read.
 Run on the GPU machine: python benchmarks/bench_attention.py [--pdl] [--batches 64,256 --contexts 1024
 --num-splits 0,1,2,3] (0: the splits `decode_splits` picks; others forced, to see whether the choice is right)
-[--kv-cache-dtype fp8] (e4m3 pools) [--loads bulk,cp_async] (attention.CP_ASYNC_DTYPES none / all, each case).
+[--kv-cache-dtype fp8] (e4m3 pools) [--loads bulk,cp_async] (attention.CP_ASYNC_DTYPES none / all, each case)
+[--set flint_sched.kernels.attention.SWAP_OPERANDS=True,...] (module constants first, ab_decode.py's syntax).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from flint_sched.benchmarks.ab_decode import parse_variant  # noqa: E402
 from flint_sched.benchmarks.graph_timing import num_sets, reps_for, time_graph  # noqa: E402
 from flint_sched.kernels import attention  # noqa: E402
 from flint_sched.kernels.attention import (
@@ -135,7 +137,16 @@ def main() -> None:
     parser.add_argument("--loads", default="",
                         help="comma list of the attention kernel's tile loads to time: bulk (one bulk copy a row), "
                              "cp_async (attention.CP_ASYNC_DTYPES); default: the dtype's own")
+    parser.add_argument("--set", default="", help="module constants to set first, comma-separated "
+                        "module.ATTR=value (ab_decode.py's variant syntax), e.g. "
+                        "flint_sched.kernels.attention.SWAP_OPERANDS=True")
     args = parser.parse_args()
+    try:
+        _, sets = parse_variant(f"set:{args.set}")
+    except (ValueError, ImportError) as e:
+        raise SystemExit(f"--set: {e}") from None
+    for module, attr, value in sets:
+        setattr(module, attr, value)
     PDL["pdl"] = args.pdl
     KV["dtype"] = kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16)
     loads = args.loads.split(",") if args.loads else [
