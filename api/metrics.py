@@ -1,6 +1,7 @@
 """Prometheus metrics under the prefix `flint:`, with the names and meaning of vLLM's `vllm:` ones.
 
-Gauges and the preemption counter are read from the engine at scrape time, on the event loop. Token
+Gauges and the engine's counters come from one `engine.stats()` snapshot (engine/stats.py) at scrape
+time, on the event loop. Token
 counters and latency histograms are fed by `observe` as outputs stream by. Queue time ends at the
 first step that runs the request: MeteredExecutor sees it in the step thread (a dict pop, a histogram).
 """
@@ -25,14 +26,6 @@ TOKEN_GAP_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
-def cache_dtype(engine) -> str:
-    """vLLM's cache_dtype label: "fp8_e4m3" for an e4m3 KV cache (--kv-cache-dtype fp8), else "auto"."""
-    executor = getattr(engine, "executor", None)
-    executor = getattr(executor, "executor", executor)      # MeteredExecutor wraps the executor
-    kv = getattr(executor, "kv", None)
-    return "fp8_e4m3" if kv is not None and str(kv.dtype) == "torch.float8_e4m3fn" else "auto"
-
-
 class EngineCollector:
     """Scrape-time gauges of the engine's state: requests, KV blocks, ring slots; the cache's
     configuration (vLLM's cache_config_info); counters of preemptions and of prefix-cache queries
@@ -49,49 +42,43 @@ class EngineCollector:
         engine = self.get_engine()
         if engine is None:
             return
-        scheduler = engine.scheduler
-        allocator = scheduler.kv_allocator
+        stats = engine.stats()
         gauges = (
-            ("num_requests_running", "Number of requests in model execution batches.",
-             scheduler.num_running_requests),
-            ("num_requests_waiting", "Number of requests waiting to be processed.", scheduler.num_waiting_requests),
+            ("num_requests_running", "Number of requests in model execution batches.", stats.num_running),
+            ("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
             ("kv_cache_usage_perc", "KV-cache block usage (full-attention layers); 1 means 100 percent.",
-             allocator.block_usage),
-            ("ring_slot_usage_perc", "Sliding-window ring slot usage; 1 means 100 percent.",
-             allocator.ring_slot_usage),
-            ("num_kv_blocks_used", "KV-cache blocks in use.", allocator.num_used_blocks),
-            ("num_kv_blocks_total", "KV-cache blocks in the pool.", allocator.num_total_blocks),
+             stats.kv_block_usage),
+            ("ring_slot_usage_perc", "Sliding-window ring slot usage; 1 means 100 percent.", stats.ring_slot_usage),
+            ("num_kv_blocks_used", "KV-cache blocks in use.", stats.num_used_blocks),
+            ("num_kv_blocks_total", "KV-cache blocks in the pool.", stats.num_total_blocks),
         )
         for name, doc, value in gauges:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(value))
             yield family
-        config = scheduler.config
-        info = {"block_size": config.block_size, "cache_dtype": cache_dtype(engine),
-                "num_gpu_blocks": config.num_blocks, "num_ring_slots": config.max_num_seqs + config.num_ring_snapshots,
-                "enable_prefix_caching": config.enable_prefix_caching}
+        info = {"block_size": stats.block_size, "cache_dtype": stats.cache_dtype,
+                "num_gpu_blocks": stats.num_total_blocks, "num_ring_slots": stats.num_ring_slots,
+                "enable_prefix_caching": stats.enable_prefix_caching}
         family = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache's configuration.",
                                    labels=["model_name", *info])
         family.add_metric([self.model_name, *map(str, info.values())], 1.0)
         yield family
-        cache, timeline = scheduler.prefix_cache, engine.gpu_timeline
         counters = [
-            ("num_preemptions", "Cumulative number of preemptions.", engine.num_preemptions),
+            ("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions),
             ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-             0 if cache is None else cache.num_queried_tokens),
-            ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-             0 if cache is None else cache.num_hit_tokens),
+             stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits),
         ]
-        if timeline is not None:                  # the CUDA executor's (executor/gpu_timeline.py)
+        if stats.gpu is not None:                  # the CUDA executor's (executor/gpu_timeline.py)
+            gpu = stats.gpu
             counters += [
-                ("gpu_busy_seconds", "GPU time of the engine's steps (CUDA events; async scheduling).",
-                 timeline.busy_s),
+                ("gpu_busy_seconds", "GPU time of the engine's steps (CUDA events; async scheduling).", gpu.busy_s),
                 ("gpu_prompt_busy_seconds", "GPU time of the steps with prompt rows (part of gpu_busy_seconds).",
-                 timeline.prompt_busy_s),
+                 gpu.prompt_busy_s),
                 ("gpu_idle_seconds", "Time the GPU waited for the host between consecutive steps while the "
-                 "engine had work.", timeline.idle_s),
+                 "engine had work.", gpu.idle_s),
                 ("gpu_stalled_seconds", "Time the GPU was idle while the engine held requests but scheduled "
-                 "none.", timeline.stalled_s),
+                 "none.", gpu.stalled_s),
             ]
         for name, doc, value in counters:
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])

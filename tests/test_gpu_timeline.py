@@ -54,6 +54,13 @@ def test_busy_is_each_step_and_idle_the_gaps_between_steps_with_work():
     assert GpuTimeline().idle_share == 0.0
 
 
+def stats_engine(**parts) -> SimpleNamespace:
+    """An engine of just the parts AsyncEngine.stats reads (what /metrics scrapes)."""
+    engine = SimpleNamespace(**parts)
+    engine.stats = lambda: AsyncEngine.stats(engine)
+    return engine
+
+
 def test_metrics_show_the_timeline_when_the_executor_has_one():
     timeline = GpuTimeline()
     timeline.collected(Event(0), Event(250))
@@ -61,7 +68,8 @@ def test_metrics_show_the_timeline_when_the_executor_has_one():
     text = {}
     for engine_timeline in (timeline, None):
         registry = CollectorRegistry()
-        engine = SimpleNamespace(scheduler=Scheduler(CONFIG), num_preemptions=0, gpu_timeline=engine_timeline)
+        engine = stats_engine(scheduler=Scheduler(CONFIG), num_preemptions=0, gpu_timeline=engine_timeline,
+                              executor=None)
         registry.register(EngineCollector(lambda engine=engine: engine, "m"))
         text[engine_timeline is not None] = generate_latest(registry).decode()
     assert 'flint:gpu_busy_seconds_total{model_name="m"} 0.35' in text[True]
@@ -76,8 +84,8 @@ def test_cache_config_info_names_the_kv_dtype():
     text = {}
     for dtype in ("torch.bfloat16", "torch.float8_e4m3fn"):
         executor = SimpleNamespace(kv=SimpleNamespace(dtype=dtype))
-        engine = SimpleNamespace(scheduler=Scheduler(CONFIG), num_preemptions=0, gpu_timeline=None,
-                                 executor=MeteredExecutor(executor, lambda plan: None))
+        engine = stats_engine(scheduler=Scheduler(CONFIG), num_preemptions=0, gpu_timeline=None,
+                              executor=MeteredExecutor(executor, lambda plan: None))
         registry = CollectorRegistry()
         registry.register(EngineCollector(lambda engine=engine: engine, "m"))
         text[dtype] = generate_latest(registry).decode()

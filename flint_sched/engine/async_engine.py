@@ -40,6 +40,7 @@ from flint_sched.core.plan import PromptLogprobs, RequestStepOutput, StepPlan, S
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.engine.output_processor import ChoiceState
 from flint_sched.engine.outputs import CompletionOutput, EngineError, RequestOutput
+from flint_sched.engine.stats import EngineStats, GpuStats
 from flint_sched.engine.step_worker import StepWorker
 from flint_sched.sampling_params import SamplingParams, reads_history
 from flint_sched.structured.compiler import GrammarCompiler
@@ -329,6 +330,25 @@ class AsyncEngine:
     def gpu_timeline(self):
         """The executor's GPU busy / idle accounting (executor/gpu_timeline.py), or None."""
         return getattr(self.executor, "timeline", None)
+
+    def stats(self) -> EngineStats:
+        """The state /metrics reports, as one snapshot (engine/stats.py)."""
+        scheduler, timeline = self.scheduler, self.gpu_timeline
+        allocator, config, cache = scheduler.kv_allocator, scheduler.config, scheduler.prefix_cache
+        executor = getattr(self.executor, "executor", self.executor)     # MeteredExecutor wraps the executor
+        kv = getattr(executor, "kv", None)
+        e4m3 = kv is not None and str(kv.dtype) == "torch.float8_e4m3fn"
+        return EngineStats(
+            num_running=scheduler.num_running_requests, num_waiting=scheduler.num_waiting_requests,
+            kv_block_usage=allocator.block_usage, ring_slot_usage=allocator.ring_slot_usage,
+            num_used_blocks=allocator.num_used_blocks, num_total_blocks=allocator.num_total_blocks,
+            block_size=config.block_size, cache_dtype="fp8_e4m3" if e4m3 else "auto",
+            num_ring_slots=config.max_num_seqs + config.num_ring_snapshots,
+            enable_prefix_caching=config.enable_prefix_caching, num_preemptions=self.num_preemptions,
+            prefix_cache_queries=0 if cache is None else cache.num_queried_tokens,
+            prefix_cache_hits=0 if cache is None else cache.num_hit_tokens,
+            gpu=None if timeline is None else GpuStats(timeline.busy_s, timeline.prompt_busy_s, timeline.idle_s,
+                                                       timeline.stalled_s))
 
     async def _hold_ahead(self, running: StepPlan, launched_at: float) -> None:
         """Late launch-ahead (module docstring): wait until `launch_margin_s` before the running
