@@ -1,9 +1,9 @@
 """Prometheus metrics under the prefix `flint:`, with the names and meaning of vLLM's `vllm:` ones.
 
 Gauges and the engine's counters come from one `engine.stats()` snapshot (engine/stats.py) at scrape
-time, on the event loop. Token
-counters and latency histograms are fed by `observe` as outputs stream by. Queue time ends at the
-first step that runs the request: MeteredExecutor sees it in the step thread (a dict pop, a histogram).
+time, on the event loop. Token counters and latency histograms are fed by `observe` as outputs stream
+by. Queue time ends at the first step that runs the request: MeteredExecutor sees it in the step
+thread (a dict pop, a histogram).
 """
 
 from __future__ import annotations

@@ -57,6 +57,18 @@ def parse_variant(text: str) -> tuple[str, list[tuple[object, str, object]]]:
     return name, sets
 
 
+def set_constants(assignments: str, what: str) -> list[tuple[object, str, object]]:
+    """Sets `module.ATTR=value,...` (a variant's body) now, for a whole run; a bad one exits with a
+    message naming `what` (the option or script)."""
+    try:
+        _, sets = parse_variant(f"set:{assignments}")
+    except (ValueError, ImportError) as e:
+        raise SystemExit(f"{what}: {e}") from None
+    for module, attr, value in sets:
+        setattr(module, attr, value)
+    return sets
+
+
 def value_of(text: str) -> object:
     """A Python literal, where `torch.NAME` may stand for a torch attribute (a dtype: `(torch.bfloat16,)`)."""
     def convert(node: ast.expr) -> object:

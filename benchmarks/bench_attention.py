@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from flint_sched.benchmarks.ab_decode import parse_variant  # noqa: E402
+from flint_sched.benchmarks.ab_decode import set_constants  # noqa: E402
 from flint_sched.benchmarks.graph_timing import num_sets, reps_for, time_graph  # noqa: E402
 from flint_sched.kernels import attention  # noqa: E402
 from flint_sched.kernels.attention import (
@@ -141,12 +141,7 @@ def main() -> None:
                         "module.ATTR=value (ab_decode.py's variant syntax), e.g. "
                         "flint_sched.kernels.attention.SWAP_OPERANDS=True")
     args = parser.parse_args()
-    try:
-        _, sets = parse_variant(f"set:{args.set}")
-    except (ValueError, ImportError) as e:
-        raise SystemExit(f"--set: {e}") from None
-    for module, attr, value in sets:
-        setattr(module, attr, value)
+    set_constants(args.set, "--set")
     PDL["pdl"] = args.pdl
     KV["dtype"] = kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16)
     loads = args.loads.split(",") if args.loads else [

@@ -13,19 +13,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flint_sched.benchmarks.ab_decode import parse_variant  # noqa: E402
+from flint_sched.benchmarks.ab_decode import set_constants  # noqa: E402
 from flint_sched.cli import main as cli_main  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
     if not argv:
         raise SystemExit(__doc__)
-    try:
-        _, sets = parse_variant(f"set:{argv[0]}")
-    except (ValueError, ImportError) as e:
-        raise SystemExit(f"with_constants: {e}") from None
-    for module, attr, value in sets:
-        setattr(module, attr, value)
+    for module, attr, value in set_constants(argv[0], "with_constants"):
         print(f"with_constants: {module.__name__}.{attr} = {value!r}", file=sys.stderr)
     return cli_main(argv[1:])
 
