@@ -2,8 +2,7 @@
 
 Gauges and the engine's counters come from one `engine.stats()` snapshot (engine/stats.py) at scrape
 time, on the event loop. Token counters and latency histograms are fed by `observe` as outputs stream
-by. Queue time ends at the first step that runs the request: MeteredExecutor sees it in the step
-thread (a dict pop, a histogram).
+by; the queue time (to the first step that runs the request) is the engine's, on its outputs.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from collections.abc import AsyncIterator, Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from flint_sched.core.plan import StepPlan, StepResult
 from flint_sched.engine.outputs import RequestOutput
 
 PREFIX = "flint:"
@@ -116,35 +114,22 @@ class ServerMetrics:
                                                "per request.", TOKEN_COUNT_BUCKETS)
         self.request_generation_tokens = histogram("request_generation_tokens", "Number of generation tokens "
                                                    "processed, per choice.", TOKEN_COUNT_BUCKETS)
-        self._unscheduled: dict[str, float] = {}       # request id -> arrival, until first scheduled
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def arrived(self, request_id: str) -> float:
-        now = time.perf_counter()
-        self._unscheduled[request_id] = now
-        return now
-
-    def forget(self, request_id: str) -> None:
-        self._unscheduled.pop(request_id, None)
-
-    def on_plan(self, plan: StepPlan) -> None:
-        """A request's first step ends its queue time (choices of `n` are `id#i` in the scheduler)."""
-        now = time.perf_counter()
-        for entry in plan.scheduled_requests:
-            arrival = self._unscheduled.pop(entry.request_id.split("#", 1)[0], None)
-            if arrival is not None:
-                self.queue_time.observe(now - arrival)
-
     async def observe(self, stream: AsyncIterator[RequestOutput], arrival: float,
                       num_prompt_tokens: int) -> AsyncIterator[RequestOutput]:
-        """Passes the outputs through, feeding the token counters and latency histograms."""
-        first_token_seen = False
+        """Passes the outputs through, feeding the token counters and latency histograms (the queue
+        time: the engine's, on the request's first output)."""
+        first_token_seen = queue_time_seen = False
         last_token_time: dict[int, float] = {}
         try:
             async for out in stream:
                 now = time.perf_counter()
+                if not queue_time_seen and out.queue_time_s is not None:
+                    queue_time_seen = True
+                    self.queue_time.observe(out.queue_time_s)
                 for choice in out.outputs:
                     if not choice.delta_token_ids:
                         continue
@@ -169,28 +154,3 @@ class ServerMetrics:
             if choice.finish_reason != "abort":
                 self.request_success.labels(self.model_name, choice.finish_reason).inc()
             self.request_generation_tokens.observe(len(choice.token_ids))
-
-
-class MeteredExecutor:
-    """An executor that reports each plan to `on_plan` before running it."""
-
-    def __init__(self, executor, on_plan: Callable[[StepPlan], None]):
-        self.executor = executor
-        self.on_plan = on_plan
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        self.on_plan(plan)
-        return self.executor.execute(plan)
-
-    @property
-    def timeline(self):
-        """The executor's GPU timeline (executor/gpu_timeline.py), or None."""
-        return getattr(self.executor, "timeline", None)
-
-    # async scheduling (engine/async_engine.py): the engine uses these only when the executor has them
-    def launch(self, plan: StepPlan):
-        self.on_plan(plan)
-        return self.executor.launch(plan)
-
-    def collect(self, launched) -> StepResult:
-        return self.executor.collect(launched)

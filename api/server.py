@@ -33,7 +33,7 @@ from flint_sched.api.errors import error_response
 from flint_sched.api.gc_pauses import PauseWatch, freeze_startup_heap
 from flint_sched.api.lifecycle import FlintServer, Lifecycle
 from flint_sched.api.limits import check_json_depth, check_text_fits, max_chars_per_token
-from flint_sched.api.metrics import CONTENT_TYPE, MeteredExecutor, ServerMetrics
+from flint_sched.api.metrics import CONTENT_TYPE, ServerMetrics
 from flint_sched.api.openapi import openapi_document
 from flint_sched.api.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
 from flint_sched.api.protocol import ModelCard, ModelList, VersionResponse, decode_request
@@ -119,9 +119,8 @@ class EngineState:
         self.max_model_len = parts.scheduler_config.max_model_len
         self.engine = None
 
-    def start(self, metrics: ServerMetrics) -> None:
-        metered = MeteredExecutor(self.parts.executor, metrics.on_plan)
-        self.engine = build_engine(dataclasses.replace(self.parts, executor=metered))
+    def start(self) -> None:
+        self.engine = build_engine(self.parts)
         self.engine.step_timeout_s = self.step_timeout_s
         self.engine.start()
 
@@ -308,7 +307,7 @@ def build_app(engine_state: EngineState, server_config: ServerConfig, lifecycle:
     @asynccontextmanager
     async def lifespan(app: Starlette):
         lifecycle.loop = asyncio.get_running_loop()
-        engine_state.start(metrics_)
+        engine_state.start()
         lifecycle.spawn(lifecycle.supervise(engine_state.engine))
         freeze_startup_heap()                   # before the first request: see api/gc_pauses.py
         gc_watch = PauseWatch()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
@@ -147,14 +148,12 @@ class ExchangeGuard:
 
     def add(self, prompt: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Queue one engine request, observed by the metrics; 400 when it can never run."""
-        arrival = self.metrics.arrived(request_id)
+        arrival = time.perf_counter()
         try:
             stream = self.engine.add_request(prompt, params, request_id)
         except ValueError as error:
-            self.metrics.forget(request_id)
             raise from_value_error(error) from error
         except EngineError as error:
-            self.metrics.forget(request_id)
             raise unavailable(str(error)) from error
         self.request_ids.append(request_id)
         return self.metrics.observe(stream, arrival, len(prompt))
@@ -162,7 +161,6 @@ class ExchangeGuard:
     def close(self) -> None:
         for request_id in self.request_ids:
             self.engine.abort(request_id)
-            self.metrics.forget(request_id)
         self.watcher.close()
 
 

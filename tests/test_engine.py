@@ -301,3 +301,19 @@ async def test_an_fp8_kv_cache_serves_requests_and_halves_the_bytes_per_block(ck
     assert all(last.finished and len(last.outputs[0].token_ids) == 12 for _, last in results)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
+
+
+async def test_outputs_carry_the_queue_time_until_the_first_step(ckpt):
+    """RequestOutput.queue_time_s (what /metrics' request_queue_time histogram observes): from
+    add_request to the first step that ran the request, the same on every output; with one slot,
+    the second request waits the first one's whole generation."""
+    results, _ = await run_engine(parts_for(ckpt, max_num_seqs=1), [
+        ([5, 6, 7], SamplingParams(max_tokens=24, ignore_eos=True)),
+        ([8, 9], SamplingParams(n=2, max_tokens=2, ignore_eos=True)),
+    ])
+    (first, first_last), (second, second_last) = results
+    waits = [{out.queue_time_s for out in outs} for outs in (first, second)]
+    assert all(len(w) == 1 and None not in w for w in waits), waits
+    (first_wait,), (second_wait,) = waits
+    assert 0 <= first_wait < second_wait
+    assert first_last.finished and second_last.finished

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from flint_sched.api.metrics import EngineCollector, MeteredExecutor
+from flint_sched.api.metrics import EngineCollector
 from flint_sched.checkpoint.make import dummy_checkpoint
 from flint_sched.core import Scheduler, SchedulerConfig, StepResult
 from flint_sched.core.plan import fill_placeholders
@@ -84,8 +84,7 @@ def test_cache_config_info_names_the_kv_dtype():
     text = {}
     for dtype in ("torch.bfloat16", "torch.float8_e4m3fn"):
         executor = SimpleNamespace(kv=SimpleNamespace(dtype=dtype))
-        engine = stats_engine(scheduler=Scheduler(CONFIG), num_preemptions=0, gpu_timeline=None,
-                              executor=MeteredExecutor(executor, lambda plan: None))
+        engine = stats_engine(scheduler=Scheduler(CONFIG), num_preemptions=0, gpu_timeline=None, executor=executor)
         registry = CollectorRegistry()
         registry.register(EngineCollector(lambda engine=engine: engine, "m"))
         text[dtype] = generate_latest(registry).decode()
@@ -123,8 +122,7 @@ class TimedSteps:
 
 async def test_the_engine_breaks_the_chain_when_it_runs_out_of_work(ckpt):
     executor = TimedSteps()
-    metered = MeteredExecutor(executor, lambda plan: None)
-    engine = AsyncEngine(Scheduler(CONFIG), metered, ckpt.tokenizer, ckpt.config.vocab_size, async_scheduling=True)
+    engine = AsyncEngine(Scheduler(CONFIG), executor, ckpt.tokenizer, ckpt.config.vocab_size, async_scheduling=True)
     assert engine.gpu_timeline is executor.timeline
     engine.start()
     try:

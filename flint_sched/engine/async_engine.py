@@ -95,6 +95,8 @@ class _Request:
     # by every choice, so it is complete at each choice's first output (a stream's echo needs that)
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
+    arrival: float = 0.0                  # perf_counter at add_request
+    queue_time_s: float | None = None     # set when a step first runs one of its choices
 
     @property
     def finished(self) -> bool:
@@ -191,7 +193,7 @@ class AsyncEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = _Request(request_id, prompt_ids, _Outputs())
+        request = _Request(request_id, prompt_ids, _Outputs(), arrival=time.perf_counter())
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(prompt_ids)
         one = dataclasses.replace(params, n=1)
@@ -335,8 +337,7 @@ class AsyncEngine:
         """The state /metrics reports, as one snapshot (engine/stats.py)."""
         scheduler, timeline = self.scheduler, self.gpu_timeline
         allocator, config, cache = scheduler.kv_allocator, scheduler.config, scheduler.prefix_cache
-        executor = getattr(self.executor, "executor", self.executor)     # MeteredExecutor wraps the executor
-        kv = getattr(executor, "kv", None)
+        kv = getattr(self.executor, "kv", None)
         e4m3 = kv is not None and str(kv.dtype) == "torch.float8_e4m3fn"
         return EngineStats(
             num_running=scheduler.num_running_requests, num_waiting=scheduler.num_waiting_requests,
@@ -407,7 +408,12 @@ class AsyncEngine:
         if self._unsent_drops:
             plan.finished_request_ids[:0], self._unsent_drops = self._unsent_drops, []
         run = self.executor.launch if self.async_scheduling else self.executor.execute
-        return plan, self._worker.submit(run, plan), time.perf_counter()
+        future, now = self._worker.submit(run, plan), time.perf_counter()
+        for entry in plan.scheduled_requests:      # queue time: until the first step that runs the request
+            request = self._choice_owner.get(entry.request_id)
+            if request is not None and request.queue_time_s is None:
+                request.queue_time_s = now - request.arrival
+        return plan, future, now
 
     def _collect_prompt_logprobs(self, chunks: dict[str, PromptLogprobs]) -> None:
         """Store each chunk's prompt logprobs by position (a chunk recomputed after preemption rewrites
@@ -444,7 +450,8 @@ class AsyncEngine:
             outputs.sort(key=lambda c: c.index)
         request.queue.put_nowait(RequestOutput(request.request_id, request.prompt_token_ids, outputs,
                                                request.finished, prompt_logprobs=request.prompt_logprobs,
-                                               num_cached_tokens=request.num_cached_tokens))
+                                               num_cached_tokens=request.num_cached_tokens,
+                                               queue_time_s=request.queue_time_s))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's reset_prefix_cache); False when prefix caching is off."""

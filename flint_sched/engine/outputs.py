@@ -55,6 +55,7 @@ class RequestOutput:
     # prefill goes; complete from the first sampled token on), as vLLM's RequestOutput has them
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache (the most of any choice)
+    queue_time_s: float | None = None  # from add_request to the first step that ran any of its choices
 
 
 class EngineError(RuntimeError):
