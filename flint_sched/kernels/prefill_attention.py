@@ -370,14 +370,7 @@ def prefill_ring_write(qkv: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Te
                        pdl: bool = False) -> None:
     """Each entry's last <= ring_rows K/V rows (normed, roped) into its ring slot (bf16 or e4m3), after
     attention."""
-    h, g = _check_qkv(qkv, meta)
-    ring_g, defines = _check_kv(k_ring, v_ring)
-    if ring_g != g or k_ring.shape[1] != meta.ring_rows or k_ring.device != qkv.device:
-        raise ValueError(f"rings must be [slots, {meta.ring_rows}, {g}, {HEAD_DIM}] on {qkv.device}")
-    rows = meta.ring_src.shape[0]
-    _kernel("prefill_qkv.cu", "prefill_kv_copy_bf16", defines).launch(
-        (rows,), (COPY_THREADS,), [k_ring, v_ring, qkv, meta.ring_src, meta.ring_dst, I32(h), I32(g)],
-        pdl=pdl, device=qkv.device.index)
+    _ring_copy(qkv, k_ring, v_ring, meta, meta.ring_src, meta.ring_dst, pdl)
 
 
 def decode_ring_write(qkv: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor, meta: PrefillMetadata,
@@ -385,15 +378,20 @@ def decode_ring_write(qkv: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Ten
     """The new K/V row of each decode apart (meta.decodes) into its ring, before their attention: a
     decode's row p overwrites position p - ring_rows, which no window reaches. (prefill_ring_write
     writes them again after the step's attention, with the chunks' rows.)"""
+    if meta.num_decodes:
+        _ring_copy(qkv, k_ring, v_ring, meta, meta.decodes[2], meta.decodes[3], pdl)   # rows -> ring rows
+
+
+def _ring_copy(qkv: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor, meta: PrefillMetadata,
+               src: torch.Tensor, dst: torch.Tensor, pdl: bool) -> None:
+    """K/V of q/k/v rows src[r] into ring rows dst[r] (dst < 0: nothing), one CTA a row."""
     h, g = _check_qkv(qkv, meta)
     ring_g, defines = _check_kv(k_ring, v_ring)
     if ring_g != g or k_ring.shape[1] != meta.ring_rows or k_ring.device != qkv.device:
         raise ValueError(f"rings must be [slots, {meta.ring_rows}, {g}, {HEAD_DIM}] on {qkv.device}")
-    if meta.num_decodes:
-        _kernel("prefill_qkv.cu", "prefill_kv_copy_bf16", defines).launch(
-            (meta.num_decodes,), (COPY_THREADS,),
-            [k_ring, v_ring, qkv, meta.decodes[2], meta.decodes[3], I32(h), I32(g)], pdl=pdl,  # rows -> ring rows
-            device=qkv.device.index)
+    _kernel("prefill_qkv.cu", "prefill_kv_copy_bf16", defines).launch(
+        (src.shape[0],), (COPY_THREADS,), [k_ring, v_ring, qkv, src, dst, I32(h), I32(g)], pdl=pdl,
+        device=qkv.device.index)
 
 
 def _check_qkv(qkv: torch.Tensor, meta: PrefillMetadata) -> tuple[int, int]:
