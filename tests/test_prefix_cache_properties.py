@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from flint_sched.core import Scheduler, SchedulerConfig, StepResult
@@ -101,8 +101,18 @@ def scenarios(draw):
     return config, ops, draw(st.integers(0, 2**16)), draw(st.booleans())
 
 
+# Found by this test: one snapshot slot, two requests, async scheduling. Each request's snapshot
+# evicted the other's, and the update after re-took it while the next chunk was already in flight,
+# so the copy kept a later window under the old key and the preempted request restored it.
+ONE_SLOT_TWO_REQUESTS = (
+    SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=7, num_blocks=26, max_model_len=64, block_size=1,
+                    sliding_window=2, enable_prefix_caching=True, num_ring_snapshots=1),
+    [("add", 0, 2, 7), ("add", 1, 5, 8)], 57581, True)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
+@example(ONE_SLOT_TWO_REQUESTS)
 def test_random_traffic_with_shared_prefixes(scenario):
     config, ops, seed, ahead = scenario
     rng = random.Random(seed)

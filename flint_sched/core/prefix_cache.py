@@ -172,9 +172,15 @@ class PrefixCache:
             self._snapshot(request, allocation, position, copies)
 
     def computed(self, request: Request, allocation: KVAllocation) -> None:
-        """After a step: cache the blocks the request has filled, and snapshot its rings at D or B."""
+        """After a step: cache the blocks the request has filled, and snapshot its rings at D or B.
+        The copy runs before the next plan's forward, after the plans still in flight (async
+        scheduling), so the rings will then hold positions up to computed + in flight: a snapshot
+        is due only if that is still within its slack (else the copy would keep later positions
+        under the snapshot's key: a snapshot evicted and taken again, as with one slot and two
+        requests, restored the wrong window)."""
         self._cache_blocks(request, allocation, request.num_computed_tokens)
-        for position in self._due(request, request.num_computed_tokens):
+        reached = request.num_computed_tokens + request.num_in_flight_tokens
+        for position in self._due(request, reached):
             self._snapshot(request, allocation, position, self._pending_copies)
 
     def _snapshot(self, request: Request, allocation: KVAllocation, position: int,
