@@ -33,7 +33,6 @@
 #define ROUTING_WARPS 16  // kernels/grouped_moe.py ROUTING_THREADS / 32
 #define MAX_TOP_K 32      // kernels/grouped_moe.py MAX_TOP_K
 #define STAGED_IDS 2048   // kernels/grouped_moe.py STAGED_IDS: moe_route's last CTA stages this many ids
-#define MAX_LOGIT_PARTS 8 // kernels/grouped_moe.py MAX_LOGIT_PARTS: split-K parts of the router logits
 #ifndef MASK_TOKENS
 #define MASK_TOKENS 256   // moe_route sorts up to this many tokens by token masks (sort_pairs); a multiple of 32
 #endif
@@ -44,8 +43,7 @@ __device__ __forceinline__ int num_real(const int* num_tokens, int M) {
 }
 
 // Warp `warp` of this CTA: token blockIdx.x * ROUTING_WARPS + warp; bias: lane_values of the
-// bias; ids_copy: [ROUTING_WARPS][A] of this CTA's tokens, or null. The logits are the sum of
-// `parts` split-K partial products [parts][M][E] (1 <= parts <= MAX_LOGIT_PARTS), added in order.
+// bias; ids_copy: [ROUTING_WARPS][A] of this CTA's tokens, or null. logits: router_scores'.
 __device__ __forceinline__ void topk_tokens(int* ids, float* weights, const float* logits, int parts, int M,
                                             const float (&bias)[ROUTER_PER_LANE], int ntok, int E, int A,
                                             float scaling, int* ids_copy) {
@@ -53,29 +51,7 @@ __device__ __forceinline__ void topk_tokens(int* ids, float* weights, const floa
   const int t = blockIdx.x * ROUTING_WARPS + warp;
   if (t >= ntok) return;
   float s[ROUTER_PER_LANE];
-  lane_values(s, logits + (size_t)t * E, E);
-#if ROUTER_PER_LANE <= 8
-  float part[MAX_LOGIT_PARTS - 1][ROUTER_PER_LANE];
-#pragma unroll
-  for (int q = 1; q < MAX_LOGIT_PARTS; ++q)  // every part's loads in flight before the first add
-    if (q < parts) lane_values(part[q - 1], logits + ((size_t)q * M + t) * E, E);
-#pragma unroll
-  for (int q = 1; q < MAX_LOGIT_PARTS; ++q)
-    if (q < parts) {
-#pragma unroll
-      for (int i = 0; i < ROUTER_PER_LANE; ++i) s[i] += part[q - 1][i];
-    }
-#else  // 32 experts a lane: a part at a time (all of them at once would spill), the same order
-#pragma unroll 1
-  for (int q = 1; q < parts; ++q) {
-    float part[ROUTER_PER_LANE];
-    lane_values(part, logits + ((size_t)q * M + t) * E, E);
-#pragma unroll
-    for (int i = 0; i < ROUTER_PER_LANE; ++i) s[i] += part[i];
-  }
-#endif
-#pragma unroll
-  for (int i = 0; i < ROUTER_PER_LANE; ++i) s[i] = 1.0f / (1.0f + expf(-s[i]));
+  router_scores(s, logits, parts, M, t, E);
   router_select(ids + t * A, weights + t * A, s, bias, E, A, scaling, ids_copy ? ids_copy + warp * A : nullptr);
 }
 

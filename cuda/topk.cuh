@@ -41,6 +41,41 @@ __device__ __forceinline__ void lane_values(float (&v)[ROUTER_PER_LANE], const f
   for (int i = 0; i < ROUTER_PER_LANE; ++i) v[i] = lane + 32 * i < E ? p[lane + 32 * i] : 0.0f;
 }
 
+#ifndef MAX_LOGIT_PARTS
+#define MAX_LOGIT_PARTS 8  // kernels/grouped_moe.py MAX_LOGIT_PARTS: split-K parts of the router logits
+#endif
+
+// The lane's sigmoid scores of token t (experts lane + 32 i) from fp32 logits that are the sum of
+// `parts` split-K partial products [parts][M][E] (1 <= parts <= MAX_LOGIT_PARTS), added in order,
+// so every kernel that routes (moe_routing.cu, the routed decode MoE in expert_decode.cu) gets the
+// same bits.
+__device__ __forceinline__ void router_scores(float (&s)[ROUTER_PER_LANE], const float* logits, int parts, int M,
+                                              int t, int E) {
+  lane_values(s, logits + (size_t)t * E, E);
+#if ROUTER_PER_LANE <= 8
+  float part[MAX_LOGIT_PARTS - 1][ROUTER_PER_LANE];
+#pragma unroll
+  for (int q = 1; q < MAX_LOGIT_PARTS; ++q)  // every part's loads in flight before the first add
+    if (q < parts) lane_values(part[q - 1], logits + ((size_t)q * M + t) * E, E);
+#pragma unroll
+  for (int q = 1; q < MAX_LOGIT_PARTS; ++q)
+    if (q < parts) {
+#pragma unroll
+      for (int i = 0; i < ROUTER_PER_LANE; ++i) s[i] += part[q - 1][i];
+    }
+#else  // 32 experts a lane: a part at a time (all of them at once would spill), the same order
+#pragma unroll 1
+  for (int q = 1; q < parts; ++q) {
+    float part[ROUTER_PER_LANE];
+    lane_values(part, logits + ((size_t)q * M + t) * E, E);
+#pragma unroll
+    for (int i = 0; i < ROUTER_PER_LANE; ++i) s[i] += part[i];
+  }
+#endif
+#pragma unroll
+  for (int i = 0; i < ROUTER_PER_LANE; ++i) s[i] = 1.0f / (1.0f + expf(-s[i]));
+}
+
 // score: sigmoid of the lane's logits (lane_values), bias: the lane's bias. ids_copy: the ids
 // also written there (the sort's shared-memory copy), or null.
 __device__ __forceinline__ void router_select(int* ids, float* weights, const float (&score)[ROUTER_PER_LANE],

@@ -16,7 +16,7 @@ def test_compiles_for_sm90a(config, private_cache):
     assert cubin[:4] == b"\x7fELF"
     entries = ["expert_decode_gate_up_nvfp4", "expert_decode_down_nvfp4", "expert_decode_moe_nvfp4"]
     if expert_decode.cluster_size(config):
-        entries.append("expert_decode_moe_cluster_nvfp4")
+        entries += ["expert_decode_moe_cluster_nvfp4", "expert_decode_moe_routed_nvfp4"]
     for entry in entries:
         assert entry.encode() in cubin, f"{config} lacks {entry}"
 
@@ -42,6 +42,10 @@ def test_launcher_constants_match_the_kernel_source():
     assert f"#define ED_WARPS {expert_decode.WARPS}" in text
     assert f"#define ED_KR {expert_decode.K_ROUND}" in text
     assert f"#define ED_TABLE_BYTES {expert_decode.TABLE_BYTES}" in text
+    assert f"#define ED_ROUTE_MAX_TOKENS {expert_decode.ROUTE_MAX_TOKENS}" in text
+    assert f"#define ED_ROUTE_MAX_TOP_K {expert_decode.ROUTE_MAX_TOP_K}" in text
+    topk = (_runtime.source_dir() / "topk.cuh").read_text()
+    assert f"#define ROUTER_MAX_EXPERTS {expert_decode.ROUTE_MAX_EXPERTS}" in topk
     trace = (_runtime.source_dir() / "expert_decode_trace.cuh").read_text()
     assert f"#define ED_TRACE_SLOTS {expert_decode.TRACE_SLOTS}" in trace
 
@@ -87,3 +91,15 @@ def test_config_by_token_count(monkeypatch):
     assert expert_decode.rows_per_item("g2w8t4p") == 16 and expert_decode.warps("g2w8t4p") == 8
     monkeypatch.setattr(expert_decode, "CONFIG", "g2t4")
     assert expert_decode.pick_config(64, 2048, 512) == "g2t4" and expert_decode.rows_per_item("g2t4") == 16
+
+
+def test_which_calls_route_in_the_cluster():
+    """expert_decode_moe_routed takes a cluster config's calls of up to 32 tokens (a token mask is one
+    word), 256 experts and top-16; anything else keeps moe_route."""
+    assert expert_decode.routes_in_cluster("g1t2d4c", 16, 256, 6, 2048, 512)
+    assert expert_decode.routes_in_cluster("g1t2d4c", 32, 256, 16, 2048, 512)
+    assert not expert_decode.routes_in_cluster("g1t2d4c", 33, 256, 6, 2048, 512)
+    assert not expert_decode.routes_in_cluster("g1t2d4c", 16, 512, 6, 2048, 512)
+    assert not expert_decode.routes_in_cluster("g1t2d4c", 16, 256, 17, 2048, 512)
+    assert not expert_decode.routes_in_cluster("g1t2d4c", 16, 256, 6, 512, 512)   # the cluster does not fit
+    assert not expert_decode.routes_in_cluster("g1t2d4", 16, 256, 6, 2048, 512)   # no clusters

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
+from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.grouped import check_work_list
 from flint_sched.kernels.linear import (Weight, cdiv, check_tensor, expert_args, moe_gate_up_args, output,
                                         weight_format)
@@ -268,6 +268,58 @@ def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weigh
         (ctas,), (32 * warps(config),),
         [y, h_out, x, routing.sorted_token, *moe_args, queue, I32(i), I32(k), I32(e),
          *([] if trace is None else [trace])],
+        shared_bytes=moe_shared_bytes(config, k, i), pdl=pdl, device=x.device.index)
+    return y
+
+
+ROUTE_MAX_TOKENS = 32    # cuda/expert_decode.cu ED_ROUTE_MAX_TOKENS: a token mask is one word
+ROUTE_MAX_TOP_K = 16     # ED_ROUTE_MAX_TOP_K
+ROUTE_MAX_EXPERTS = 256  # cuda/topk.cuh ROUTER_MAX_EXPERTS as expert_decode.cu is built
+
+
+def routes_in_cluster(config: str, tokens: int, num_experts: int, top_k: int, hidden: int, inter: int) -> bool:
+    """Whether expert_decode_moe_routed takes this call: a cluster config that fits the shapes, and
+    tokens, experts and top_k within the routed kernel's shared arrays."""
+    return (cluster_size(config) > 0 and fits(config, hidden, inter) and tokens <= ROUTE_MAX_TOKENS
+            and num_experts <= ROUTE_MAX_EXPERTS and top_k <= ROUTE_MAX_TOP_K)
+
+
+def expert_decode_moe_routed(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
+                             routing, num_tokens: torch.Tensor | None, gate: Weight, up: Weight, shared_gate: Weight,
+                             shared_up: Weight, down: Weight, shared_down: Weight, h_out: torch.Tensor,
+                             out: torch.Tensor | None = None, pdl: bool = False,
+                             config: str | None = None) -> torch.Tensor:
+    """The routing and expert_decode_moe's cluster kernel in one launch (cuda/expert_decode.cu
+    expert_decode_moe_routed_nvfp4): each cluster takes the sigmoid top-k of the router's fp32
+    logits (split-K parts [S, M, E] or [M, E], as route_and_sort) and derives its own item; the
+    routing's views (grouped_moe.Routing: ids, weights, pair_row, offsets, sorted_token and the work
+    list, not the queue) receive the same routing moe_route would give, items in expert order.
+    Returns y_sorted [P, N]."""
+    e, i, n = gate.shape[0], gate.shape[1], down.shape[1]
+    parts, m = (logits.shape[0], logits.shape[1]) if logits.dim() == 3 else (1, logits.shape[0])
+    config = config or pick_config(m, x.shape[1], i)
+    k = x.shape[1]
+    if not routes_in_cluster(config, m, e, top_k, k, i):
+        raise ValueError(f"expert_decode_moe_routed ({config}): {m} tokens, {e} experts, top_k {top_k}, hidden "
+                         f"{k}, intermediate {i} (a cluster config, <= {ROUTE_MAX_TOKENS} tokens, <= "
+                         f"{ROUTE_MAX_EXPERTS} experts, top_k <= {ROUTE_MAX_TOP_K})")
+    _check_x(x, routing, e, config)
+    if routing.ids.shape != (m, top_k):
+        raise ValueError(f"the routing's ids must be [{m}, {top_k}], got {tuple(routing.ids.shape)}")
+    p = routing.sorted_token.numel()
+    check_tensor(h_out, "h_out", torch.bfloat16, (p, i), x.device)
+    if n != k or tuple(down.shape) != (e, k, i):
+        raise ValueError(f"down must be [{e}, {k}, {i}], got {tuple(down.shape)}")
+    fmt = weight_format(gate, up, shared_gate, shared_up, down, shared_down)
+    _check(fmt, k, i, config, gate, up, shared_gate, shared_up, down, shared_down)
+    y = output(out, "out", (p, n), x)
+    r = routing
+    _kernel("expert_decode_moe_routed_nvfp4", config).launch(
+        (moe_grid_ctas(r.max_items, config, k, i),), (32 * warps(config),),
+        [y, h_out, x, r.sorted_token, r.ids, r.weights, r.pair_row, *r.work_args,
+         *moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device),
+         *expert_args(down, shared_down, ("down", "shared_down"), n, i, e, x.device),
+         logits, I32(parts), bias, num_tokens, I32(m), I32(top_k), F32(scaling), I32(i), I32(k), I32(e)],
         shared_bytes=moe_shared_bytes(config, k, i), pdl=pdl, device=x.device.index)
     return y
 

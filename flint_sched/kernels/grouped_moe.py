@@ -3,7 +3,9 @@ EXPERT_GEMM_MIN_TOKENS on, the tiled expert GEMMs of cuda/expert_gemm.cu), five 
 the decode GEMMs run gate/up and down as one, FUSED_DECODE_CONFIGS):
 
     logits [M, E] fp32 = x @ router_gate^T                         router_logits (split-K: [S, M, E] parts)
-    ids, weights, sorted rows, work list                           route_and_sort (one launch)
+    ids, weights, sorted rows, work list                           route_and_sort (one launch; at
+                                                                   <= CLUSTER_ROUTE_MAX_TOKENS tokens
+                                                                   inside the expert kernel)
     h_sorted [P, I]  = silu(x[tok] @ Wg_e^T) * (x[tok] @ Wu_e^T)   moe_gate_up_sorted
     y_sorted [P, H]  = h_sorted @ Wd_e^T                           moe_down_sorted
     out [M, H] = residual + sum_a w * y_sorted[pair_row] + shared  moe_finalize (+ the next RMSNorm)
@@ -39,7 +41,7 @@ ROUTING_WARPS = ROUTING_THREADS // 32
 MAX_EXPERTS = 1024          # router_select: 32 experts per lane
 MAX_TOP_K = 32
 STAGED_IDS = 2048           # cuda/moe_routing.cu: ids moe_route's last CTA reads into shared memory
-MAX_LOGIT_PARTS = 8         # cuda/moe_routing.cu: split-K parts of the logits the routing kernels sum
+MAX_LOGIT_PARTS = 8         # cuda/topk.cuh: split-K parts of the logits the routing kernels sum
 FINALIZE_THREADS = 256
 MAX_ITEMS = 65535           # the sort counts each class of work items in 16 bits
 HEAVY_FIRST = True          # route_and_sort's heavy_first default: 16.77 -> 16.52 ms at 256 requests
@@ -179,7 +181,9 @@ def split_bounds(num_tokens: int, top_k: int, num_experts: int, chunk: int, spli
     return small, tiled
 
 
-def _route(logits, bias, top_k, scaling, ws, num_tokens, pdl, chunk, fused, heavy_first, split):
+def check_logits(logits, bias, top_k: int, ws: MoeRoutingWorkspace, num_tokens) -> tuple[int, int, int]:
+    """The router's fp32 logits [M, E] or split-K parts [S, M, E] for this workspace, its bias [E],
+    the device token count; (S, M, E)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
         raise ValueError("logits must be fp32 [tokens, experts] or split-K parts [parts, tokens, experts]")
     parts, m, e = logits.shape if logits.dim() == 3 else (1, *logits.shape)
@@ -192,15 +196,26 @@ def _route(logits, bias, top_k, scaling, ws, num_tokens, pdl, chunk, fused, heav
     check_tensor(bias, "bias", torch.float32, (e,), logits.device, 4)
     if num_tokens is not None:
         check_tensor(num_tokens, "num_tokens", torch.int32, (1,), logits.device, 4)
+    return parts, m, e
+
+
+def routing_views(ws: MoeRoutingWorkspace, m: int, chunk: int) -> Routing:
+    """The workspace's views for a call of m tokens in items of `chunk` rows (the main work list)."""
+    e, top_k = ws.num_experts, ws.top_k
+    if work_bound(m, top_k, e, chunk) > MAX_ITEMS:
+        raise ValueError(f"{m} tokens in items of {chunk} rows make more than {MAX_ITEMS} work items")
+    pairs = m * (top_k + 1)
+    return Routing(ws.ids[:m], ws.weights[:m], ws.offsets, ws.sorted_token[:pairs], ws.pair_row[:m],
+                   ws.work_expert, ws.work_row, ws.num_work, e, chunk, work_bound(m, top_k, e, chunk))
+
+
+def _route(logits, bias, top_k, scaling, ws, num_tokens, pdl, chunk, fused, heavy_first, split):
+    parts, m, e = check_logits(logits, bias, top_k, ws, num_tokens)
     chunk = moe_chunk(m, top_k, e) if chunk is None else chunk
     if chunk not in (*CHUNKS, expert_gemm.TILE_M):
         raise ValueError(f"chunk must be one of {(*CHUNKS, expert_gemm.TILE_M)}, got {chunk}")
-    pairs = m * (top_k + 1)
-    if work_bound(m, top_k, e, chunk) > MAX_ITEMS:
-        raise ValueError(f"{m} tokens in items of {chunk} rows make more than {MAX_ITEMS} work items")
     big = expert_gemm.TILE_M
-    r = Routing(ws.ids[:m], ws.weights[:m], ws.offsets, ws.sorted_token[:pairs], ws.pair_row[:m],
-                ws.work_expert, ws.work_row, ws.num_work, e, chunk, work_bound(m, top_k, e, chunk))
+    r = routing_views(ws, m, chunk)
     tiled = Routing(r.ids, r.weights, r.offsets, r.sorted_token, r.pair_row, ws.work2_expert, ws.work2_row,
                     ws.num_work2, e, big, work_bound(m, top_k, e, big))
     if split:   # tighter grids: the GEMMs' CTAs past the item count exit, but each takes a slot
@@ -351,6 +366,10 @@ FUSED_DECODE_CONFIGS = frozenset({"g1t2", "g2w8t4", "g1t2d4", "g2w8t4p", "g1t2d4
 # composition, which moe_grouped does not see, so the CUDA executor asks for it (gemms="hybrid")
 # for mixed steps (cuda_executor.HYBRID_MIXED_MIN_ROWS).
 HYBRID_MIN_TOKENS = 1 << 30
+# Decode-GEMM steps of up to this many tokens whose config runs clusters (expert_decode.routes_in_cluster)
+# route inside the expert kernel (expert_decode.expert_decode_moe_routed: no moe_route launch between
+# the router's logits and the experts); 0: never.
+CLUSTER_ROUTE_MAX_TOKENS = 16
 HYBRID_SPLIT_ROWS = 32
 GEMMS = ("swap-ab", "decode", "tiled", "hybrid")
 
@@ -406,10 +425,18 @@ def moe_grouped(x: torch.Tensor, router_gate: torch.Tensor, bias: torch.Tensor, 
                           h_out, y_out, pdl)
     elif path == "decode":
         config = expert_decode.pick_config(m, hidden, inter)
-        routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl,
-                                 chunk=expert_decode.rows_per_item(config))
-        y = _decode_gemms(x, routing, ws.queue, config, gate, up, shared_gate, shared_up, down, shared_down,
-                          h_out, y_out, pdl)
+        if m <= CLUSTER_ROUTE_MAX_TOKENS and expert_decode.routes_in_cluster(config, m, ws.num_experts, top_k,
+                                                                             hidden, inter):
+            check_logits(logits, bias, top_k, ws, num_tokens)
+            routing = routing_views(ws, m, expert_decode.rows_per_item(config))
+            y = expert_decode.expert_decode_moe_routed(x, logits, bias, top_k, scaling, routing, num_tokens, gate, up,
+                                                       shared_gate, shared_up, down, shared_down, h_out, out=y_out,
+                                                       pdl=pdl, config=config)
+        else:
+            routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl,
+                                     chunk=expert_decode.rows_per_item(config))
+            y = _decode_gemms(x, routing, ws.queue, config, gate, up, shared_gate, shared_up, down, shared_down,
+                              h_out, y_out, pdl)
     else:
         tiled_path = path == "tiled"
         routing = route_and_sort(logits, bias, top_k, scaling, ws, num_tokens=num_tokens, pdl=pdl,

@@ -131,6 +131,45 @@ def test_decode_gemms_in_one_launch(flint_nvfp4_moe, config, tokens, monkeypatch
         check_graph_replay(flint_nvfp4_moe, FLINT, tokens=100, partial=37, gemms="decode")
 
 
+@pytest.mark.parametrize("tokens,ntok", [(1, 1), (7, 7), (9, 9), (16, 16), (16, 9), (12, 0), (32, 30)])
+def test_routing_inside_the_cluster_kernel(flint_nvfp4_moe, tokens, ntok, monkeypatch):
+    """expert_decode_moe_routed (each cluster routes from the logits itself): against the per-expert
+    loop, and bit for bit what moe_route + the cluster kernel give: output, ids, weights, offsets,
+    sorted rows, pair rows (-1 for padded tokens) and the same items (here in expert order)."""
+    monkeypatch.setattr(expert_decode, "CONFIG", "g1t2d4c")
+    monkeypatch.setattr(grouped_moe, "CLUSTER_ROUTE_MAX_TOKENS", 32)
+    p, g, top_k = flint_nvfp4_moe, gen(2000 + tokens), FLINT["top_k"]
+    check_moe("nvfp4", p, FLINT, tokens, "routed in the cluster kernel", ntok=ntok, gemms="decode")
+    x = torch.randn(tokens, FLINT["hidden"], device="cuda", generator=g).bfloat16()
+    residual = torch.randn(tokens, FLINT["hidden"], device="cuda", generator=g).bfloat16()
+    num_tokens = torch.tensor([ntok], dtype=torch.int32, device="cuda")
+
+    def run(max_tokens):
+        monkeypatch.setattr(grouped_moe, "CLUSTER_ROUTE_MAX_TOKENS", max_tokens)
+        ws = moe_routing_workspace(tokens, FLINT["experts"], top_k, "cuda", hidden_size=FLINT["hidden"],
+                                   intermediate_size=FLINT["inter"])
+        ws.pair_row.fill_(-7)
+        return ws, run_moe(p, x, residual, ws, top_k, num_tokens, gemms="decode")
+
+    (routed, out), (plain, expected) = run(32), run(0)
+    assert torch.equal(out, expected)
+    rows = ntok * (top_k + 1)
+    for name in ("ids", "weights"):
+        assert torch.equal(getattr(routed, name)[:ntok], getattr(plain, name)[:ntok]), name
+    assert torch.equal(routed.offsets, plain.offsets) and torch.equal(routed.pair_row, plain.pair_row)
+    assert torch.equal(routed.sorted_token[:rows], plain.sorted_token[:rows])
+    items = int(plain.num_work)
+    assert int(routed.num_work) == items
+
+    def work(ws):
+        return sorted(zip(ws.work_expert[:items].tolist(), ws.work_row[:items].tolist()))
+    assert work(routed) == work(plain)
+    assert routed.work_expert[:items].tolist() == sorted(routed.work_expert[:items].tolist()), "not in expert order"
+    if tokens == 16:
+        monkeypatch.setattr(grouped_moe, "CLUSTER_ROUTE_MAX_TOKENS", 32)
+        check_graph_replay(p, FLINT, tokens=16, partial=ntok, gemms="decode")
+
+
 def test_moe_grouped_decode_gemms_one_expert_and_graph(flint_nvfp4_moe):
     """The decode GEMMs with every token on one expert (40 items of 8 rows of one expert's weights,
     and of the shared expert's), then captured in a graph with PDL and replayed with fewer tokens."""
