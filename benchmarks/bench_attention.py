@@ -7,7 +7,7 @@ include the graph's inter-kernel gap (shorter with --pdl). GB/s counts the K and
 Run on the GPU machine: python benchmarks/bench_attention.py [--pdl] [--batches 64,256 --contexts 1024
 --num-splits 0,1,2,3] (0: the splits `decode_splits` picks; others forced, to see whether the choice is right)
 [--kv-cache-dtype fp8] (e4m3 pools) [--loads bulk,cp_async] (attention.CP_ASYNC_DTYPES none / all, each case)
-[--set flint_sched.kernels.attention.SWAP_OPERANDS=True,...] (module constants first, ab_decode.py's syntax).
+[--set flint_sched.kernels.attention.CTAS_PER_SM=4,...] (module constants first, ab_decode.py's syntax).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main() -> None:
                              "cp_async (attention.CP_ASYNC_DTYPES); default: the dtype's own")
     parser.add_argument("--set", default="", help="module constants to set first, comma-separated "
                         "module.ATTR=value (ab_decode.py's variant syntax), e.g. "
-                        "flint_sched.kernels.attention.SWAP_OPERANDS=True")
+                        "flint_sched.kernels.attention.CTAS_PER_SM=4")
     args = parser.parse_args()
     set_constants(args.set, "--set")
     PDL["pdl"] = args.pdl

@@ -35,10 +35,6 @@
 #define ATTN_CP_ASYNC 0
 #endif
 #define ATTN_THREADS (ATTN_WARPS * 32)
-// 1: the heads as the MMAs' columns (decode_attention_swap.cuh: 16 MMAs a tile instead of 32)
-#ifndef ATTN_SWAP
-#define ATTN_SWAP 0
-#endif
 #define ATTN_TILE 16            // keys per warp step
 #ifndef ATTN_MIN_SPLIT_KEYS
 #define ATTN_MIN_SPLIT_KEYS 64  // flint_sched/kernels/attention.py MIN_SPLIT_KEYS (passed as a define)
@@ -61,39 +57,10 @@ static_assert(ATTN_THREADS == GROUP * HEAD_DIM / 8, "the epilogue maps one threa
 
 __device__ __forceinline__ u32 tile_offset(int key, int chunk) { return key * SMEM_ROW_BYTES + (chunk << 4); }
 
-#if ATTN_SWAP
-#include "decode_attention_swap.cuh"
-#else
-// The heads as rows 0-7 of the MMAs' 16 (rows 8-15 zero): S = Q.K^T and O += P.V.
 struct SplitState {
   float m;        // running max of head g (lane / 4), log2 domain, same in the 4 lanes of a row
   float l;        // this lane's share of the running sum
   float o[16][4]; // o[n][0..1] = O[g][8n + 2t .. +1] (KV_FP8: the dims of attend_tile); [2..3] rows 8-15: zero
-
-  __device__ __forceinline__ void init() {
-    m = NEG_INF;
-    l = 0.0f;
-#pragma unroll
-    for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  }
-
-  // The warp's (m, l, o) into shared memory: cm[8], cl[8], co[8][COMBINE_STRIDE] (after the last tile).
-  __device__ __forceinline__ void store(float* cm, float* cl, float* co, int lane) {
-    const int t = lane & 3, row = lane >> 2;
-    l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
-    l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
-    if (t == 0) cm[row] = m, cl[row] = l;
-#if KV_FP8  // n-tiles 2c, 2c + 1: the even and odd dims of chunk c; lane t holds dims 16c + 4t .. 4t+3
-#pragma unroll
-    for (int c = 0; c < 8; ++c)
-      *reinterpret_cast<float4*>(co + row * COMBINE_STRIDE + 16 * c + 4 * t) =
-          make_float4(o[2 * c][0], o[2 * c + 1][0], o[2 * c][1], o[2 * c + 1][1]);
-#else
-#pragma unroll
-    for (int n = 0; n < 16; ++n)
-      *reinterpret_cast<float2*>(co + row * COMBINE_STRIDE + 8 * n + 2 * t) = make_float2(o[n][0], o[n][1]);
-#endif
-  }
 };
 
 // One tile of 16 keys at `first_pos` (keys >= end masked) from shared memory into the state.
@@ -184,8 +151,6 @@ __device__ __forceinline__ void attend_tile(SplitState& st, const u32 (&qa)[8][2
   }
 #endif
 }
-
-#endif  // ATTN_SWAP
 
 // Starts one tile (K and V of 16 keys, `valid_keys` of them before the split's end) into a pipeline
 // stage. `my_row`: this lane's key (lane % 16) as the element offset of its row in the pool, -1 at or
@@ -412,7 +377,10 @@ decode_attention_bf16(u16* out, const u16* q, int q_stride, const kv_t* k_cache,
   // The loop's loads: tile ATTN_STAGES - 1 on.
   KeyCursor next(begin + (warp + (ATTN_STAGES - 1) * ATTN_WARPS) * ATTN_TILE + key, pages, end);
   SplitState st;
-  st.init();
+  st.m = NEG_INF;
+  st.l = 0.0f;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) st.o[n][0] = st.o[n][1] = st.o[n][2] = st.o[n][3] = 0.0f;
   // Tile i lives in stage i % STAGES; its barrier completes phase i / STAGES (parity (i / STAGES) & 1).
   for (int i = 0; i < my_tiles; ++i) {
     const int ahead = i + ATTN_STAGES - 1;
@@ -429,11 +397,25 @@ decode_attention_bf16(u16* out, const u16* q, int q_stride, const kv_t* k_cache,
                 lane);
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
+  st.l += __shfl_xor_sync(0xFFFFFFFFu, st.l, 1);
+  st.l += __shfl_xor_sync(0xFFFFFFFFu, st.l, 2);
   __syncthreads();  // every copy was waited for: the stages become the combine area
 
   // Per-warp (m, l, o) -> shared: cm[8], cl[8], co[8][COMBINE_STRIDE] at the start of the warp's area.
   float* cm = reinterpret_cast<float*>(warp_smem);
-  st.store(cm, cm + GROUP, cm + 2 * GROUP, lane);
+  float* cl = cm + GROUP;
+  float* co = cl + GROUP;
+  if (t == 0) cm[row] = st.m, cl[row] = st.l;
+#if KV_FP8  // n-tiles 2c, 2c + 1: the even and odd dims of chunk c; lane t holds dims 16c + 4t .. 4t+3
+#pragma unroll
+  for (int c = 0; c < 8; ++c)
+    *reinterpret_cast<float4*>(co + row * COMBINE_STRIDE + 16 * c + 4 * t) =
+        make_float4(st.o[2 * c][0], st.o[2 * c + 1][0], st.o[2 * c][1], st.o[2 * c + 1][1]);
+#else
+#pragma unroll
+  for (int n = 0; n < 16; ++n)
+    *reinterpret_cast<float2*>(co + row * COMBINE_STRIDE + 8 * n + 2 * t) = make_float2(st.o[n][0], st.o[n][1]);
+#endif
   __syncthreads();
 
   // Thread -> (head h, dims d..d+7): combine the warps into this split's (m, l, o).

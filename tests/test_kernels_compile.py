@@ -151,7 +151,7 @@ def test_gemv_register_table_matches_the_builds():
     entries = {"bf16": ("gemv_bf16", "gemv_bf16_f32", "gate_up_bf16"), "nvfp4": ("gemv_nvfp4", "gate_up_nvfp4")}
     for (fmt, groups), table in linear_mod.REGISTERS.items():
         most = 0
-        for warps in ((4, 8, 16) if groups <= 2 else (4, 8)) + ((6,) if (fmt, groups) == ("nvfp4", 2) else ()):
+        for warps in (4, 8, 16) if groups <= 2 else (4, 8):
             use = _runtime.resource_usage("gemv.cu", {"GEMV_WARPS": warps, "X_BATCH": linear_mod.x_batch(fmt),
                                                       "GEMV_GROUPS": groups})
             most = max(most, *(use[name].registers for name in entries[fmt]))
@@ -182,14 +182,6 @@ def test_every_launch_shape_of_flint_uses_a_compiled_variant():
     assert linear_mod.gemv_warps(5120 // 16, 2048, "bf16") == 4
     assert linear_mod.gemv_warps(5120 // 16, 2048, "nvfp4") == 8
     assert linear_mod.gemv_warps(5120 // 16, 2048, "nvfp4", 2) == 4    # 9-16 tokens: 8 warps would take 1.2 waves
-    six = {"GEMV_WARPS": 6, "X_BATCH": 0, "GEMV_GROUPS": 2}
-    assert six in VARIANTS["gemv.cu"]
-    with pytest.MonkeyPatch.context() as mp:                            # prepared, off: NVFP4 q/k/v at 9-16 only
-        mp.setattr(linear_mod, "SIX_WARPS", True)
-        assert linear_mod.gemv_warps(5120 // 16, 2048, "nvfp4", 2) == 6
-        assert linear_mod.gemv_warps(5120 // 16, 2048, "nvfp4", 1) == 8
-        assert linear_mod.gemv_warps(5120 // 16, 2048, "bf16", 2) == 4       # 6 warps of 128 registers: 1.2 waves
-        assert linear_mod.gemv_warps(2048 // 16, 4096, "nvfp4", 2) == 16     # o_proj: a small grid, 16 warps
     assert [moe_mod.gate_up_warps("bf16", t) for t in (1, 3, 4, 8)] == [8, 8, 4, 4]
 
 

@@ -28,20 +28,17 @@ def test_fp8_kv_variants_compile(source, private_cache):
 
 @needs_nvrtc
 @pytest.mark.parametrize("defines", [{"ATTN_STAGES": 3}, {"ATTN_STAGES": 4}, {"ATTN_CP_ASYNC": 1},
-                                     {"ATTN_CP_ASYNC": 1, "KV_FP8": 1, "ATTN_STAGES": 4}, {"ATTN_SWAP": 1},
-                                     {"ATTN_SWAP": 1, "ATTN_CP_ASYNC": 1, "KV_FP8": 1, "ATTN_STAGES": 4}])
+                                     {"ATTN_CP_ASYNC": 1, "KV_FP8": 1, "ATTN_STAGES": 4}])
 def test_attention_pipeline_variants_compile(defines, private_cache):
     assert _runtime.compile_only("decode_attention.cu", defines, arch="sm_90a")[:4] == b"\x7fELF"
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("swap", [{}, {"ATTN_SWAP": 1}], ids=["rows", "swapped"])
 @pytest.mark.parametrize("defines", [{}, {"ATTN_CP_ASYNC": 1, "KV_FP8": 1, "ATTN_STAGES": attention.FP8_STAGES}])
-def test_default_builds_fit_ctas_per_sm(defines, swap):
+def test_default_builds_fit_ctas_per_sm(defines):
     """decode_splits sizes a wave as CTAS_PER_SM CTAs an SM: their registers (allocated per warp in
     units of 256) must fit the 64 K of an SM, without spills."""
-    usage = _runtime.resource_usage("decode_attention.cu",
-                                    {"ATTN_MIN_SPLIT_KEYS": attention.MIN_SPLIT_KEYS, **defines, **swap})
+    usage = _runtime.resource_usage("decode_attention.cu", {"ATTN_MIN_SPLIT_KEYS": attention.MIN_SPLIT_KEYS, **defines})
     use = usage["decode_attention_bf16"]
     per_warp = -(-use.registers * 32 // 256) * 256
     assert attention.CTAS_PER_SM * (attention.ATTN_THREADS // 32) * per_warp <= 64 * 1024, use

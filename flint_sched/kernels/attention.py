@@ -37,11 +37,6 @@ FP8_STAGES = 4
 CP_ASYNC_DTYPES = (torch.float8_e4m3fn,)
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)        # the cache's element types (KV_FP8 compiles)
 MIN_SPLIT_KEYS = 64          # cuda/decode_attention.cu ATTN_MIN_SPLIT_KEYS (a define from here)
-# The heads as the MMAs' 8 columns (cuda/decode_attention_swap.cuh, ATTN_SWAP): a tile's 32 MMAs,
-# half of them rows of zeros, become 16, and the output accumulators half the registers; session
-# 26's ablations put the e4m3 tile's compute (~100 µs at 256 requests x 1,536 keys) level with its
-# loads. Prepared, not yet measured on a GPU (RESULTS.md session 26): off.
-SWAP_OPERANDS = False
 MAX_SPLITS = 128
 # NOTE: 68 KiB of shared memory and <= 168 registers a thread (160 bf16, 158 e4m3) let three CTAs
 # share an SM (228 KiB, 64 K registers; tests/test_kernels_compile_attention.py checks the builds):
@@ -280,8 +275,7 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
     fp8 = k_pool.dtype == torch.float8_e4m3fn
     stages = (("ATTN_STAGES", FP8_STAGES),) if fp8 else ()
     cp_async = (("ATTN_CP_ASYNC", 1),) if k_pool.dtype in CP_ASYNC_DTYPES else ()
-    swap = (("ATTN_SWAP", 1),) if SWAP_OPERANDS else ()
-    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *cp_async, *kv_defines(k_pool), *stages, *swap)
+    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *cp_async, *kv_defines(k_pool), *stages)
     _kernel("decode_attention.cu", "decode_attention_bf16", defines).launch(
         (splits, g, b), (ATTN_THREADS,),
         [out, q, I32(q_stride), k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]),

@@ -65,16 +65,8 @@ def resident_ctas(warps: int, fmt: str, num_groups: int = 1) -> int:
     return sm_count() * max(1, per_sm)
 
 
-# NVFP4 at 9-16 tokens, where 8 warps a CTA would take a second wave and 4 leave each warp a long
-# chain of k-steps (q/k/v: 320 CTAs, 16 k-steps, 4 a warp, 7.2 µs against 4.3 at 8 tokens; RESULTS.md
-# session 22): 6 warps if they still fit one wave (3 CTAs an SM at 104 registers: 396 slots; 2-3
-# k-steps a warp). Prepared, not yet measured on a GPU (RESULTS.md session 26): off.
-SIX_WARPS = False
-
-
 def gemv_warps(tiles: int, k: int, fmt: str, num_groups: int = 1) -> int:
-    """Warps per CTA (4, 8 or 16; at most 8 with 3-4 groups, whose registers would spill at 16;
-    6 with SIX_WARPS, above):
+    """Warps per CTA (4, 8 or 16; at most 8 with 3-4 groups, whose registers would spill at 16):
     more while the grid is small or a warp would need a second round of loads, never more than
     the k-steps, and never so many that a grid fitting one wave of CTAs would need two (measured
     on the H200: benchmarks/bench_kernels.py). The last rule keeps BF16 q/k/v (320 tiles, K = 2048)
@@ -87,9 +79,6 @@ def gemv_warps(tiles: int, k: int, fmt: str, num_groups: int = 1) -> int:
            and (tiles * warps < WARPS_PER_SM * sm_count() or steps > warps * UNROLL[fmt])
            and not resident_ctas(2 * warps, fmt, num_groups) < tiles <= resident_ctas(warps, fmt, num_groups)):
         warps *= 2
-    if (SIX_WARPS and fmt == "nvfp4" and num_groups == 2 and warps == 4 and steps > 8
-            and resident_ctas(8, fmt, num_groups) < tiles <= resident_ctas(6, fmt, num_groups)):
-        return 6
     return warps
 
 
@@ -206,7 +195,7 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
            out: torch.Tensor | None = None, pdl: bool = False, row_splits: tuple[int, ...] = (),
            out_dtype: torch.dtype = torch.bfloat16, warps: int | None = None) -> torch.Tensor:
     """y[B, N] = x @ W^T (+ residual), fp32 sums, one bf16 rounding. `row_splits`: from `concat_rows`.
-    out_dtype fp32 (bf16 W, no residual): y unrounded, the router's logits. `warps`: per CTA (4, 6, 8
+    out_dtype fp32 (bf16 W, no residual): y unrounded, the router's logits. `warps`: per CTA (4, 8
     or 16), else `gemv_warps`."""
     check_activations(x, max_tokens=GEMV_MAX_TOKENS)
     b, k = x.shape
@@ -224,9 +213,8 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
         raise ValueError("linear writes bf16, or fp32 from one bf16 weight without a residual")
     y = output(out, "out", (b, n), x, out_dtype)
     tiles, num_groups = cdiv(n, TILE_ROWS), groups(b)
-    six_ok = (num_groups, fmt) == (2, "nvfp4")
-    if warps not in (None, 4, 6, 8, 16) or warps == 16 and num_groups > 2 or warps == 6 and not six_ok:
-        raise ValueError(f"warps must be 4, 8 or 16 (at most 8 past 16 tokens; 6: NVFP4 at 9-16 tokens), got {warps}")
+    if warps not in (None, 4, 8, 16) or warps == 16 and num_groups > 2:
+        raise ValueError(f"warps must be 4, 8 or 16 (at most 8 past 16 tokens), got {warps}")
     warps = warps or gemv_warps(tiles, k, fmt, num_groups)
     splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
     args = ([y, x, *w_args, I32(b), I32(n), I32(k)] if f32 else

@@ -266,18 +266,6 @@ def test_tile_loaders(kv_dtype, cp_async, monkeypatch):
                 kv_dtype=kv_dtype)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "e4m3"])
-def test_swapped_operands(kv_dtype, monkeypatch):
-    """attention.SWAP_OPERANDS (the heads as the MMAs' columns, cuda/decode_attention_swap.cuh)
-    against the reference: paged and ring rows, partial tiles, several split counts."""
-    monkeypatch.setattr(attention, "SWAP_OPERANDS", True)
-    run_full([1, 7, 513, 1000, 4097, LONG], block_size=7, seed=120, kv_dtype=kv_dtype)
-    run_full([CONTEXTS[i % len(CONTEXTS)] for i in range(300)], seed=121, kv_dtype=kv_dtype)
-    run_full([1, 700, 4097], num_splits=5, seed=122, kv_dtype=kv_dtype)
-    run_sliding([CONTEXTS[(5 * i) % len(CONTEXTS)] + 1000 * (i % 3) for i in range(19)], seed=123, rows=WINDOW + 15,
-                kv_dtype=kv_dtype)
-
-
 # ---- one graph, growing lengths --------------------------------------------------------------------
 
 

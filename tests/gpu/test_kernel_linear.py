@@ -74,18 +74,6 @@ def test_linear_nvfp4(b, n, k):
     assert_close_bf16(y, x.float() @ dense(w).t(), f"nvfp4 linear B={b} N={n} K={k}")
 
 
-@pytest.mark.parametrize("b", [9, 13, 16])
-def test_linear_nvfp4_six_warps(b):
-    """linear.SIX_WARPS's build (NVFP4 at 9-16 tokens, 6 warps a CTA: k-steps split 3/3/3/3/2/2 on
-    q/k/v's shape, unevenly on a ragged K) against the dense product; other token counts refuse it."""
-    for n, k in ((5120, 2048), (520, 1152)):
-        w, x = nvfp4_weight(n, k, seed=n + k), activations(b, k, seed=b)
-        y = linear(x, w, out=poisoned(b, n), warps=6)
-        assert_close_bf16(y, x.float() @ dense(w).t(), f"nvfp4 linear, 6 warps, B={b} N={n} K={k}")
-    with pytest.raises(ValueError, match="warps"):
-        linear(activations(8, 2048, seed=1), nvfp4_weight(64, 2048, seed=1), warps=6)
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("b", [1, 5, 8, 16, 27])
 def test_concatenated_rows_keep_each_parts_tensor_scale(fmt, b):
