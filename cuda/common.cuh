@@ -144,6 +144,30 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// This thread's exclusive prefix sum of `mine` over the CTA (threads in order) and, in `total`, the
+// CTA's sum. warp_total: shared memory of blockDim / 32 values. Two __syncthreads, the second after
+// every read of warp_total (the caller may reuse it, or overwrite what `mine` was summed from).
+template <class T>
+__device__ __forceinline__ T block_exclusive_sum(T mine, T* warp_total, T& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  T incl = mine;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const T up = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+    if (lane >= d) incl += up;
+  }
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  T before = incl - mine;
+  total = 0;
+  for (int w = 0; w < nwarps; ++w) {
+    if (w < warp) before += warp_total[w];
+    total += warp_total[w];
+  }
+  __syncthreads();
+  return before;
+}
+
 // ---- programmatic dependent launch (sm_90) ---------------------------------------------------
 // NOTE: both are no-ops when the kernel was not launched with programmatic stream
 // serialization. `pdl_wait` must precede every read of the previous kernel's outputs and every

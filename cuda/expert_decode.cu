@@ -575,19 +575,8 @@ expert_decode_moe_routed_nvfp4(u16* y, u16* h, const u16* x, int* sorted_token, 
     const int c = count_of(e);
     mine += (u32)c << 16 | (u32)((c + ED_ROWS - 1) / ED_ROWS);
   }
-  u32 incl = mine;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const u32 up = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-    if (lane >= d) incl += up;
-  }
-  if (lane == 31) warp_total[warp] = incl;
-  __syncthreads();
-  u32 run = incl - mine, total = 0;
-  for (int w = 0; w < ED_WARPS; ++w) {
-    run += w < warp ? warp_total[w] : 0u;
-    total += warp_total[w];
-  }
+  u32 total;
+  u32 run = block_exclusive_sum(mine, warp_total, total);
   for (int e = e0; e < e1; ++e) {
     const int c = count_of(e), items = (c + ED_ROWS - 1) / ED_ROWS, first_item = (int)(run & 0xFFFFu);
     first_row[e] = (int)(run >> 16);

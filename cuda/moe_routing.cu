@@ -57,29 +57,17 @@ __device__ __forceinline__ void topk_tokens(int* ids, float* weights, const floa
 
 // In-place exclusive scan of v[0..n) (v[n] <- total) by the whole CTA; n + 1 <= blockDim * 4.
 __device__ __forceinline__ void block_exclusive_scan(u64* v, int n, u64* warp_total) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-  const int per = (n + blockDim.x - 1) / blockDim.x, first = tid * per;
+  const int per = (n + blockDim.x - 1) / blockDim.x, first = threadIdx.x * per;
   u64 mine = 0;
   for (int i = first; i < min(n, first + per); ++i) mine += v[i];
-  u64 incl = mine;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const u64 up = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-    if (lane >= d) incl += up;
-  }
-  if (lane == 31) warp_total[warp] = incl;
-  __syncthreads();
-  u64 before = incl - mine;
-  for (int w = 0; w < warp; ++w) before += warp_total[w];
-  u64 total = 0;
-  for (int w = 0; w < nwarps; ++w) total += warp_total[w];
-  __syncthreads();  // every thread has read v's partial sums through `mine`; now overwrite
+  u64 total;
+  u64 before = block_exclusive_sum(mine, warp_total, total);  // every v read through `mine`: now overwrite
   for (int i = first; i < min(n, first + per); ++i) {
     const u64 x = v[i];
     v[i] = before;
     before += x;
   }
-  if (tid == 0) v[n] = total;
+  if (threadIdx.x == 0) v[n] = total;
   __syncthreads();
 }
 
