@@ -22,6 +22,7 @@ import random
 import sys
 import time
 
+from flint_sched.api.gc_pauses import freeze_startup_heap
 from flint_sched.checkpoint.make import dummy_checkpoint
 from flint_sched.config import preset
 from flint_sched.core.plan import StepPlan, StepResult, fill_placeholders
@@ -128,12 +129,17 @@ def main() -> int:
     p.add_argument("--gpu-ms", default="0,10", help="the fake executor's step time(s) in ms")
     p.add_argument("--switch-interval", default="", help="also run with these GIL switch intervals in s "
                    "(the engine sets async_engine.GIL_SWITCH_INTERVAL_S), e.g. 0.005 for CPython's default")
+    p.add_argument("--server-gc-off", action="store_true",
+                   help="keep Python's default collector (the server freezes its start-up heap and raises "
+                   "the thresholds: api/gc_pauses.py)")
     p.add_argument("--async-scheduling", default="both", choices=("off", "on", "both"),
                    help="run the engine without, with, or both ways (%(default)s)")
     args = p.parse_args()
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     tokenizer = dummy_checkpoint(preset("flint-tiny"), "bf16", 0, "cpu").tokenizer
     vocab = preset("flint-tiny").vocab_size
+    if not args.server_gc_off:
+        freeze_startup_heap()   # as the server does before its first request (api/gc_pauses.py)
     print("| streams | GPU ms/step | async | switch s | steps/s | host ms/step | gap ms (median) | GPU idle | "
           "steady idle | output tok/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
