@@ -133,9 +133,12 @@ class ServerMetrics:
                 for choice in out.outputs:
                     if not choice.delta_token_ids:
                         continue
-                    self.generation_tokens.inc(len(choice.delta_token_ids))
-                    if choice.index in last_token_time:
-                        self.inter_token_latency.observe(now - last_token_time[choice.index])
+                    n = len(choice.delta_token_ids)
+                    self.generation_tokens.inc(n)
+                    if choice.index in last_token_time:   # n tokens at once (--stream-interval): n gaps
+                        gap = (now - last_token_time[choice.index]) / n
+                        for _ in range(n):
+                            self.inter_token_latency.observe(gap)
                     last_token_time[choice.index] = now
                     if not first_token_seen:
                         first_token_seen = True

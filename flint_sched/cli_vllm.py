@@ -58,7 +58,8 @@ COMPAT_FLAGS = (
 # vLLM flags that flint-sched has as flags of its own (docs/vllm.md lists them as supported)
 NATIVE_FLAGS = (
     "--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--max-num-seqs",
-    "--max-num-batched-tokens", "--long-prefill-token-threshold", "--gpu-memory-utilization", "--hf-config-path",
+    "--max-num-batched-tokens", "--long-prefill-token-threshold", "--stream-interval", "--gpu-memory-utilization",
+    "--hf-config-path",
     "--tokenizer", "--revision", "--tokenizer-revision", "--download-dir", "--load-format", "--dtype",
     "--kv-cache-dtype", "--seed", "--enforce-eager", "--async-scheduling",
     "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser", "--exclude-tools-when-tool-choice-none",

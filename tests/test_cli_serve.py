@@ -141,3 +141,43 @@ def test_long_prefill_token_threshold_reaches_the_scheduler_and_refuses_negative
     monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
     assert main(["serve", "--device", "cpu", "--port", "0", "--long-prefill-token-threshold", "-1"]) == 2
     assert "long_prefill_token_threshold must be >= 0" in capsys.readouterr().err
+
+
+async def test_stream_interval_groups_the_server_sent_events(tiny_config):
+    """--stream-interval 4 through the server: a greedy streamed completion sends its first token
+    alone, then chunks of 4 tokens; the text (and usage) as with every token sent; a bad value is
+    refused before anything loads."""
+    import json
+
+    import httpx
+
+    from flint_sched.api.server import EngineState, ServerConfig, build_app
+    from flint_sched.checkpoint.make import dummy_checkpoint
+    from flint_sched.engine.builder import build_parts
+    from flint_sched.engine.config import EngineConfig
+    assert serve_args().stream_interval == 1 and serve_args("--stream-interval", "4").stream_interval == 4
+    ckpt = dummy_checkpoint(tiny_config, "bf16", seed=3, device="cpu")
+    body = {"prompt": "tell me", "max_tokens": 11, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "logprobs": 1}
+
+    async def stream(interval):
+        parts = build_parts(EngineConfig(device="cpu", max_num_seqs=4, num_kv_blocks=64, max_model_len=128,
+                                         stream_interval=interval), progress=False, checkpoint=ckpt)
+        app = build_app(EngineState(parts, "dummy"), ServerConfig())
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+                r = await client.post("/v1/completions", json=body)
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        chunks = [e["choices"][0] for e in events if e["choices"]]
+        usage = [e["usage"] for e in events if e.get("usage")][-1]
+        return chunks, usage
+
+    every, usage_1 = await stream(1)
+    grouped, usage_4 = await stream(4)
+    assert "".join(c["text"] for c in grouped) == "".join(c["text"] for c in every)
+    assert usage_4 == usage_1 and usage_4["completion_tokens"] == 11
+    per_chunk = [len(c["logprobs"]["tokens"]) for c in grouped if c["logprobs"]]
+    assert per_chunk == [1, 4, 4, 2] and len([c for c in every if c["logprobs"]]) == 11
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineConfig(stream_interval=0)

@@ -317,3 +317,73 @@ async def test_outputs_carry_the_queue_time_until_the_first_step(ckpt):
     (first_wait,), (second_wait,) = waits
     assert 0 <= first_wait < second_wait
     assert first_last.finished and second_last.finished
+
+
+async def test_a_stream_interval_sends_tokens_in_groups_with_the_same_text(ckpt, parts):
+    """--stream-interval 3: the first token alone, then outputs of 3 tokens, the last with what is
+    left; the same tokens, text and logprobs as interval 1, and n > 1 choices each on their own count."""
+    rng = random.Random(8)
+    requests = [(prompt(rng, 9), SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, logprobs=2)),
+                (prompt(rng, 14), SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=7, ignore_eos=True))]
+    every, _ = await run_engine(parts, requests)
+    grouped, _ = await run_engine(parts_for(ckpt, stream_interval=3), requests)
+    for (deltas_1, last_1), (deltas_3, last_3) in zip(every, grouped):
+        assert [c.token_ids for c in last_3.outputs] == [c.token_ids for c in last_1.outputs]
+        assert [c.text for c in last_3.outputs] == [c.text for c in last_1.outputs]
+        assert [c.logprobs for c in last_3.outputs] == [c.logprobs for c in last_1.outputs]
+        for index, choice in enumerate(last_3.outputs):
+            sizes = [len(c.delta_token_ids) for out in deltas_3 for c in out.outputs if c.index == index]
+            sizes = [s for s in sizes if s]
+            total = len(choice.token_ids)
+            assert sizes[0] == 1 and all(s == 3 for s in sizes[1:-1]) and 1 <= sizes[-1] <= 3, sizes
+            assert sum(sizes) == total
+            texts = "".join(c.delta_text for out in deltas_3 for c in out.outputs if c.index == index)
+            assert texts == choice.text
+            if choice.logprobs is not None:
+                streamed = [lp for out in deltas_3 for c in out.outputs if c.index == index for lp in c.delta_logprobs]
+                assert streamed == choice.logprobs
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineConfig(stream_interval=0)
+
+
+async def test_an_abort_sends_the_tokens_a_stream_interval_held(ckpt):
+    """A request aborted between two outputs of its interval still streams every token it made."""
+    engine = build_engine(parts_for(ckpt, stream_interval=5))
+    engine.start()
+    try:
+        stream = engine.add_request(prompt(random.Random(9), 10), SamplingParams(max_tokens=40, ignore_eos=True),
+                                    request_id="held")
+        outs = []
+        async for out in stream:
+            outs.append(out)
+            if len(outs) == 2:                       # 1 token, then 5: abort while the next 5 gather
+                await asyncio.sleep(0.05)
+                engine.abort("held")
+        last = outs[-1].outputs[0]
+        assert last.finish_reason == "abort"
+        streamed = [t for out in outs for t in out.outputs[0].delta_token_ids]
+        assert streamed == last.token_ids and len(streamed) >= 6
+    finally:
+        await engine.shutdown()
+
+
+def test_held_deltas_accumulate_and_survive_a_failure(ckpt):
+    """ChoiceState under an interval of 4: deltas gather until due; fail() keeps what was held."""
+    from flint_sched.core.plan import RequestStepOutput
+    from flint_sched.engine.output_processor import ChoiceState
+
+    state = ChoiceState(0, SamplingParams(max_tokens=20), ckpt.tokenizer)
+    tokens = [400 + i for i in range(7)]
+    state.apply(RequestStepOutput("r", tokens[:1]))
+    assert state.due(4)                          # the first token at once
+    state.mark_published()
+    for t in tokens[1:4]:
+        out = state.apply(RequestStepOutput("r", [t]))
+        assert not state.due(4)
+    assert out.delta_token_ids == tokens[1:4]
+    out = state.apply(RequestStepOutput("r", tokens[4:5]))
+    assert state.due(4) and out.delta_token_ids == tokens[1:5]
+    state.mark_published()
+    state.apply(RequestStepOutput("r", tokens[5:7]))
+    out = state.fail("abort")
+    assert out.delta_token_ids == tokens[5:7] and out.finish_reason == "abort"

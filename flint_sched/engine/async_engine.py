@@ -108,7 +108,8 @@ class AsyncEngine:
 
     def __init__(self, scheduler: Scheduler, executor, tokenizer: FlintTokenizer, vocab_size: int,
                  step_timeout_s: float | None = None, async_scheduling: bool = False,
-                 grammar_compiler: GrammarCompiler | None = None, launch_margin_s: float = 0.0):
+                 grammar_compiler: GrammarCompiler | None = None, launch_margin_s: float = 0.0,
+                 stream_interval: int = 1):
         self.scheduler = scheduler
         self.executor = executor
         if async_scheduling and not (hasattr(executor, "launch") and hasattr(executor, "collect")):
@@ -117,6 +118,9 @@ class AsyncEngine:
         if not launch_margin_s >= 0:
             raise ValueError(f"launch margin must be >= 0 seconds, got {launch_margin_s}")
         self.launch_margin_s = launch_margin_s       # 0: plan the next step as soon as one starts
+        if not (isinstance(stream_interval, int) and stream_interval >= 1):
+            raise ValueError(f"stream interval must be an integer >= 1, got {stream_interval!r}")
+        self.stream_interval = stream_interval       # publish a choice's output every this many tokens
         self._decode_s: deque[float] = deque(maxlen=4)  # recent decode-only steps' GPU time, back to back
         self._last_done = 0.0                       # when the last step's result came back
         self.tokenizer = tokenizer
@@ -437,6 +441,9 @@ class AsyncEngine:
             if out.finished:
                 request.num_finished += 1
                 self._choice_owner.pop(step.request_id, None)
+            if not choice.due(self.stream_interval):
+                continue
+            choice.mark_published()
             self._publish(request, [out])
 
     def _publish(self, request: _Request, changed: list[CompletionOutput]) -> None:

@@ -40,6 +40,7 @@ class EngineParts:
     grammar_compiler: GrammarCompiler | None = None          # structured outputs, shared by engine and executor
     async_scheduling: bool = False    # schedule and launch step N+1 before step N's tokens are read back
     launch_margin_s: float = 0.0      # late launch-ahead (engine/async_engine.py); 0: off
+    stream_interval: int = 1          # a stream's outputs every this many tokens (engine/async_engine.py)
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
     # executor (on by default). The torch executor computes its step in launch, so it gains nothing.
     use_async = config.async_scheduling if config.async_scheduling is not None else not isinstance(executor, TorchExecutor)
     return EngineParts(ckpt, scheduler_config, executor, device, origins, compiler, use_async,
-                       config.launch_margin_ms / 1e3)
+                       config.launch_margin_ms / 1e3, config.stream_interval)
 
 
 def _warm_up(executor, max_prompt_tokens: int, max_num_seqs: int, progress: bool) -> None:
@@ -241,4 +242,4 @@ def build_engine(parts: EngineParts, scheduler: Scheduler | None = None) -> Asyn
     return AsyncEngine(scheduler if scheduler is not None else Scheduler(parts.scheduler_config), parts.executor,
                        parts.checkpoint.tokenizer, parts.checkpoint.config.vocab_size,
                        async_scheduling=parts.async_scheduling, grammar_compiler=parts.grammar_compiler,
-                       launch_margin_s=parts.launch_margin_s)
+                       launch_margin_s=parts.launch_margin_s, stream_interval=parts.stream_interval)

@@ -44,6 +44,7 @@ class EngineConfig:
     async_scheduling: bool | None = None     # None: on with the CUDA executor (engine/async_engine.py)
     launch_margin_ms: float = 0.0            # async scheduling: late launch-ahead (engine/async_engine.py); 0: off
     long_prefill_token_threshold: int = 0    # > 0: prompt tokens a request may take per step (vLLM's flag)
+    stream_interval: int = 1                 # a stream's outputs every this many tokens (SGLang's / vLLM's flag)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "cpu_kv_cache_bytes"):
@@ -57,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"num_ring_snapshots must be >= 1, got {self.num_ring_snapshots}")
         if not self.launch_margin_ms >= 0:
             raise ValueError(f"launch_margin_ms must be >= 0, got {self.launch_margin_ms}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -17,6 +17,19 @@ class ChoiceState:
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.stops = StopStringChecker(params.stop)
         self.stop_token_ids = set(params.stop_token_ids)
+        self.unsent = 0          # tokens applied since the last published output (a stream interval holds them)
+        self.published = False   # any output of this choice published yet
+
+    def due(self, interval: int) -> bool:
+        """Whether the output is to be published now (SGLang's and vLLM's --stream-interval): with an
+        interval of 1 every one; else the first token at once, then every `interval` tokens, and the
+        last output."""
+        if interval <= 1 or self.output.finished:
+            return True
+        return self.unsent >= interval or (not self.published and self.unsent > 0)
+
+    def mark_published(self) -> None:
+        self.unsent, self.published = 0, True
 
     @property
     def stopped_by_string(self) -> bool:
@@ -34,13 +47,16 @@ class ChoiceState:
         delta = self.stops.feed(new_text)
         if step.finish_reason is not None or self.stopped_by_string:
             delta += self.stops.flush()
-        out.delta_text = delta
+        held = self.unsent > 0   # the last deltas were not published: this step's extend them
+        out.delta_text = out.delta_text + delta if held else delta
         out.append_text(delta)
-        out.delta_token_ids = list(new_ids)
+        out.delta_token_ids = out.delta_token_ids + list(new_ids) if held else list(new_ids)
         out.token_ids.extend(new_ids)
         if out.logprobs is not None:
-            out.delta_logprobs = list(step.logprobs or [])
-            out.logprobs.extend(out.delta_logprobs)
+            new_logprobs = list(step.logprobs or [])
+            out.delta_logprobs = (out.delta_logprobs or []) + new_logprobs if held else new_logprobs
+            out.logprobs.extend(new_logprobs)
+        self.unsent += len(new_ids)
         if self.stopped_by_string:
             out.finish_reason, out.stop_reason = "stop", self.stops.matched
         elif step.finish_reason is not None:
@@ -49,7 +65,9 @@ class ChoiceState:
         return out
 
     def fail(self, reason: str = "abort") -> CompletionOutput:
+        """The choice ends without its last step: the deltas a stream interval held back still go out."""
         out = self.output
-        out.delta_text, out.delta_token_ids, out.delta_logprobs = "", [], [] if out.logprobs is not None else None
+        if not self.unsent:
+            out.delta_text, out.delta_token_ids, out.delta_logprobs = "", [], [] if out.logprobs is not None else None
         out.finish_reason = reason
         return out
