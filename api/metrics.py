@@ -2,16 +2,21 @@
 
 Gauges and the engine's counters come from one `engine.stats()` snapshot (engine/stats.py) at scrape
 time, on the event loop. Token counters and latency histograms are fed by `observe` as outputs stream
-by; the queue time (to the first step that runs the request) is the engine's, on its outputs.
+by, as plain numbers on the event loop (StreamCollector: prometheus_client's own Counter and
+Histogram take a lock and scan the buckets on every call, ~4 µs a streamed token); the queue time
+(to the first step that runs the request) is the engine's, on its outputs.
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import AsyncIterator, Callable
+from itertools import accumulate
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from flint_sched.engine.outputs import RequestOutput
 
@@ -84,36 +89,83 @@ class EngineCollector:
             yield family
 
 
+class _Histogram:
+    """A histogram updated on the event loop without prometheus_client's locks and bucket scan (one
+    observation a streamed token at hundreds of streams); exposed by StreamCollector at scrape time."""
+
+    __slots__ = ("name", "doc", "bounds", "counts", "sum")
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...]):
+        self.name, self.doc, self.bounds = name, doc, bounds
+        self.counts = [0] * (len(bounds) + 1)      # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1   # bucket i: value <= bounds[i]
+        self.sum += value
+
+    def family(self, model_name: str) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(PREFIX + self.name, self.doc, labels=["model_name"])
+        cumulative = list(accumulate(self.counts))
+        buckets = [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative)] + [("+Inf", cumulative[-1])]
+        family.add_metric([model_name], buckets, self.sum)
+        return family
+
+
+class StreamCollector:
+    """The token counters and latency histograms `observe` feeds, as plain numbers until scraped."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.request_success: dict[str, int] = {}       # finished_reason -> requests
+        self.histograms: list[_Histogram] = []
+
+    def histogram(self, name: str, doc: str, bounds: tuple[float, ...]) -> _Histogram:
+        self.histograms.append(h := _Histogram(name, doc, bounds))
+        return h
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for name, doc, value in (("prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens),
+                                 ("generation_tokens", "Number of generation tokens processed.",
+                                  self.generation_tokens)):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(value))
+            yield family
+        family = CounterMetricFamily(PREFIX + "request_success", "Count of successfully processed requests.",
+                                     labels=["model_name", "finished_reason"])
+        for reason, count in self.request_success.items():
+            family.add_metric([self.model_name, reason], float(count))
+        yield family
+        for h in self.histograms:
+            yield h.family(self.model_name)
+
+
 class ServerMetrics:
     """The app's own registry (several apps may live in one process, as in tests)."""
 
     def __init__(self, model_name: str, get_engine: Callable):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(get_engine, model_name))
-        labels = {"labelnames": ["model_name"], "registry": self.registry}
-
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, buckets=buckets, **labels).labels(model_name)
-
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.",
-                                     **labels).labels(model_name)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Number of generation tokens processed.",
-                                         **labels).labels(model_name)
-        self.request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
-                                       labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self.streams = c = StreamCollector(model_name)
+        self.registry.register(c)
         self.model_name = model_name
-        self.time_to_first_token = histogram("time_to_first_token_seconds", "Histogram of time to first token "
-                                             "in seconds.", LATENCY_BUCKETS_S)
-        self.inter_token_latency = histogram("inter_token_latency_seconds", "Histogram of inter-token latency "
-                                             "in seconds.", TOKEN_GAP_BUCKETS_S)
-        self.e2e_latency = histogram("e2e_request_latency_seconds", "Histogram of end to end request latency "
-                                     "in seconds.", LATENCY_BUCKETS_S)
-        self.queue_time = histogram("request_queue_time_seconds", "Histogram of time spent waiting in the "
-                                    "queue in seconds.", LATENCY_BUCKETS_S)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed, "
-                                               "per request.", TOKEN_COUNT_BUCKETS)
-        self.request_generation_tokens = histogram("request_generation_tokens", "Number of generation tokens "
-                                                   "processed, per choice.", TOKEN_COUNT_BUCKETS)
+        self.time_to_first_token = c.histogram("time_to_first_token_seconds", "Histogram of time to first token "
+                                               "in seconds.", LATENCY_BUCKETS_S)
+        self.inter_token_latency = c.histogram("inter_token_latency_seconds", "Histogram of inter-token latency "
+                                               "in seconds.", TOKEN_GAP_BUCKETS_S)
+        self.e2e_latency = c.histogram("e2e_request_latency_seconds", "Histogram of end to end request latency "
+                                       "in seconds.", LATENCY_BUCKETS_S)
+        self.queue_time = c.histogram("request_queue_time_seconds", "Histogram of time spent waiting in the "
+                                      "queue in seconds.", LATENCY_BUCKETS_S)
+        self.request_prompt_tokens = c.histogram("request_prompt_tokens", "Number of prefill tokens processed, "
+                                                 "per request.", TOKEN_COUNT_BUCKETS)
+        self.request_generation_tokens = c.histogram("request_generation_tokens", "Number of generation tokens "
+                                                     "processed, per choice.", TOKEN_COUNT_BUCKETS)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -124,6 +176,7 @@ class ServerMetrics:
         time: the engine's, on the request's first output)."""
         first_token_seen = queue_time_seen = False
         last_token_time: dict[int, float] = {}
+        streams = self.streams
         try:
             async for out in stream:
                 now = time.perf_counter()
@@ -134,7 +187,7 @@ class ServerMetrics:
                     if not choice.delta_token_ids:
                         continue
                     n = len(choice.delta_token_ids)
-                    self.generation_tokens.inc(n)
+                    streams.generation_tokens += n
                     if choice.index in last_token_time:   # n tokens at once (--stream-interval): n gaps
                         gap = (now - last_token_time[choice.index]) / n
                         for _ in range(n):
@@ -143,7 +196,7 @@ class ServerMetrics:
                     if not first_token_seen:
                         first_token_seen = True
                         self.time_to_first_token.observe(now - arrival)
-                        self.prompt_tokens.inc(num_prompt_tokens)
+                        streams.prompt_tokens += num_prompt_tokens
                         self.request_prompt_tokens.observe(num_prompt_tokens)
                 if out.finished:
                     self._on_finished(out, now - arrival)
@@ -155,5 +208,6 @@ class ServerMetrics:
         self.e2e_latency.observe(latency_s)
         for choice in out.outputs:
             if choice.finish_reason != "abort":
-                self.request_success.labels(self.model_name, choice.finish_reason).inc()
+                success = self.streams.request_success
+                success[choice.finish_reason] = success.get(choice.finish_reason, 0) + 1
             self.request_generation_tokens.observe(len(choice.token_ids))

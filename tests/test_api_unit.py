@@ -292,3 +292,33 @@ async def test_app_in_process_thinking_default_and_openapi(parts):
         assert 'flint:num_requests_running{model_name="flint-tiny"} 0.0' in metrics
 
     await run_app(parts, ServerConfig(), requests)
+
+
+def test_stream_metrics_match_prometheus_clients_own():
+    """The lock-free histograms and counters (api/metrics.py StreamCollector) expose the same samples
+    as prometheus_client's Histogram and Counter fed the same values, bounds included (le: <=)."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from flint_sched.api.metrics import PREFIX, TOKEN_GAP_BUCKETS_S, ServerMetrics
+
+    values = [0.0, 0.001, 0.0010001, 0.004, 0.005, 0.3, 20.0, 20.5, 1e9, 0.075]
+    ours = ServerMetrics("m", lambda: None)
+    theirs = CollectorRegistry()
+    ref = Histogram(PREFIX + "inter_token_latency_seconds", "x", labelnames=["model_name"],
+                    buckets=TOKEN_GAP_BUCKETS_S, registry=theirs).labels("m")
+    tokens = Counter(PREFIX + "generation_tokens", "x", labelnames=["model_name"], registry=theirs).labels("m")
+    for v in values:
+        ours.inter_token_latency.observe(v)
+        ref.observe(v)
+    ours.streams.generation_tokens += 12
+    tokens.inc(12)
+
+    def samples(text: bytes, family: str) -> dict:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text.decode()) if f.name == family
+                for s in f.samples if not s.name.endswith("_created")}
+
+    for family in (PREFIX + "inter_token_latency_seconds", PREFIX + "generation_tokens"):
+        expected = samples(generate_latest(theirs), family)
+        assert expected and samples(ours.exposition(), family) == expected, family
