@@ -25,6 +25,7 @@ every context length.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Collection
 
 import torch
@@ -63,6 +64,7 @@ from flint_sched.quant.nvfp4 import NVFP4Tensor
 from flint_sched.sampling_params import SamplingParams
 
 FUSED_MAX_BATCH = MAX_TOKENS      # the GEMV and small-batch MoE kernels' limit (kernels/linear.py)
+_SAMPLES = operator.attrgetter("samples")
 # Decode steps of at most this many requests take the fused path (the executor's
 # limits.fused_max_batch), by weight format; above, the grouped path. Full model, NVFP4, 1K context,
 # ms a step fused / grouped (its 16-row graph; tmpdev probe, RESULTS.md session 24): 1 request 1.95 /
@@ -311,7 +313,12 @@ class CudaExecutor:
             self.kv.copy_rings(plan.ring_copies)
         if not entries:
             return LaunchedStep(result=StepResult({}))
-        decodes = [e for e in entries if e.num_tokens == 1 and e.samples]
+        # a decode-only plan whose entries all sample (the common case) is its own decode list: no
+        # per-entry property calls before the graph replay, which the GPU waits for in a synchronous step
+        if plan.is_decode_only and all(map(_SAMPLES, entries)):
+            decodes = entries
+        else:
+            decodes = [e for e in entries if e.num_tokens == 1 and e.samples]
         graph = self._decode_graph(len(decodes), plan.path == "fused") if decodes else None
         if graph is None:
             return self.sampled.record(*self._prompt(entries))
