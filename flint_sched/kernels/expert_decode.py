@@ -222,6 +222,24 @@ def expert_decode_down(h: torch.Tensor, routing, down: Weight, shared_down: Weig
     return y
 
 
+def _moe_outputs(x: torch.Tensor, routing, config: str, h_out: torch.Tensor, out: torch.Tensor | None,
+                 gate: Weight, up: Weight, shared_gate: Weight, shared_up: Weight, down: Weight,
+                 shared_down: Weight) -> tuple[torch.Tensor, list]:
+    """What the one-launch kernels check alike (x and the routing checked already): h_out [P, I],
+    down [E, K, I], the six weights NVFP4 of supported shapes; (y_sorted [P, N], the weights'
+    kernel arguments: gate/up then down)."""
+    e, i, k, n = gate.shape[0], gate.shape[1], x.shape[1], down.shape[1]
+    p = routing.sorted_token.numel()
+    check_tensor(h_out, "h_out", torch.bfloat16, (p, i), x.device)
+    if n != k or tuple(down.shape) != (e, k, i):
+        raise ValueError(f"down must be [{e}, {k}, {i}], got {tuple(down.shape)}")
+    fmt = weight_format(gate, up, shared_gate, shared_up, down, shared_down)
+    _check(fmt, k, i, config, gate, up, shared_gate, shared_up, down, shared_down)
+    weight_args = [*moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device),
+                   *expert_args(down, shared_down, ("down", "shared_down"), n, i, e, x.device)]
+    return output(out, "out", (p, n), x), weight_args
+
+
 def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weight, up: Weight,
                       shared_gate: Weight, shared_up: Weight, down: Weight, shared_down: Weight,
                       h_out: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False,
@@ -235,23 +253,17 @@ def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weigh
     trace: int64 [grid CTAs, TRACE_SLOTS] (moe_grid_ctas): the ED_TRACE build, writing each CTA's
     %globaltimer (ns) at entry, unit taken, inputs ready, x staged, warp 0's rounds done and end
     (0 where a CTA did not get there), its SM and its unit (benchmarks/decode_moe_trace.py)."""
-    e, i, n = gate.shape[0], gate.shape[1], down.shape[1]
+    e, i = gate.shape[0], gate.shape[1]
     config = config or pick_config(x.shape[0], x.shape[1], i)
-    p = routing.sorted_token.numel()
     cluster = cluster_size(config)
     _, k = _check_x(x, routing, e, config)
-    check_tensor(h_out, "h_out", torch.bfloat16, (p, i), x.device)
-    if n != k or tuple(down.shape) != (e, k, i):
-        raise ValueError(f"down must be [{e}, {k}, {i}], got {tuple(down.shape)}")
     check_tensor(queue, "queue", torch.int32, (queue.numel(),), x.device, 4)
     if queue.numel() < routing.max_items + 1:
         raise ValueError(f"the queue needs {routing.max_items + 1} counters, has {queue.numel()}")
-    fmt = weight_format(gate, up, shared_gate, shared_up, down, shared_down)
-    _check(fmt, k, i, config, gate, up, shared_gate, shared_up, down, shared_down)
-    y = output(out, "out", (p, n), x)
+    y, weight_args = _moe_outputs(x, routing, config, h_out, out, gate, up, shared_gate, shared_up, down,
+                                  shared_down)
     ctas = moe_grid_ctas(routing.max_items, config, k, i)
-    moe_args = [*moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device),
-                *expert_args(down, shared_down, ("down", "shared_down"), n, i, e, x.device), *routing.work_args]
+    moe_args = [*weight_args, *routing.work_args]
     if cluster:
         if trace is not None:
             raise ValueError(f"{config} has no trace build (its items run as clusters)")
@@ -295,7 +307,7 @@ def expert_decode_moe_routed(x: torch.Tensor, logits: torch.Tensor, bias: torch.
     routing's views (grouped_moe.Routing: ids, weights, pair_row, offsets, sorted_token and the work
     list, not the queue) receive the same routing moe_route would give, items in expert order.
     Returns y_sorted [P, N]."""
-    e, i, n = gate.shape[0], gate.shape[1], down.shape[1]
+    e, i = gate.shape[0], gate.shape[1]
     parts, m = (logits.shape[0], logits.shape[1]) if logits.dim() == 3 else (1, logits.shape[0])
     config = config or pick_config(m, x.shape[1], i)
     k = x.shape[1]
@@ -306,19 +318,12 @@ def expert_decode_moe_routed(x: torch.Tensor, logits: torch.Tensor, bias: torch.
     _check_x(x, routing, e, config)
     if routing.ids.shape != (m, top_k):
         raise ValueError(f"the routing's ids must be [{m}, {top_k}], got {tuple(routing.ids.shape)}")
-    p = routing.sorted_token.numel()
-    check_tensor(h_out, "h_out", torch.bfloat16, (p, i), x.device)
-    if n != k or tuple(down.shape) != (e, k, i):
-        raise ValueError(f"down must be [{e}, {k}, {i}], got {tuple(down.shape)}")
-    fmt = weight_format(gate, up, shared_gate, shared_up, down, shared_down)
-    _check(fmt, k, i, config, gate, up, shared_gate, shared_up, down, shared_down)
-    y = output(out, "out", (p, n), x)
+    y, weight_args = _moe_outputs(x, routing, config, h_out, out, gate, up, shared_gate, shared_up, down,
+                                  shared_down)
     r = routing
     _kernel("expert_decode_moe_routed_nvfp4", config).launch(
         (moe_grid_ctas(r.max_items, config, k, i),), (32 * warps(config),),
-        [y, h_out, x, r.sorted_token, r.ids, r.weights, r.pair_row, *r.work_args,
-         *moe_gate_up_args(gate, up, shared_gate, shared_up, i, k, e, x.device),
-         *expert_args(down, shared_down, ("down", "shared_down"), n, i, e, x.device),
+        [y, h_out, x, r.sorted_token, r.ids, r.weights, r.pair_row, *r.work_args, *weight_args,
          logits, I32(parts), bias, num_tokens, I32(m), I32(top_k), F32(scaling), I32(i), I32(k), I32(e)],
         shared_bytes=moe_shared_bytes(config, k, i), pdl=pdl, device=x.device.index)
     return y
