@@ -100,9 +100,10 @@ class _Histogram:
         self.counts = [0] * (len(bounds) + 1)      # the last: above every bound (+Inf)
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1   # bucket i: value <= bounds[i]
-        self.sum += value
+    def observe(self, value: float, count: int = 1) -> None:
+        """`count` observations of `value`."""
+        self.counts[bisect_left(self.bounds, value)] += count   # bucket i: value <= bounds[i]
+        self.sum += value * count
 
     def family(self, model_name: str) -> HistogramMetricFamily:
         family = HistogramMetricFamily(PREFIX + self.name, self.doc, labels=["model_name"])
@@ -189,9 +190,7 @@ class ServerMetrics:
                     n = len(choice.delta_token_ids)
                     streams.generation_tokens += n
                     if choice.index in last_token_time:   # n tokens at once (--stream-interval): n gaps
-                        gap = (now - last_token_time[choice.index]) / n
-                        for _ in range(n):
-                            self.inter_token_latency.observe(gap)
+                        self.inter_token_latency.observe((now - last_token_time[choice.index]) / n, n)
                     last_token_time[choice.index] = now
                     if not first_token_seen:
                         first_token_seen = True
