@@ -42,8 +42,9 @@ def test_launcher_constants_match_the_kernel_source():
     assert f"#define ED_WARPS {expert_decode.WARPS}" in text
     assert f"#define ED_KR {expert_decode.K_ROUND}" in text
     assert f"#define ED_TABLE_BYTES {expert_decode.TABLE_BYTES}" in text
-    assert f"#define ED_ROUTE_MAX_TOKENS {expert_decode.ROUTE_MAX_TOKENS}" in text
-    assert f"#define ED_ROUTE_MAX_TOP_K {expert_decode.ROUTE_MAX_TOP_K}" in text
+    cluster = (_runtime.source_dir() / "expert_decode_cluster.cuh").read_text()
+    assert f"#define ED_ROUTE_MAX_TOKENS {expert_decode.ROUTE_MAX_TOKENS}" in cluster
+    assert f"#define ED_ROUTE_MAX_TOP_K {expert_decode.ROUTE_MAX_TOP_K}" in cluster
     topk = (_runtime.source_dir() / "topk.cuh").read_text()
     assert f"#define ROUTER_MAX_EXPERTS {expert_decode.ROUTE_MAX_EXPERTS}" in topk
     trace = (_runtime.source_dir() / "expert_decode_trace.cuh").read_text()

@@ -284,7 +284,7 @@ def expert_decode_moe(x: torch.Tensor, routing, queue: torch.Tensor, gate: Weigh
     return y
 
 
-ROUTE_MAX_TOKENS = 32    # cuda/expert_decode.cu ED_ROUTE_MAX_TOKENS: a token mask is one word
+ROUTE_MAX_TOKENS = 32    # cuda/expert_decode_cluster.cuh ED_ROUTE_MAX_TOKENS: a token mask is one word
 ROUTE_MAX_TOP_K = 16     # ED_ROUTE_MAX_TOP_K
 ROUTE_MAX_EXPERTS = 256  # cuda/topk.cuh ROUTER_MAX_EXPERTS as expert_decode.cu is built
 
@@ -302,7 +302,7 @@ def expert_decode_moe_routed(x: torch.Tensor, logits: torch.Tensor, bias: torch.
                              out: torch.Tensor | None = None, pdl: bool = False,
                              config: str | None = None) -> torch.Tensor:
     """The routing and expert_decode_moe's cluster kernel in one launch (cuda/expert_decode.cu
-    expert_decode_moe_routed_nvfp4): each cluster takes the sigmoid top-k of the router's fp32
+    expert_decode_moe_routed_nvfp4, in expert_decode_cluster.cuh): each cluster takes the sigmoid top-k of the router's fp32
     logits (split-K parts [S, M, E] or [M, E], as route_and_sort) and derives its own item; the
     routing's views (grouped_moe.Routing: ids, weights, pair_row, offsets, sorted_token and the work
     list, not the queue) receive the same routing moe_route would give, items in expert order.
