@@ -57,6 +57,19 @@ struct Noise {  // SAMPLE: the scan's values become f / temperature + Gumbel noi
   }
 };
 
+// A thread's best value of its scan so far and its index: larger wins, a NaN wins over any
+// number, equal values (-0 and +0 too) keep the earlier index, as argmax_candidate orders them.
+struct Best {
+  float f;
+  int i;
+  __device__ __forceinline__ void take(float v, int index) {
+    const bool better = v > f || (v != v && f == f);
+    f = better ? v : f;
+    i = better ? index : i;
+  }
+  __device__ __forceinline__ u64 packed() const { return i < 0 ? 0ull : argmax_candidate(f, i); }
+};
+
 __device__ __forceinline__ u32 lane_of(const uint4& d, int j) {
   return j == 0 ? d.x : j == 1 ? d.y : j == 2 ? d.z : d.w;
 }
@@ -65,12 +78,13 @@ template <bool BF16, bool SAMPLE>
 __device__ __forceinline__ void argmax_rows(void* out, int out_int64, const void* logits,
                                             long long row_stride, int V, int chunk, int vec_ok,
                                             u64* partial, u32* ticket, const float* temperature = nullptr,
-                                            u64* rng = nullptr) {
+                                            u64* rng = nullptr, const int* active = nullptr) {
   constexpr int VEC = BF16 ? 8 : 4;  // values per 16-byte load
   __shared__ u64 warp_best[ARGMAX_THREADS / 32];
   __shared__ u32 is_last;
   pdl_launch_dependents();
   pdl_wait();
+  if (active && *active == 0) return;  // no row wants the choice this time: every CTA leaves, the ticket untouched
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row = blockIdx.y, split = blockIdx.x, splits = gridDim.x, B = gridDim.y;
   const int begin = split * chunk, end = min(V, begin + chunk);
@@ -82,7 +96,10 @@ __device__ __forceinline__ void argmax_rows(void* out, int out_int64, const void
     noise = {1.0f / temperature[row], make_uint2((u32)seed, (u32)(seed >> 32)), (u32)row, (u32)offset,
              (u32)(offset >> 32)};
   }
-  u64 best = 0;
+  // Compared as floats in the scan and packed once at the end (a packed u64 a value was ~20 % of
+  // the greedy scan's instructions); -inf with the thread's first index: a run of -inf keeps it
+  const int first = begin + (int)threadIdx.x * VEC;
+  Best scan{-__int_as_float(0x7F800000), first < end ? first : -1};
   for (int i = begin + threadIdx.x * VEC; i < end; i += ARGMAX_THREADS * VEC) {
     if (vec_ok && i + VEC <= end) {
       const uint4 v = BF16 ? ld_act_v4(row16 + i) : ld_act_v4(row32 + i);
@@ -96,16 +113,17 @@ __device__ __forceinline__ void argmax_rows(void* out, int out_int64, const void
       for (int j = 0; j < VEC; ++j) {
         float f = BF16 ? ((j & 1) ? bf16x2_hi(w[j >> 1]) : bf16x2_lo(w[j >> 1])) : __uint_as_float(w[j]);
         if constexpr (SAMPLE) f = f * noise.inv_t + gumbel(lane_of(d[j / 4], j % 4));
-        best = u64_max(best, argmax_candidate(f, i + j));
+        scan.take(f, i + j);
       }
     } else {
       for (int j = 0; j < VEC && i + j < end; ++j) {
         float f = BF16 ? bf16_to_f32(row16[i + j]) : row32[i + j];
         if constexpr (SAMPLE) f = f * noise.inv_t + gumbel(lane_of(noise.draws((i + j) / 4), (i + j) % 4));
-        best = u64_max(best, argmax_candidate(f, i + j));
+        scan.take(f, i + j);
       }
     }
   }
+  u64 best = scan.packed();
   best = warp_max_u64(best);
   if (lane == 0) warp_best[warp] = best;
   __syncthreads();
@@ -138,14 +156,16 @@ __device__ __forceinline__ void argmax_rows(void* out, int out_int64, const void
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_bf16(void* out, int out_int64, const u16* logits, long long row_stride, int V, int chunk,
-            int vec_ok, u64* partial, u32* ticket) {
-  argmax_rows<true, false>(out, out_int64, logits, row_stride, V, chunk, vec_ok, partial, ticket);
+            int vec_ok, u64* partial, u32* ticket, const int* active) {
+  argmax_rows<true, false>(out, out_int64, logits, row_stride, V, chunk, vec_ok, partial, ticket, nullptr, nullptr,
+                           active);
 }
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_f32(void* out, int out_int64, const float* logits, long long row_stride, int V, int chunk,
-           int vec_ok, u64* partial, u32* ticket) {
-  argmax_rows<false, false>(out, out_int64, logits, row_stride, V, chunk, vec_ok, partial, ticket);
+           int vec_ok, u64* partial, u32* ticket, const int* active) {
+  argmax_rows<false, false>(out, out_int64, logits, row_stride, V, chunk, vec_ok, partial, ticket, nullptr, nullptr,
+                            active);
 }
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)

@@ -39,7 +39,7 @@ def test_limits_are_validated_and_the_torch_path_has_no_fused_path():
 
 
 def fields(inputs: DecodeInputs) -> list[list[int]]:
-    return inputs.flat.view(-1)[:-1].view(7, inputs.max_rows).tolist()
+    return inputs.flat.view(-1)[:-2].view(7, inputs.max_rows).tolist()
 
 
 def test_decode_inputs_pad_rows_and_keep_block_tables_across_steps():
@@ -49,9 +49,11 @@ def test_decode_inputs_pad_rows_and_keep_block_tables_across_steps():
     tokens, positions, lens, slots, index, value, sources = fields(inputs)
     assert tokens[:2] == [5, 6] and sources == [-1] * 4 and positions == [7, 0, -1, -1] and lens == [8, 1, 0, 0] and slots[:2] == [0, 2]
     assert index == [dummy] * 4 and int(inputs.num_rows) == 2          # new rows: copied, no scatter
+    assert int(inputs.argmax) == 1                                      # the greedy choice wanted by default
     assert inputs.block_tables[0, :2].tolist() == [3, 9] and inputs.block_tables[1, 0] == 4
     # a grows by one block: one scatter entry, applied by update_block_tables (inside the graph)
-    inputs.fill([entry("a", [5], 8, [3, 9, 11]), entry("b", [6], 1, [4], slot=2)])
+    inputs.fill([entry("a", [5], 8, [3, 9, 11]), entry("b", [6], 1, [4], slot=2)], argmax=False)
+    assert int(inputs.argmax) == 0 and int(inputs.num_rows) == 2
     index, value = fields(inputs)[4:6]
     assert index[0] == 0 * inputs.block_tables.shape[1] + 2 and value[0] == 11 and index[1:] == [dummy] * 3
     inputs.update_block_tables()

@@ -65,6 +65,7 @@ from flint_sched.sampling_params import SamplingParams
 
 FUSED_MAX_BATCH = MAX_TOKENS      # the GEMV and small-batch MoE kernels' limit (kernels/linear.py)
 _SAMPLES = operator.attrgetter("samples")
+_GREEDY = operator.attrgetter("sampling_params.is_greedy")
 # Decode steps of at most this many requests take the fused path (the executor's
 # limits.fused_max_batch), by weight format; above, the grouped path. Full model, NVFP4, 1K context,
 # ms a step fused / grouped (its 16-row graph; tmpdev probe, RESULTS.md session 24): 1 request 1.95 /
@@ -367,10 +368,15 @@ class CudaExecutor:
 
     def _decode(self, entries: list, variant: str, rows: int) -> tuple:
         b = len(entries)
-        self.inputs.fill(entries, self.sampled.sources(entries))
-        ops = KernelOps(self.weights, variant, rows, self.ws.hidden, self.ws.logits, self.ws.next_tokens,
-                        inputs=self.inputs)
-        segment = lambda first, last: forward(ops, self.config, first, last, self.layer_outputs)  # noqa: E731
+        # the graph's argmax only where a row takes it (_choose: greedy rows; an all-sampling step skips it)
+        self.inputs.fill(entries, self.sampled.sources(entries), argmax=any(map(_GREEDY, entries)))
+        ops = []   # built when a segment runs (a capture or eager launches), not before a replay
+
+        def segment(first: int, last: int):
+            if not ops:
+                ops.append(KernelOps(self.weights, variant, rows, self.ws.hidden, self.ws.logits, self.ws.next_tokens,
+                                     inputs=self.inputs))
+            return forward(ops[0], self.config, first, last, self.layer_outputs)
         if self.use_graphs:
             if self.layer_outputs is not None:
                 raise RuntimeError("layer_outputs needs use_graphs=False")

@@ -263,5 +263,6 @@ class KernelOps:
             return self.logits_out[:0]
         normed = self.rms_norm(h, "model.norm.weight")
         logits = self._dense(normed, "lm_head.weight", self.logits_out[:rows])
-        greedy(logits, out=self.next_tokens[:rows], workspace=self.ws.argmax, pdl=self.pdl)
+        greedy(logits, out=self.next_tokens[:rows], workspace=self.ws.argmax, pdl=self.pdl,
+               active=None if self.inputs is None else self.inputs.argmax)
         return logits

@@ -2,7 +2,8 @@
 
 One pinned host-to-device copy per step carries, per row, the token, its position, the sequence
 length, the ring slot, one block-table entry to write (flat index, value) and where a placeholder
-token comes from (a row of the previous step's sampled tokens, or -1), and the number of real rows.
+token comes from (a row of the previous step's sampled tokens, or -1), the number of real rows, and
+whether the step's greedy choice is wanted (0: every row samples, the graph's argmax writes nothing).
 Two pinned buffers take turns, so filling step N+1 never touches the one step N copies from. Rows past it pad a graph's batch size: position -1 (no K/V write), length 0 (zero
 attention output), and no expert work in the grouped MoE.
 
@@ -26,15 +27,15 @@ class DecodeInputs:
                  sampled: torch.Tensor | None = None):
         """`sampled`: the previous step's sampled tokens on the device (executor/sampled_tokens.py)."""
         self.max_rows, self.max_model_len = max_rows, max_model_len
-        n = len(FIELDS) * max_rows + 1
+        n = len(FIELDS) * max_rows + 2
         self.flat = torch.zeros(n, dtype=torch.int32, device=device)
         self._hosts = [torch.zeros(n, dtype=torch.int32, pin_memory=device.type == "cuda") for _ in range(2)]
         self._turn = 0
-        fields = self.flat[:-1].view(len(FIELDS), max_rows)
+        fields = self.flat[:-2].view(len(FIELDS), max_rows)
         (self.tokens, self.positions, self.seq_lens, self.ring_slots, self.table_index, self.table_value,
          self.sources) = fields
         self.sampled = torch.zeros(1, dtype=torch.int32, device=device) if sampled is None else sampled
-        self.num_rows = self.flat[-1:]
+        self.num_rows, self.argmax = self.flat[-2:-1], self.flat[-1:]
         max_blocks = -(-max_model_len // block_size)
         # The last element is where rows with no new block entry write.
         self.block_tables_flat = torch.zeros(max_rows * max_blocks + 1, dtype=torch.int32, device=device)
@@ -44,14 +45,15 @@ class DecodeInputs:
         pad = (0, -1, 0, 0, self.block_tables_flat.numel() - 1, 0, -1)
         self._padding = np.array(pad, dtype=np.int32)[:, None].repeat(max_rows, axis=1)
 
-    def fill(self, entries: list[ScheduledRequest], sources: list[int] | None = None) -> None:
+    def fill(self, entries: list[ScheduledRequest], sources: list[int] | None = None, argmax: bool = True) -> None:
         """Decode entries in rows 0..b-1; every later row is padding (a graph of a larger batch size
         computes it, and the block-table scatter reads all rows). sources[i]: the row of `sampled`
-        that entry i's token is (-1: its own token_ids[0])."""
+        that entry i's token is (-1: its own token_ids[0]); argmax: whether the step's greedy choice
+        is wanted (`argmax`, read by kernels/sampling.py greedy)."""
         flat_host = self._hosts[self._turn]
         self._turn ^= 1
         host = flat_host.numpy()
-        fields = host[:-1].reshape(len(FIELDS), self.max_rows)
+        fields = host[:-2].reshape(len(FIELDS), self.max_rows)
         b, width, dummy = len(entries), self.block_tables.shape[1], self.block_tables_flat.numel() - 1
         # One list per field and one numpy write each (a write per row and field took ~3 µs a row:
         # ~0.9 ms of host time a 256-row step, GPU machine)
@@ -80,7 +82,7 @@ class DecodeInputs:
         fields[5, :b] = value
         fields[6, :b] = -1 if sources is None else sources
         fields[:, b:] = self._padding[:, b:]
-        host[-1] = b
+        host[-2], host[-1] = b, argmax
         self.flat.copy_(flat_host, non_blocking=True)
 
     @property

@@ -55,6 +55,9 @@ CONFIGS = {
     "g1t2p": {"ED_GROUPS": 1, "ED_TILES": 2, "ED_DOWN_PAIRS": 1},
     "g1t4d8p": {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8, "ED_DOWN_PAIRS": 1},
     "g2w8t4p": {"ED_GROUPS": 2, "ED_WARPS": 8, "ED_TILES": 4, "ED_MIN_CTAS": 2, "ED_DOWN_PAIRS": 1},
+    # (items of 24 rows, two CTAs a SM, or of 32 rows, one CTA of 16 warps, each expert's weights
+    # decoded once for more of its rows, lost: MoE layer at 256 tokens 173.1 / 152.9 µs against
+    # g2w8t4p's 136.4, full model at 256 requests 15.7 / 14.7 ms against 13.9; RESULTS.md, session 28)
     # one launch only: an item's units as one thread block cluster (ED_CLUSTER CTAs, each its gate/up
     # tile group, then the same down tile group after the cluster's barrier; x staged by the cluster
     # together; no queue). MoE layer alone (bench_grouped) at 9 / 12 / 16 / 24 tokens 44.1 / 52.4 / 53.7

@@ -16,7 +16,10 @@ from flint_sched.kernels.hardware import sm_count
 from flint_sched.kernels.linear import check_tensor
 
 THREADS = 256
-WAVES = 2                  # CTAs over all rows: two per SM
+# CTAs over all rows: four per SM. Kernel alone, Flint's vocabulary, µs greedy / sample at 16, 64 and
+# 256 rows, 2 -> 4 a SM: 6.7 / 13.7 -> 6.4 / 11.4, 19.5 / 39.6 -> 15.5 / 36.6, 49.0 / 120.5 -> 43.7 /
+# 117.8 (H200, RESULTS.md session 28; 8 and 16 a SM no better)
+WAVES = 4
 MIN_CHUNK = 2048           # logits per CTA at least (one pass of 256 threads x 8 bf16)
 
 
@@ -41,9 +44,14 @@ def argmax_workspace(max_batch: int, vocab: int, device: torch.device | str) -> 
 
 
 def greedy(logits: torch.Tensor, out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.int32,
-           workspace: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """ids [B] = argmax over the last dim of logits [B, V] (bf16 or fp32, unit stride along V)."""
-    return _scan("argmax", logits, out, out_dtype, workspace, pdl, [])
+           workspace: torch.Tensor | None = None, pdl: bool = False,
+           active: torch.Tensor | None = None) -> torch.Tensor:
+    """ids [B] = argmax over the last dim of logits [B, V] (bf16 or fp32, unit stride along V).
+    active: int32 [1] on the device; where it holds 0 when the kernel runs, the kernel writes nothing
+    (a graph's step whose rows all sample leaves `out` as it was)."""
+    if active is not None:
+        check_tensor(active, "active", torch.int32, (1,), logits.device, 4)
+    return _scan("argmax", logits, out, out_dtype, workspace, pdl, [active])
 
 
 def rng_state(device: torch.device | str) -> torch.Tensor:

@@ -69,6 +69,31 @@ def test_workspace_reuse_and_cuda_graph():
         assert torch.equal(greedy(x[:batch], workspace=workspace), torch.argmax(x[:batch], dim=-1).int())
 
 
+def test_an_inactive_flag_leaves_the_choice_out_in_a_graph():
+    """`active` 0 on the device when the graph replays: out is left as it was and the ticket stays
+    0 (the next active replay is right); 1: the argmax."""
+    b, v = 16, 151552
+    x = logits(b, v, torch.bfloat16, seed=7)
+    workspace = argmax_workspace(b, v, "cuda")
+    out = torch.full((b,), -1, dtype=torch.int64, device="cuda")
+    active = torch.zeros(1, dtype=torch.int32, device="cuda")
+    greedy(x, out=out, workspace=workspace, active=active)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        greedy(x, out=out, workspace=workspace, active=active)
+    for flag in (0, 1, 0, 1):
+        x.copy_(logits(b, v, torch.bfloat16, seed=8 + flag))
+        out.fill_(-1)
+        active.fill_(flag)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.argmax(x, dim=-1) if flag else torch.full_like(out, -1)), f"active {flag}"
+        assert workspace[-1].item() == 0, "ticket not reset"
+    with pytest.raises(ValueError, match="active"):
+        greedy(x, out=out, active=torch.zeros(2, dtype=torch.int32, device="cuda"))
+
+
 def frequencies(x: torch.Tensor, temperature: torch.Tensor, launches: int) -> torch.Tensor:
     """How often each token of x's rows (identical rows) was drawn over `launches` launches."""
     rng = rng_state("cuda")
