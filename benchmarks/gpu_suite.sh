@@ -8,6 +8,7 @@
 #   latency-fp8   the same with an e4m3 KV cache: 16 / 64 / 256 at 1K, 16 / 64 at 100K
 #   latency-bf16  BF16 weights: 1 / 16 / 64 / 256 at 1K
 #   serve         serve_runs.sh, 1K in / 1K out: c=256 with the e4m3 and the bf16 cache, c=64 (bf16)
+#   serve-max     c=256 with the flags for throughput: e4m3 cache, 32K-token budget, stream interval 4
 #
 # Only the lines that carry figures are printed (decode steps, served throughput, TTFT / ITL, GPU
 # busy and idle, failures, what /metrics still holds after a run), after one on the machine (GPU
@@ -15,7 +16,7 @@
 # GPU, the wheels in ./.whl (../shared/tools/device-wheels) are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,15p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,16p "$0"; exit 2; }
 if command -v nvidia-smi >/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -68,6 +69,9 @@ for part in "$@"; do
             serve "--kv-cache-dtype fp8" "$RANDOM_1K --num-prompts 512 --max-concurrency 256 --seed 9"
             serve "" "$RANDOM_1K --num-prompts 512 --max-concurrency 256 --seed 9" \
                 "$RANDOM_1K --num-prompts 128 --max-concurrency 64 --seed 7" ;;
-        *) echo "unknown part $part (tests, latency, latency-fp8, latency-bf16, serve)"; exit 2 ;;
+        serve-max)
+            serve "--kv-cache-dtype fp8 --max-num-batched-tokens 32768 --stream-interval 4" \
+                "$RANDOM_1K --num-prompts 512 --max-concurrency 256 --seed 9" ;;
+        *) echo "unknown part $part (tests, latency, latency-fp8, latency-bf16, serve, serve-max)"; exit 2 ;;
     esac
 done
