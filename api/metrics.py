@@ -29,6 +29,13 @@ TOKEN_GAP_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
+def _one_sample(kind, name: str, doc: str, model_name: str, value: float):
+    """A gauge or counter family (`kind`) of one sample labelled with the model's name."""
+    family = kind(PREFIX + name, doc, labels=["model_name"])
+    family.add_metric([model_name], float(value))
+    return family
+
+
 class EngineCollector:
     """Scrape-time gauges of the engine's state: requests, KV blocks, ring slots; the cache's
     configuration (vLLM's cache_config_info); counters of preemptions and of prefix-cache queries
@@ -56,9 +63,7 @@ class EngineCollector:
             ("num_kv_blocks_total", "KV-cache blocks in the pool.", stats.num_total_blocks),
         )
         for name, doc, value in gauges:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(value))
-            yield family
+            yield _one_sample(GaugeMetricFamily, name, doc, self.model_name, value)
         info = {"block_size": stats.block_size, "cache_dtype": stats.cache_dtype,
                 "num_gpu_blocks": stats.num_total_blocks, "num_ring_slots": stats.num_ring_slots,
                 "enable_prefix_caching": stats.enable_prefix_caching}
@@ -84,9 +89,7 @@ class EngineCollector:
                  "none.", gpu.stalled_s),
             ]
         for name, doc, value in counters:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(value))
-            yield family
+            yield _one_sample(CounterMetricFamily, name, doc, self.model_name, value)
 
 
 class _Histogram:
@@ -134,9 +137,7 @@ class StreamCollector:
         for name, doc, value in (("prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens),
                                  ("generation_tokens", "Number of generation tokens processed.",
                                   self.generation_tokens)):
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(value))
-            yield family
+            yield _one_sample(CounterMetricFamily, name, doc, self.model_name, value)
         family = CounterMetricFamily(PREFIX + "request_success", "Count of successfully processed requests.",
                                      labels=["model_name", "finished_reason"])
         for reason, count in self.request_success.items():
