@@ -2,17 +2,15 @@
 //
 //   weight[n][k] = E2M1(code[n][k]) * UE4M3(scale[n][k/16]) * tensor_scale
 //
-// A 32-bit code word q holds 8 consecutive weights, nibble i = w_i (low nibble first). Decoding
-// pairs w_j with w_{j+4}, which sit at the same nibble slot of the two 16-bit halves:
-//
-//   q:  | w7 w6 w5 w4 | w3 w2 w1 w0 |      pair j -> bf16x2 { lo = w_j, hi = w_{j+4} }
-//        31       16   15        0
-//
-// The magnitude bits (e1 e0 m) go to bf16 bits 8..6 (the exponent's two low bits and the top
-// mantissa bit) and the sign to bit 15, so the bf16 reads E2M1 * 2^-126 for every code,
-// including 0.5 (a bf16 subnormal). The block scale is pre-multiplied by 2^119, so one exact
-// bf16x2 multiply gives block_value * 2^-7; the kernels multiply their fp32 sums by
-// NVFP4_SUM_SCALE (2^7) * tensor_scale at the end. x pairs are permuted the same way
+// A 32-bit code word q holds 8 consecutive weights w0 .. w7 in the bit layout of quant/nvfp4.py
+// WORD_BITS. Decoding pairs w_j with w_{j+4}: pair j -> bf16x2 { lo = w_j, hi = w_{j+4} }, each with
+// its magnitude bits (e1 e0 m) at bf16 bits 8..6 (the exponent's two low bits and the top mantissa
+// bit) and its sign at bit 15, so the bf16 reads E2M1 * 2^-126 for every code, including 0.5 (a
+// bf16 subnormal). The word holds pair 0 in those bits already, pairs 1 and 2 rotated left by 3
+// and 6, and pair 3 in the bits left over, where a multiply by 2^2 + 2^7 + 2^12 puts each in place
+// (no two copies meet, so no carry): 8 integer operations a word. The block scale is pre-multiplied
+// by 2^119, so one exact bf16x2 multiply gives block_value * 2^-7; the kernels multiply their fp32
+// sums by NVFP4_SUM_SCALE (2^7) * tensor_scale at the end. x pairs are permuted the same way
 // (x_j, x_{j+4}), so the dot product is unchanged.
 #pragma once
 #include "common.cuh"
@@ -35,13 +33,11 @@ __device__ __forceinline__ u32 ue4m3_scale_bf16x2(u32 byte) {
 
 // 8 codes -> 4 bf16x2 pairs (w_j, w_{j+4}) * scale.
 __device__ __forceinline__ void e2m1x8_to_bf16(u32 q, u32 scale, u32 (&p)[4]) {
-  const u32 q2 = q >> 8;  // nibbles 2,3 | 6,7 down to slots 0,1 | 4,5
-  // A clean nibble times (2^6 + 2^12) (slot 0) or (2^2 + 2^8) (slot 1) puts one copy's
-  // magnitude at bits 8..6 and the other copy's sign at bit 15 (and +16); the mask keeps those.
-  p[0] = mul_bf16x2(((q & 0x000F000Fu) * 0x1040u) & 0x81C081C0u, scale);
-  p[1] = mul_bf16x2(((q & 0x00F000F0u) * 0x0104u) & 0x81C081C0u, scale);
-  p[2] = mul_bf16x2(((q2 & 0x000F000Fu) * 0x1040u) & 0x81C081C0u, scale);
-  p[3] = mul_bf16x2(((q2 & 0x00F000F0u) * 0x0104u) & 0x81C081C0u, scale);
+  constexpr u32 PAIR = 0x81C081C0u;  // bits 15 and 8..6 of both halves
+  p[0] = mul_bf16x2(q & PAIR, scale);
+  p[1] = mul_bf16x2(__funnelshift_r(q, q, 3) & PAIR, scale);
+  p[2] = mul_bf16x2(__funnelshift_r(q, q, 6) & PAIR, scale);
+  p[3] = mul_bf16x2(((q & 0x001B001Bu) * 0x1084u) & PAIR, scale);
 }
 
 // 8 consecutive bf16 x values {x01, x23, x45, x67} -> pairs (x_j, x_{j+4}) matching the decode.

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from gguf.quants import dequantize as gguf_dequantize
 
-from flint_sched.quant.nvfp4 import (NVFP4Tensor, e2m1_values, quantize, repack_from_gguf, repack_to_gguf,
-                                     ue4m3_values)
+from flint_sched.quant.nvfp4 import (NVFP4Tensor, e2m1_values, pack_nibbles, quantize, repack_from_gguf,
+                                     repack_to_gguf, ue4m3_values, unpack_nibbles)
 
 
 @settings(max_examples=40, deadline=None)
@@ -88,3 +88,35 @@ def test_zero_blocks_and_bad_shapes():
         quantize(torch.randn(4, 48))
     with pytest.raises(ValueError, match="multiple of 36"):
         repack_from_gguf(torch.zeros(2, 35, dtype=torch.uint8), torch.ones(1))
+
+
+def decode_word_like_the_kernels(words: np.ndarray) -> np.ndarray:
+    """cuda/nvfp4.cuh e2m1x8_to_bf16 without the scale: uint32 words [W] -> uint32 pairs [W, 4]."""
+    pair, q = np.uint32(0x81C081C0), words.astype(np.uint32)
+
+    def rotr(x, s):
+        return (x >> np.uint32(s)) | (x << np.uint32(32 - s))
+    spread = ((q & np.uint32(0x001B001B)).astype(np.uint64) * 0x1084 & 0xFFFFFFFF).astype(np.uint32)
+    return np.stack([q & pair, rotr(q, 3) & pair, rotr(q, 6) & pair, spread & pair], axis=-1)
+
+
+def test_code_words_decode_to_the_bf16_pairs_the_kernels_expect():
+    """Random codes at every place of a word: the kernels' bit recipe gives pair j = (w[j], w[j+4]) with
+    each code's magnitude at bf16 bits 8..6 and its sign at 15; packing is lossless."""
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (64, 4096), dtype=torch.uint8, generator=g)
+    packed = pack_nibbles(codes)
+    assert packed.shape == (64, 2048) and torch.equal(unpack_nibbles(packed), codes)
+    words = packed.numpy().view("<u4").reshape(-1)
+    c = codes.numpy().astype(np.uint32).reshape(-1, 8)
+    bits = ((c & 7) << 6) | ((c & 8) << 12)                        # a code's bf16 bits (x 2^-126)
+    expected = bits[:, :4] | (bits[:, 4:] << 16)
+    assert np.array_equal(decode_word_like_the_kernels(words), expected)
+    every = torch.arange(16, dtype=torch.uint8)
+    # the spread pair: all 256 (w3, w7) combinations, the other bits random (no carry reaches a pair bit)
+    both = torch.cartesian_prod(every, every)
+    some = torch.randint(0, 16, (256, 8), dtype=torch.uint8, generator=g)
+    some[:, 3], some[:, 7] = both[:, 0], both[:, 1]
+    w = pack_nibbles(some.flatten()).numpy().view("<u4")
+    b = ((some.numpy().astype(np.uint32) & 7) << 6) | ((some.numpy().astype(np.uint32) & 8) << 12)
+    assert np.array_equal(decode_word_like_the_kernels(w)[:, 3], b[:, 3] | (b[:, 7] << 16))
