@@ -59,3 +59,34 @@ def test_only_the_chunks_that_ask_get_logit_rows():
                ScheduledRequest("c", prompt[6:10], 6, [], 2, True, ask, prompt, [], False),   # rows 6..8: tokens 7..9
                ScheduledRequest("d", [5], 10, [], 3, True, ask, prompt, [9], False)]          # a decode: none
     assert prompt_spans(entries) == [(0, 0, 4), (2, 10, 3)]
+
+
+async def test_a_cached_prefix_still_gets_its_prompt_logprobs(tiny_short_window):
+    """A prompt seen before is in the prefix cache; asking for its prompt logprobs computes every
+    position anyway (as vLLM does), instead of leaving the cached ones None."""
+    from flint_sched.engine.builder import build_engine
+
+    ckpt = dummy_checkpoint(tiny_short_window, "bf16", seed=3, device="cpu")
+    parts = build_parts(EngineConfig(device="cpu", max_num_seqs=4, max_num_batched_tokens=64, block_size=4,
+                                     num_kv_blocks=200, enable_prefix_caching=True), progress=False, checkpoint=ckpt)
+    prompt = list(range(100, 130))
+    engine = build_engine(parts)
+    engine.start()
+    try:
+        finals = []
+        for params in (SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, prompt_logprobs=1),
+                       SamplingParams(max_tokens=2, prompt_logprobs=1)):
+            async for out in engine.add_request(prompt, params):
+                pass
+            finals.append(out)
+        assert finals[0].num_cached_tokens == 0 and finals[2].num_cached_tokens == 0
+        first, second = finals[1].prompt_logprobs, finals[2].prompt_logprobs
+        assert first[0] is None and all(p is not None for p in first[1:])
+        assert [p and (p.token_id, round(p.logprob, 4)) for p in second] == \
+            [p and (p.token_id, round(p.logprob, 4)) for p in first]
+        # a request without them still reads the cache
+        async for out in engine.add_request(prompt, SamplingParams(max_tokens=2)):
+            pass
+        assert out.num_cached_tokens > 0
+    finally:
+        await engine.shutdown()

@@ -284,7 +284,8 @@ class Scheduler:
         allocator, cache = self.kv_allocator, self.prefix_cache
         while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0]
-            hit = NO_HIT if cache is None else cache.find(request)
+            # a request that wants its prompt's logprobs computes every position (vLLM skips the cache too)
+            hit = NO_HIT if cache is None or request.sampling_params.prompt_logprobs is not None else cache.find(request)
             if cache is not None:
                 cache.admit(request, hit)
             start = hit.num_tokens
