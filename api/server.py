@@ -41,7 +41,6 @@ from flint_sched.api.serving_chat import create_chat_completion
 from flint_sched.api.serving_completions import create_completion
 from flint_sched.api.serving_tokenization import detokenize, tokenize
 from flint_sched.api.tool_choice import ToolFlags
-from flint_sched.engine.builder import EngineParts, build_engine, build_parts
 from flint_sched.engine.config import EngineConfig
 from flint_sched.tokenizer import default_chat_template
 
@@ -108,7 +107,7 @@ def resolve_chat_template(value: str | None) -> str | None:
 class EngineState:
     """The parts an engine is built from (loaded before serving) and the engine once started."""
 
-    def __init__(self, parts: EngineParts, model_root: str,
+    def __init__(self, parts, model_root: str,
                  step_timeout_s: float | None = DEFAULT_ENGINE_ITERATION_TIMEOUT_S):
         if step_timeout_s is not None and not step_timeout_s >= 0:
             raise ValueError(f"engine iteration timeout must be >= 0 seconds, got {step_timeout_s}")
@@ -117,12 +116,19 @@ class EngineState:
         self.step_timeout_s = step_timeout_s
         self.tokenizer = parts.checkpoint.tokenizer
         self.max_model_len = parts.scheduler_config.max_model_len
+        self.vocab_size = parts.checkpoint.config.vocab_size
+        self.grammar_compiler = parts.grammar_compiler   # what a request compiles here, the engine's steps find
         self.engine = None
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        from flint_sched.engine.builder import build_engine
+
         self.engine = build_engine(self.parts)
         self.engine.step_timeout_s = self.step_timeout_s
         self.engine.start()
+
+    async def refresh_stats(self) -> None:
+        """Nothing to fetch: this engine's stats are read live at scrape time."""
 
     async def stop(self) -> None:
         if self.engine is None:
@@ -173,8 +179,8 @@ class ServingContext:
 
     @property
     def grammar_compiler(self):
-        """The engine's grammar cache: what a request compiles here (off the loop), its steps find."""
-        return self.state.parts.grammar_compiler
+        """Where a request's grammar is compiled (off the loop); in-process, the engine's own cache."""
+        return self.state.grammar_compiler
 
     @property
     def max_model_len(self) -> int:
@@ -249,6 +255,12 @@ def _get(handler):
     return endpoint
 
 
+def _get_async(handler):
+    async def endpoint(request: Request) -> Response:
+        return await handler(request.app.state.ctx)
+    return endpoint
+
+
 def _json(payload) -> Response:
     return Response(msgspec.json.encode(payload), media_type="application/json")
 
@@ -263,7 +275,8 @@ def health(ctx: ServingContext) -> Response:
     return Response(status_code=200 if ctx.state.is_healthy and not ctx.lifecycle.draining else 503)
 
 
-def metrics(ctx: ServingContext) -> Response:
+async def metrics(ctx: ServingContext) -> Response:
+    await ctx.state.refresh_stats()
     return Response(ctx.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
@@ -307,7 +320,7 @@ def build_app(engine_state: EngineState, server_config: ServerConfig, lifecycle:
     @asynccontextmanager
     async def lifespan(app: Starlette):
         lifecycle.loop = asyncio.get_running_loop()
-        engine_state.start()
+        await engine_state.start()
         lifecycle.spawn(lifecycle.supervise(engine_state.engine))
         freeze_startup_heap()                   # before the first request: see api/gc_pauses.py
         gc_watch = PauseWatch()
@@ -326,7 +339,7 @@ def build_app(engine_state: EngineState, server_config: ServerConfig, lifecycle:
         Route("/tokenize", _post(tokenize), methods=["POST"]),
         Route("/detokenize", _post(detokenize), methods=["POST"]),
         Route("/health", _get(health), methods=["GET"]),
-        Route("/metrics", _get(metrics), methods=["GET"]),
+        Route("/metrics", _get_async(metrics), methods=["GET"]),
         Route("/reset_prefix_cache", _get(reset_prefix_cache), methods=["POST"]),
         Route("/version", _get(version), methods=["GET"]),
         Route("/openapi.json", _get(openapi), methods=["GET"]),
@@ -341,6 +354,8 @@ def load_engine_state(engine_config: EngineConfig, scripted_executor: str | None
                       step_timeout_s: float | None = DEFAULT_ENGINE_ITERATION_TIMEOUT_S) -> EngineState:
     """Load the model (making flint-tiny into the cache on first use, with a progress bar); with a
     script file, a ScriptedExecutor replays it instead of running the model (tests only)."""
+    from flint_sched.engine.builder import build_parts
+
     parts = build_parts(engine_config, progress=True)
     if scripted_executor is not None:
         from flint_sched.api.scripted_executor import ScriptedExecutor

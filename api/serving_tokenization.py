@@ -55,7 +55,7 @@ def detokenize_body(ctx: ServingContext, body: bytes) -> Response:
     if len(req.tokens) > ctx.max_model_len:
         raise errors.bad_request(f"{len(req.tokens)} tokens: more than this model's maximum context length "
                                  f"({ctx.max_model_len})", "tokens")
-    vocab_size = ctx.state.parts.checkpoint.config.vocab_size
+    vocab_size = ctx.state.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab_size]
     if bad:
         raise errors.bad_request(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "tokens")

@@ -123,6 +123,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="send a stream's tokens every N tokens (the first at once, the last when it ends): "
                         "fewer server-sent events and less server CPU per token, for coarser streaming "
                         "(1, the default: every token)")
+    p.add_argument("--api-server-count", type=int, default=None, choices=(0, 1), metavar="N",
+                   help="1: the HTTP server in a process of its own beside the engine's, so that streaming "
+                        "to many clients never holds up the GPU's steps; 0: one process (default: 1 on a "
+                        "GPU, 0 on the CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes seen before (on by default, as in vLLM v1)")
@@ -202,6 +206,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
           flush=True)
     state = load_engine_state(engine_config, args.scripted_executor, step_timeout_s)
     print_summary(state.parts, server_config)
+    api_server_count = args.api_server_count
+    if api_server_count is None:
+        api_server_count = 1 if state.parts.device.type == "cuda" else 0
+    if api_server_count:
+        from flint_sched.api.api_process import serve_with_api_process
+
+        return serve_with_api_process(state, server_config)
     return serve(state, server_config)
 
 

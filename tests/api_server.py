@@ -154,8 +154,9 @@ def _start_all(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) 
     script = base / "script.json"
     tools = ["--enable-auto-tool-choice", "--tool-call-parser", "glm47", "--reasoning-parser", "glm47"]
     servers = {
-        # async scheduling as on a GPU (the CUDA executor's default), so the HTTP tests run through it
-        "real": start_server("real", [*tools, "--max-model-len", "2048", "--max-num-seqs", "64", "--async-scheduling"],
+        # async scheduling and the API process as on a GPU (their defaults there), so the HTTP tests run through them
+        "real": start_server("real", [*tools, "--max-model-len", "2048", "--max-num-seqs", "64", "--async-scheduling",
+                                               "--api-server-count", "1"],
                              base / "cache", base),
         "scripted": start_server("scripted", [*tools, "--exclude-tools-when-tool-choice-none", "--api-key", API_KEY,
                                               "--served-model-name", SCRIPTED_MODEL, "--scripted-executor",

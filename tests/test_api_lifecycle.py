@@ -7,6 +7,7 @@ import signal
 import time
 
 import httpx
+import pytest
 from api_server import API_KEY, SCRIPTED_MODEL, own_server, shared_server, sse_events
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -94,9 +95,10 @@ def exited(server, timeout_s: float = EXIT_WAIT_S) -> int:
     return server.process.wait(timeout=timeout_s)
 
 
-def test_sigterm_drains_then_aborts_the_rest_and_exits_cleanly(request):
+@pytest.mark.parametrize("processes", ["0", "1"], ids=["one-process", "api-process"])
+def test_sigterm_drains_then_aborts_the_rest_and_exits_cleanly(request, processes):
     server = own_server(request, "drain", ["--api-key", API_KEY, "--served-model-name", SCRIPTED_MODEL,
-                                            "--shutdown-timeout", "3"])
+                                            "--shutdown-timeout", "3", "--api-server-count", processes])
 
     async def run():
         async with httpx.AsyncClient(base_url=server.base_url, headers=HEADERS, timeout=60) as c:
@@ -127,9 +129,10 @@ def test_sigterm_drains_then_aborts_the_rest_and_exits_cleanly(request):
     assert "Traceback" not in server.log() and "aborted 3 request(s)" in server.log(), server.log()
 
 
-def test_a_hung_step_trips_the_watchdog_and_the_process_exits_1(request):
+@pytest.mark.parametrize("processes", ["0", "1"], ids=["one-process", "api-process"])
+def test_a_hung_step_trips_the_watchdog_and_the_process_exits_1(request, processes):
     server = own_server(request, "watchdog", ["--api-key", API_KEY, "--served-model-name", SCRIPTED_MODEL,
-                                               "--engine-iteration-timeout-s", "3"])
+                                               "--engine-iteration-timeout-s", "3", "--api-server-count", processes])
 
     async def run():
         async with httpx.AsyncClient(base_url=server.base_url, headers=HEADERS, timeout=60) as c:
@@ -156,9 +159,11 @@ def test_a_hung_step_trips_the_watchdog_and_the_process_exits_1(request):
     assert exited(server) == 1
 
 
-def test_sigterm_ends_a_server_whose_step_hangs(request):
+@pytest.mark.parametrize("processes", ["0", "1"], ids=["one-process", "api-process"])
+def test_sigterm_ends_a_server_whose_step_hangs(request, processes):
     server = own_server(request, "hung-sigterm", ["--api-key", API_KEY, "--served-model-name", SCRIPTED_MODEL,
-                                                   "--engine-iteration-timeout-s", "0", "--shutdown-timeout", "0.5"])
+                                                   "--engine-iteration-timeout-s", "0", "--shutdown-timeout", "0.5",
+                                                   "--api-server-count", processes])
 
     async def run():
         async with httpx.AsyncClient(base_url=server.base_url, headers=HEADERS, timeout=60) as c:

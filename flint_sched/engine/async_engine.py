@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from flint_sched.core.plan import PromptLogprobs, RequestStepOutput, StepPlan, StepResult
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.engine.output_processor import ChoiceState
-from flint_sched.engine.outputs import CompletionOutput, EngineError, RequestOutput
+from flint_sched.engine.outputs import CompletionOutput, EngineError, RequestOutput, merge_outputs
 from flint_sched.engine.stats import EngineStats, GpuStats
 from flint_sched.engine.step_worker import StepWorker
 from flint_sched.sampling_params import SamplingParams, reads_history
@@ -55,6 +55,32 @@ WORKER_JOIN_TIMEOUT_S = 2.0          # how long shutdown waits for the step in f
 GIL_SWITCH_INTERVAL_S = 0.0002
 
 
+def check_request(prompt_ids: list[int], p: SamplingParams, vocab_size: int, max_model_len: int,
+                  grammar_compiler: GrammarCompiler) -> None:
+    """ValueError for a request that can never run (the engine's admission, and the API process's
+    before it sends one: engine/remote.py)."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(f"this model's maximum context length is {max_model_len} tokens, but the "
+                         f"prompt has {len(prompt_ids)}")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    if len(prompt_ids) + p.max_tokens > max_model_len:
+        raise ValueError(
+            f"this model's maximum context length is {max_model_len} tokens, but "
+            f"{len(prompt_ids) + p.max_tokens} were requested ({len(prompt_ids)} in the prompt, "
+            f"{p.max_tokens} for the completion)")
+    for name, ids in (("logit_bias", p.logit_bias), ("stop_token_ids", p.stop_token_ids)):
+        bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ValueError(f"{name} names token id {bad[0]}, outside the vocabulary (0..{vocab_size - 1})")
+    if p.structured_outputs is not None:
+        # ValueError for an invalid grammar; the server compiled it off the loop already (a cache hit)
+        grammar_compiler.compile(p.structured_outputs)
+
+
 class StepTimeoutError(EngineError):
     """The watchdog: a step ran past the engine's step timeout."""
 
@@ -62,7 +88,8 @@ class StepTimeoutError(EngineError):
 class _Outputs:
     """A request's outputs on their way to its one reader, on the loop's thread: asyncio.Queue's work
     (getter and putter lists, size checks) cut to a deque and a future, since it runs once per
-    streamed token."""
+    streamed token. An output put while the reader has not taken the last one is merged into it
+    (`merge_outputs`): a reader behind the engine gets the tokens so far in one output, not a backlog."""
 
     __slots__ = ("_items", "_waiter")
 
@@ -71,7 +98,11 @@ class _Outputs:
         self._waiter: asyncio.Future | None = None
 
     def put_nowait(self, item) -> None:
-        self._items.append(item)
+        items = self._items
+        if items and isinstance(item, RequestOutput) and isinstance(last := items[-1], RequestOutput):
+            merge_outputs(last, item)
+            return
+        items.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -89,7 +120,7 @@ class _Outputs:
 class _Request:
     request_id: str
     prompt_token_ids: list[int]
-    queue: _Outputs
+    queue: _Outputs                       # or a sink of another process's request (submit)
     choices: dict[str, ChoiceState] = field(default_factory=dict)   # scheduler id -> choice
     num_finished: int = 0
     # by every choice, so it is complete at each choice's first output (a stream's echo needs that)
@@ -190,14 +221,23 @@ class AsyncEngine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request (text or token ids); ValueError when it can never run."""
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self._stream(self._admit(prompt_ids, params, request_id, _Outputs()))
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, sink) -> None:
+        """Queue a request whose outputs go to `sink.put_nowait` (each RequestOutput, or the exception
+        that ended it) instead of a stream; ValueError when it can never run. The API process's
+        requests come in this way (engine/remote.py)."""
+        self._admit(list(prompt_ids), params, request_id, sink)
+
+    def _admit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None, queue) -> _Request:
         if not self.is_running:
             raise EngineError(f"the engine is not running ({self.dead_error or 'not started'})")
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(prompt_ids, params)
+        check_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.grammar_compiler)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = _Request(request_id, prompt_ids, _Outputs(), arrival=time.perf_counter())
+        request = _Request(request_id, prompt_ids, queue, arrival=time.perf_counter())
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(prompt_ids)
         one = dataclasses.replace(params, n=1)
@@ -216,29 +256,7 @@ class AsyncEngine:
         self._requests[request_id] = request
         self._choice_owner.update({choice_id: request for choice_id in request.choices})
         self._wakeup.set()
-        return self._stream(request)
-
-    def _validate(self, prompt_ids: list[int], p: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                             f"prompt has {len(prompt_ids)}")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        if len(prompt_ids) + p.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{len(prompt_ids) + p.max_tokens} were requested ({len(prompt_ids)} in the prompt, "
-                f"{p.max_tokens} for the completion)")
-        for name, ids in (("logit_bias", p.logit_bias), ("stop_token_ids", p.stop_token_ids)):
-            bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} names token id {bad[0]}, outside the vocabulary (0..{self.vocab_size - 1})")
-        if p.structured_outputs is not None:
-            # ValueError for an invalid grammar; the server compiled it off the loop already (a cache hit)
-            self.grammar_compiler.compile(p.structured_outputs)
+        return request
 
     async def _stream(self, request: _Request) -> AsyncIterator[RequestOutput]:
         try:

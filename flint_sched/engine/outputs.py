@@ -58,5 +58,30 @@ class RequestOutput:
     queue_time_s: float | None = None  # from add_request to the first step that ran any of its choices
 
 
+def merge_outputs(pending: RequestOutput, new: RequestOutput) -> None:
+    """Fold `new` into `pending`, an output its reader has not taken yet (vLLM's output collector
+    does the same): the deltas concatenate, the totals and the finish are the newer ones, so a reader
+    behind its producer gets one output per read instead of a backlog."""
+    by_index = {c.index: c for c in pending.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            pending.outputs.append(c)
+            continue
+        old.delta_text += c.delta_text
+        old.delta_token_ids = old.delta_token_ids + c.delta_token_ids
+        if c.delta_logprobs is not None:
+            old.delta_logprobs = (old.delta_logprobs or []) + c.delta_logprobs
+        old.token_ids, old.logprobs, old.pieces, old.text_pieces = c.token_ids, c.logprobs, c.pieces, c.text_pieces
+        old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+    if len(pending.outputs) > 1:
+        pending.outputs.sort(key=lambda c: c.index)
+    pending.finished = new.finished
+    pending.prompt_logprobs = new.prompt_logprobs
+    pending.num_cached_tokens = new.num_cached_tokens
+    if pending.queue_time_s is None:
+        pending.queue_time_s = new.queue_time_s
+
+
 class EngineError(RuntimeError):
     """A step failed or the engine stopped; the requests it concerned are over."""

@@ -48,6 +48,10 @@ class FlintTokenizer:
         self._byte_table: list[bytes] | None = None
         self._pieces = PieceCache(backend)
 
+    def __reduce__(self):
+        """Pickled as what it was built from (the API process gets the engine's tokenizer this way)."""
+        return type(self), (self.backend, self.chat_template, self.eos_token, self.pad_token, self.bos_token)
+
     @classmethod
     def from_file(cls, path: str | Path) -> "FlintTokenizer":
         """Loads a `tokenizer.json`, or a directory holding one (+ `tokenizer_config.json`, `chat_template.jinja`)."""
