@@ -4,11 +4,14 @@ bench serve` with random token ids at each concurrency. Per case: output tokens/
 between tokens, and the share of the run the fake GPU sat idle between steps (the host late).
 
     python3 -m flint_sched.benchmarks.bench_server_host --streams 64,256 --gpu-ms 0,12 --server-cpu 0 [--stream-interval 1,4]
+    python3 -m flint_sched.benchmarks.bench_server_host --streams 256 --gpu-ms 12 --api-server-count 0,1
 
 With --gpu-ms 0 the server is host-bound and tokens/s is the host's rate; with a GPU step time the
 idle share says whether the host keeps up. The load generator runs on the same machine:
 --server-cpu pins the server to one CPU and the generator to the others, so that a host-bound
 rate is the server's own (on the 2-core machine the spread of runs fell from ~10 % to ~4 %).
+--api-server-count 1 runs the HTTP server in a process of its own (api/api_process.py); the server
+CPU a token is then the engine process's alone, and --server-cpu pins both processes to that CPU.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import urllib.request
 from pathlib import Path
 
 
-def serve(gpu_ms: float, port: int, streams: int, stats: str, cpu: int | None, stream_interval: int = 1) -> int:
+def serve(gpu_ms: float, port: int, streams: int, stats: str, cpu: int | None, stream_interval: int = 1,
+          api_server_count: int = 0) -> int:
     """The server process: flint-tiny's engine around the fake executor; its step counts go to `stats`
     at exit (after a SIGINT has drained it). `cpu`: the one CPU it runs on."""
     if cpu is not None:
@@ -51,8 +55,12 @@ def serve(gpu_ms: float, port: int, streams: int, stats: str, cpu: int | None, s
                                            "cpu_s": time.process_time() - cpu_start}))
 
     atexit.register(report)
-    return run_server(state, ServerConfig(host="127.0.0.1", port=port, served_model_names=("flint-tiny",),
-                                          log_level="warning"))
+    config = ServerConfig(host="127.0.0.1", port=port, served_model_names=("flint-tiny",), log_level="warning")
+    if api_server_count:
+        from flint_sched.api.api_process import serve_with_api_process
+
+        return serve_with_api_process(state, config)
+    return run_server(state, config)
 
 
 def free_port() -> int:
@@ -76,7 +84,7 @@ def wait_healthy(port: int, server: subprocess.Popen, log: Path, timeout_s: floa
 
 
 def run_case(streams: int, gpu_ms: float, tokens: int, prompt_len: int, num_prompts: int,
-             server_cpu: int | None = None, stream_interval: int = 1) -> dict:
+             server_cpu: int | None = None, stream_interval: int = 1, api_server_count: int = 0) -> dict:
     """One server and one `bench serve` run against it; server_cpu: pin the server to that CPU and the
     load generator to the others (a host-bound server's rate is then its own)."""
     port = free_port()
@@ -88,7 +96,8 @@ def run_case(streams: int, gpu_ms: float, tokens: int, prompt_len: int, num_prom
         log = (Path(tmp) / "server.log").open("w")
         server = subprocess.Popen([sys.executable, "-m", "flint_sched.benchmarks.bench_server_host", "--serve",
                                    "--gpu-ms", str(gpu_ms), "--port", str(port), "--streams", str(streams),
-                                   "--stats", str(stats), "--stream-interval", str(stream_interval), *pin],
+                                   "--stats", str(stats), "--stream-interval", str(stream_interval),
+                                   "--api-server-count", str(api_server_count), *pin],
                                   stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(port, server, Path(log.name))
@@ -113,7 +122,7 @@ def run_case(streams: int, gpu_ms: float, tokens: int, prompt_len: int, num_prom
         steps = json.loads(stats.read_text()) if stats.exists() else {}
     idle = 1 - steps["busy_s"] / steps["span_s"] if gpu_ms and steps.get("span_s") else None
     cpu_us = 1e6 * steps["cpu_s"] / bench["total_output_tokens"] if "cpu_s" in steps else None
-    return {"streams": streams, "gpu_ms": gpu_ms, "stream_interval": stream_interval,
+    return {"streams": streams, "gpu_ms": gpu_ms, "stream_interval": stream_interval, "api": api_server_count,
             "output_tok_s": bench["output_throughput"],
             "median_itl_ms": bench["median_itl_ms"], "steps": steps.get("steps"), "gpu_idle_share": idle,
             "server_cpu_us_per_token": cpu_us}
@@ -132,23 +141,27 @@ def main() -> int:
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--stream-interval", default="1",
                    help="the server's --stream-interval(s) to compare, e.g. 1,4 (%(default)s)")
+    p.add_argument("--api-server-count", default="0",
+                   help="the server's --api-server-count(s) to compare, e.g. 0,1 (%(default)s)")
     p.add_argument("--stats", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
         return serve(float(args.gpu_ms), args.port, int(args.streams), args.stats, args.server_cpu,
-                     int(args.stream_interval))
+                     int(args.stream_interval), int(args.api_server_count))
     os.environ.setdefault("FLINT_SCHED_CACHE", str(Path(tempfile.gettempdir()) / "flint-sched-bench-cache"))
-    print("| streams | GPU ms/step | stream interval | output tok/s | median ITL ms | steps | GPU idle | "
-          "server CPU µs a token |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| streams | GPU ms/step | stream interval | API processes | output tok/s | median ITL ms | steps | "
+          "GPU idle | server CPU µs a token |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for streams in (int(s) for s in args.streams.split(",")):
         for gpu_ms in (float(g) for g in args.gpu_ms.split(",")):
             for interval in (int(i) for i in args.stream_interval.split(",")):
-                r = run_case(streams, gpu_ms, args.tokens, args.prompt_len, streams * args.prompts_per_stream,
-                             args.server_cpu, interval)
-                idle = "–" if r["gpu_idle_share"] is None else f"{100 * r['gpu_idle_share']:.1f} %"
-                print(f"| {streams} | {gpu_ms:g} | {interval} | {r['output_tok_s']:.0f} | {r['median_itl_ms']:.2f} | "
-                      f"{r['steps']} | {idle} | {r['server_cpu_us_per_token']:.1f} |", flush=True)
+                for api in (int(a) for a in args.api_server_count.split(",")):
+                    r = run_case(streams, gpu_ms, args.tokens, args.prompt_len, streams * args.prompts_per_stream,
+                                 args.server_cpu, interval, api)
+                    idle = "–" if r["gpu_idle_share"] is None else f"{100 * r['gpu_idle_share']:.1f} %"
+                    print(f"| {streams} | {gpu_ms:g} | {interval} | {api} | {r['output_tok_s']:.0f} | "
+                          f"{r['median_itl_ms']:.2f} | {r['steps']} | {idle} | {r['server_cpu_us_per_token']:.1f} |",
+                          flush=True)
     return 0
 
 
