@@ -206,7 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           flush=True)
     state = load_engine_state(engine_config, args.scripted_executor, step_timeout_s)
     print_summary(state.parts, server_config)
-    api_server_count = args.api_server_count
+    api_server_count = 0 if args.vllm_disable_frontend_multiprocessing else args.api_server_count
     if api_server_count is None:
         api_server_count = 1 if state.parts.device.type == "cuda" else 0
     if api_server_count:

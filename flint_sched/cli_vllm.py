@@ -50,7 +50,8 @@ COMPAT_FLAGS = (
     CompatFlag(("--distributed-executor-backend",), "NAME", "ignored: one process, one GPU"),
     CompatFlag(("--disable-custom-all-reduce",), None, "ignored: one GPU, no all-reduce"),
     CompatFlag(("--enable-expert-parallel",), None, "ignored: one GPU holds every expert"),
-    CompatFlag(("--disable-frontend-multiprocessing",), None, "ignored: the server is one process"),
+    CompatFlag(("--disable-frontend-multiprocessing",), None,
+               "supported: the HTTP server runs in the engine's process (--api-server-count 0)"),
     CompatFlag(("--speculative-config",), "JSON", "refused: speculative decoding is not implemented"),
     CompatFlag(("--enable-lora",), None, "refused: LoRA adapters are not supported"),
 )
@@ -58,7 +59,8 @@ COMPAT_FLAGS = (
 # vLLM flags that flint-sched has as flags of its own (docs/vllm.md lists them as supported)
 NATIVE_FLAGS = (
     "--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--max-num-seqs",
-    "--max-num-batched-tokens", "--long-prefill-token-threshold", "--stream-interval", "--gpu-memory-utilization",
+    "--max-num-batched-tokens", "--long-prefill-token-threshold", "--stream-interval", "--api-server-count",
+    "--gpu-memory-utilization",
     "--hf-config-path",
     "--tokenizer", "--revision", "--tokenizer-revision", "--download-dir", "--load-format", "--dtype",
     "--kv-cache-dtype", "--seed", "--enforce-eager", "--async-scheduling",
@@ -105,6 +107,8 @@ def check(args: argparse.Namespace) -> list[str]:
         elif name == "--block-size":
             if _int(flag, value) < 1:
                 raise ValueError(f"{spelled}: must be a positive number of tokens")
+            continue
+        elif name == "--disable-frontend-multiprocessing":
             continue
         elif name == "--max-logprobs":
             if not 0 <= _int(flag, value) <= 20:

@@ -18,7 +18,7 @@ def serve_args(*argv):
 def test_common_vllm_launch_flags_are_accepted_with_notices():
     args = serve_args("-tp", "1", "--disable-log-requests", "--dtype", "auto", "--trust-remote-code",
                       "--enable-prompt-tokens-details", "--max-logprobs", "5",
-                      "--block-size", "32")
+                      "--block-size", "32", "--disable-frontend-multiprocessing")
     notices = cli_vllm.check(args)
     assert any(n.startswith("--tensor-parallel-size 1: ignored") for n in notices)
     assert any(n.startswith("--enable-prompt-tokens-details: ignored") for n in notices)
