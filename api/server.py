@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `build_app(engine_state, server_config)` and the uvicorn runner.
 
 The engine is made and started inside the app's lifespan (so on the server's event loop) and shut
-down with it. Every error leaves as OpenAI's error body; `/v1/*` needs the API key when one is set,
+down with it; with `--api-server-count 1` the app runs in a process of its own and its "engine" is
+an EngineClient of the engine process's (api/api_process.py, engine/remote.py). Every error leaves as OpenAI's error body; `/v1/*` needs the API key when one is set,
 every other route stays open. Request bodies are read up to `max_request_body_bytes` (else 413).
 The event loop only routes: decoding, validating, rendering and tokenizing a request run on the
 `prepare` threads (`ServingContext.off_loop`). Shutdown and engine death: lifecycle.py.

@@ -3,6 +3,7 @@ under load (SIGTERM: drain, abort, exit 0), and the step watchdog with a hung st
 
 import asyncio
 import json
+import os
 import signal
 import time
 
@@ -176,3 +177,39 @@ def test_sigterm_ends_a_server_whose_step_hangs(request, processes):
     events = sse_events(asyncio.run(run()))
     assert events[-1]["choices"][0]["finish_reason"] == "abort"
     assert exited(server) == 0
+
+
+def _api_process(server) -> int:
+    """The pid of a split server's API process (the engine process's one child)."""
+    pid = server.process.pid
+    (child,) = map(int, open(f"/proc/{pid}/task/{pid}/children").read().split())
+    return child
+
+
+def _gone(pid: int, timeout_s: float = EXIT_WAIT_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                if any(line.startswith("State:") and "Z" in line.split()[1] for line in status):
+                    return True                     # exited; its new parent has not reaped it yet
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_split_servers_engine_exits_1_when_its_api_process_dies(request):
+    server = own_server(request, "api-killed", ["--api-key", API_KEY, "--served-model-name", SCRIPTED_MODEL,
+                                                 "--api-server-count", "1"])
+    os.kill(_api_process(server), signal.SIGKILL)
+    assert exited(server) == 1
+
+
+def test_a_split_servers_api_process_exits_when_the_engine_process_dies(request):
+    server = own_server(request, "engine-killed", ["--api-key", API_KEY, "--served-model-name", SCRIPTED_MODEL,
+                                                    "--api-server-count", "1"])
+    api = _api_process(server)
+    server.process.kill()
+    server.process.wait()
+    assert _gone(api)
