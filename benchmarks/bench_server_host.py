@@ -3,7 +3,8 @@ fake executor (async scheduling, steps of `--gpu-ms` on a fake GPU timeline), dr
 bench serve` with random token ids at each concurrency. Per case: output tokens/s, median time
 between tokens, and the share of the run the fake GPU sat idle between steps (the host late).
 
-    python3 -m flint_sched.benchmarks.bench_server_host --streams 64,256 --gpu-ms 0,12 --server-cpu 0 [--stream-interval 1,4]
+    python3 -m flint_sched.benchmarks.bench_server_host --streams 64,256 --gpu-ms 0,12 --server-cpu 0 \
+        [--stream-interval 1,4] [--api-server-count 0,1]
     python3 -m flint_sched.benchmarks.bench_server_host --streams 256 --gpu-ms 12 --api-server-count 0,1
 
 With --gpu-ms 0 the server is host-bound and tokens/s is the host's rate; with a GPU step time the

@@ -1,6 +1,6 @@
 """The engine behind a socket (engine/remote.py): an EngineClient's streams add up to what the engine
 streams in-process, aborts and bad requests behave the same, a dead engine fails the client's
-requests; and a reader behind its producer gets merged outputs (async_engine._Outputs)."""
+requests; and a reader behind its producer gets merged outputs (async_engine.OutputQueue)."""
 
 import asyncio
 import socket
@@ -9,7 +9,7 @@ import pytest
 
 from flint_sched.checkpoint.make import dummy_checkpoint
 from flint_sched.engine import EngineConfig, EngineError
-from flint_sched.engine.async_engine import _Outputs
+from flint_sched.engine.async_engine import OutputQueue
 from flint_sched.engine.builder import build_engine, build_parts
 from flint_sched.engine.outputs import CompletionOutput, RequestOutput
 from flint_sched.engine.remote import EngineClient, EngineConnection
@@ -172,7 +172,7 @@ def output(index, text, ids, finish=None, finished=False):
 
 
 async def test_a_reader_behind_its_producer_gets_one_merged_output():
-    queue = _Outputs()
+    queue = OutputQueue()
     queue.put_nowait(output(0, "a", [1]))
     queue.put_nowait(output(1, "x", [9]))
     queue.put_nowait(output(0, "b", [2], finish="length"))

@@ -85,7 +85,7 @@ class StepTimeoutError(EngineError):
     """The watchdog: a step ran past the engine's step timeout."""
 
 
-class _Outputs:
+class OutputQueue:
     """A request's outputs on their way to its one reader, on the loop's thread: asyncio.Queue's work
     (getter and putter lists, size checks) cut to a deque and a future, since it runs once per
     streamed token. An output put while the reader has not taken the last one is merged into it
@@ -120,7 +120,7 @@ class _Outputs:
 class _Request:
     request_id: str
     prompt_token_ids: list[int]
-    queue: _Outputs                       # or a sink of another process's request (submit)
+    queue: OutputQueue                       # or a sink of another process's request (submit)
     choices: dict[str, ChoiceState] = field(default_factory=dict)   # scheduler id -> choice
     num_finished: int = 0
     # by every choice, so it is complete at each choice's first output (a stream's echo needs that)
@@ -222,7 +222,7 @@ class AsyncEngine:
                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request (text or token ids); ValueError when it can never run."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return self._stream(self._admit(prompt_ids, params, request_id, _Outputs()))
+        return self._stream(self._admit(prompt_ids, params, request_id, OutputQueue()))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, sink) -> None:
         """Queue a request whose outputs go to `sink.put_nowait` (each RequestOutput, or the exception
