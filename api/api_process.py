@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from flint_sched.api.gc_pauses import freeze_startup_heap
+from flint_sched.api.gc_pauses import PauseWatch, freeze_startup_heap
 from flint_sched.api.lifecycle import EXIT_ENGINE_DIED
 from flint_sched.api.server import EngineState, ServerConfig, serve
 from flint_sched.engine.remote import EngineClient, EngineConnection
@@ -45,7 +45,9 @@ def serve_with_api_process(state: EngineState, server_config: ServerConfig) -> i
 async def _engine_process(state: EngineState, server_config: ServerConfig) -> int:
     await state.start()
     engine = state.engine
-    freeze_startup_heap()
+    freeze_startup_heap()                        # as the API process does in its app's lifespan
+    gc_watch = PauseWatch()                      # the engine's long collections are logged too
+    gc_watch.install()
     fields = {f.name: getattr(server_config, f.name) for f in dataclasses.fields(server_config)}
     fields["default_chat_template_kwargs"] = dict(server_config.default_chat_template_kwargs)
     setup = {"server_config": fields, "tokenizer": state.tokenizer, "model_root": state.model_root,
@@ -78,6 +80,7 @@ async def _engine_process(state: EngineState, server_config: ServerConfig) -> in
             listener.close()
             died = engine.dead_error is not None
             await state.stop()
+            gc_watch.remove()
     if code < 0:                                         # killed by a signal
         return EXIT_ENGINE_DIED
     return EXIT_ENGINE_DIED if died else code
