@@ -175,6 +175,14 @@ __device__ __forceinline__ T block_exclusive_sum(T mine, T* warp_total, T& total
 // hoisting such accesses above it.
 
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// A counter another CTA bumps (after __threadfence() and atomicAdd): this load is ordered before
+// the thread's later loads (gpu scope), so what the other CTA wrote before its bump is seen.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }

@@ -90,12 +90,6 @@ struct EdWeights {  // NVFP4 [rows, K] of one expert (or the shared one)
   const float* tensor_scale;
 };
 
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Lane t of a 4-lane group loads the 8 scale bytes of blocks 8t .. 8t + 7 of its row's round (one
 // 32-byte sector for the 4), which belong to k-step t of the 4 lanes (16 bits each); it needs
 // k-step u's bytes of its own chunk from lane u. A 4 x 4 transpose of 16-bit elements over the lanes

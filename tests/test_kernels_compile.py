@@ -67,7 +67,7 @@ def test_resource_usage_reports_registers_and_spills():
 @pytest.mark.parametrize("source,defines", [
     ("moe_routing.cu", {"ROUTER_MAX_EXPERTS": 256}), ("moe_routing.cu", {"ROUTER_MAX_EXPERTS": 1024}),
     ("moe_routing.cu", {"ROUTER_MAX_EXPERTS": 1024, "MASK_TOKENS": 0}), ("rmsnorm.cu", {}), ("argmax.cu", {}),
-    ("embedding.cu", {})])
+    ("embedding.cu", {}), ("gemv_chain.cu", {"GEMV_WARPS": 16, "X_BATCH": 0})])
 def test_small_kernels_do_not_spill(source, defines):
     """The routing (split-K logit parts held at once for 256 experts, one part at a time for 1024),
     norms, argmax / sampling and embedding builds keep everything in registers."""

@@ -1,0 +1,51 @@
+"""The persistent GEMV chain (cuda/gemv_chain.cu, benchmarks/bench_persistent.py): its layers wait on
+counters instead of kernel boundaries and must give the launched chain's result bit for bit, in a
+graph replayed twice too (the counters are zeroed before each launch)."""
+
+import pytest
+import torch
+
+from flint_sched.benchmarks.bench_persistent import gemv_chain, launched_chain
+from flint_sched.quant.nvfp4 import quantize
+from gpu_checks import gen
+
+pytestmark = pytest.mark.gpu
+N = 2048
+
+
+@pytest.mark.parametrize("warps,sleep_ns", [(8, 0), (16, 0), (16, 64)])
+def test_the_persistent_chain_equals_the_launched_one(warps, sleep_ns):
+    layers = 6
+    w = quantize(torch.randn(layers, N, N, device="cuda", generator=gen(5)) / N**0.5, per_leading_scale=True)
+    x = torch.randn(N, device="cuda", generator=gen(6)).bfloat16()
+    expected = torch.zeros(layers + 1, N, dtype=torch.bfloat16, device="cuda")
+    expected[0] = x
+    launched_chain(expected, w, warps, pdl=True)
+    assert expected[-1].abs().max() > 0 and torch.isfinite(expected.float()).all()
+    h = torch.full_like(expected, float("nan"))
+    h[0] = x
+    done = torch.zeros(layers, dtype=torch.int32, device="cuda")
+    gemv_chain(h, w, done, warps, sleep_ns)
+    torch.cuda.synchronize()
+    assert torch.equal(h, expected)
+    assert done.tolist() == [N // 16] * layers
+    graph = torch.cuda.CUDAGraph()
+    h[1:] = float("nan")
+    with torch.cuda.graph(graph):
+        gemv_chain(h, w, done, warps, sleep_ns)
+    for _ in range(2):
+        h[1:] = float("nan")
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(h, expected)
+
+
+def test_a_grid_that_cannot_be_resident_is_refused():
+    from flint_sched.kernels.linear import resident_ctas
+
+    tiles = -(-(resident_ctas(16, "nvfp4") + 1) // 4) * 4      # one CTA too many, N a multiple of 64
+    n = 16 * tiles
+    w = quantize(torch.randn(1, n, n, device="cuda", generator=gen(7)) / n**0.5, per_leading_scale=True)
+    with pytest.raises(ValueError, match="do not fit"):
+        gemv_chain(torch.zeros(2, n, dtype=torch.bfloat16, device="cuda"), w,
+                   torch.zeros(1, dtype=torch.int32, device="cuda"), 16)
