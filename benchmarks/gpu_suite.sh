@@ -9,6 +9,8 @@
 #   latency-bf16  BF16 weights: 1 / 16 / 64 / 256 at 1K
 #   serve         serve_runs.sh, 1K in / 1K out: c=256 with the e4m3 and the bf16 cache, c=64 (bf16)
 #   serve-max     c=256 with the flags for throughput: e4m3 cache, 32K-token budget, stream interval 4
+#   serve-api     c=256, e4m3, stream interval 1: one process (--api-server-count 0), then the API process (1)
+#   persistent    bench_persistent.py: a chain of GEMVs on counters in one launch against launches
 #
 # Only the lines that carry figures are printed (decode steps, served throughput, TTFT / ITL, GPU
 # busy and idle, failures, what /metrics still holds after a run), after one on the machine (GPU
@@ -72,6 +74,11 @@ for part in "$@"; do
         serve-max)
             serve "--kv-cache-dtype fp8 --max-num-batched-tokens 32768 --stream-interval 4" \
                 "$RANDOM_1K --num-prompts 512 --max-concurrency 256 --seed 9" ;;
-        *) echo "unknown part $part (tests, latency, latency-fp8, latency-bf16, serve, serve-max)"; exit 2 ;;
+        serve-api)
+            for count in 0 1; do
+                serve "--kv-cache-dtype fp8 --api-server-count $count" "$RANDOM_1K --num-prompts 512 --max-concurrency 256 --seed 9"
+            done ;;
+        persistent) python3 benchmarks/bench_persistent.py 2>&1 | grep -E "^\||^NVFP4|rror" ;;
+        *) echo "unknown part $part (tests, latency, latency-fp8, latency-bf16, serve, serve-max, serve-api, persistent)"; exit 2 ;;
     esac
 done
