@@ -33,7 +33,6 @@ from flint_sched.api.server import EngineState, ServerConfig, serve
 from flint_sched.engine.remote import EngineClient, EngineConnection
 
 
-
 def serve_with_api_process(state: EngineState, server_config: ServerConfig) -> int:
     """Serve until the API process exits (drained by a signal: 0; the engine died: EXIT_ENGINE_DIED)."""
     import uvloop

@@ -2,10 +2,11 @@
 
 The engine is made and started inside the app's lifespan (so on the server's event loop) and shut
 down with it; with `--api-server-count 1` the app runs in a process of its own and its "engine" is
-an EngineClient of the engine process's (api/api_process.py, engine/remote.py). Every error leaves as OpenAI's error body; `/v1/*` needs the API key when one is set,
-every other route stays open. Request bodies are read up to `max_request_body_bytes` (else 413).
-The event loop only routes: decoding, validating, rendering and tokenizing a request run on the
-`prepare` threads (`ServingContext.off_loop`). Shutdown and engine death: lifecycle.py.
+an EngineClient of the engine process's (api/api_process.py, engine/remote.py). Every error leaves
+as OpenAI's error body; `/v1/*` needs the API key when one is set, every other route stays open.
+Request bodies are read up to `max_request_body_bytes` (else 413). The event loop only routes:
+decoding, validating, rendering and tokenizing a request run on the `prepare` threads
+(`ServingContext.off_loop`). Shutdown and engine death: lifecycle.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import msgspec
 from starlette.applications import Starlette
@@ -44,6 +46,9 @@ from flint_sched.api.serving_tokenization import detokenize, tokenize
 from flint_sched.api.tool_choice import ToolFlags
 from flint_sched.engine.config import EngineConfig
 from flint_sched.tokenizer import default_chat_template
+
+if TYPE_CHECKING:
+    from flint_sched.engine.builder import EngineParts
 
 logger = logging.getLogger("flint_sched.api")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
@@ -108,7 +113,7 @@ def resolve_chat_template(value: str | None) -> str | None:
 class EngineState:
     """The parts an engine is built from (loaded before serving) and the engine once started."""
 
-    def __init__(self, parts, model_root: str,
+    def __init__(self, parts: EngineParts, model_root: str,
                  step_timeout_s: float | None = DEFAULT_ENGINE_ITERATION_TIMEOUT_S):
         if step_timeout_s is not None and not step_timeout_s >= 0:
             raise ValueError(f"engine iteration timeout must be >= 0 seconds, got {step_timeout_s}")
