@@ -34,6 +34,10 @@ __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
   return r;
 }
 
+__device__ __forceinline__ uint4 mul_bf16x2_v4(uint4 a, uint4 b) {
+  return make_uint4(mul_bf16x2(a.x, b.x), mul_bf16x2(a.y, b.y), mul_bf16x2(a.z, b.z), mul_bf16x2(a.w, b.w));
+}
+
 // Byte permute: result byte i = byte sel_i of the 8-byte value {b:a}.
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   u32 r;

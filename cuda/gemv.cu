@@ -24,26 +24,34 @@
 #define GEMV_RED (GEMV_WARPS * 4 * 32)  // partials of one group
 
 // acc[grp] over all of K for this CTA's rows; token grp * 8 + g feeds lane g of group grp.
-template <class Wt, int U>
+// norm_w (NORM): x times it on load (the RMSNorm's weight; gemv scales by the inverse RMS after).
+template <class Wt, int U, bool NORM = false>
 __device__ __forceinline__ void gemv_partials(float* red, const typename Wt::Rows& rows, const u16* x,
-                                              int B, int K, const typename Wt::Shared& sh) {
+                                              int B, int K, const typename Wt::Shared& sh,
+                                              const u16* norm_w = nullptr) {
   const int g = (threadIdx.x & 31) >> 2;
   const u16* xs[GEMV_GROUPS];
 #pragma unroll
   for (int grp = 0; grp < GEMV_GROUPS; ++grp) xs[grp] = grp * 8 + g < B ? x + (size_t)(grp * 8 + g) * K : nullptr;
   float acc[GEMV_GROUPS][4] = {};
-  tile_partial_groups<Wt, GEMV_WARPS, U, true, GEMV_GROUPS>(acc, rows, xs, K, 0, (K + Wt::KSTEP - 1) / Wt::KSTEP,
-                                                           sh);
+  tile_partial_groups<Wt, GEMV_WARPS, U, true, GEMV_GROUPS, NORM>(acc, rows, xs, K, 0,
+                                                                 (K + Wt::KSTEP - 1) / Wt::KSTEP, sh, norm_w);
 #pragma unroll
   for (int grp = 0; grp < GEMV_GROUPS; ++grp) tile_store_partials<GEMV_WARPS>(red + grp * GEMV_RED, acc[grp]);
   __syncthreads();
 }
 
-template <class Wt, int U, class Out = u16>
+// NORM: y = rms_norm(x, norm_w) . W^T (model/reference.py's rms_norm, then the GEMV) without the
+// norm's launch: x times norm_w on load, the sums times each row's inverse RMS, which the CTA takes
+// from x itself after its k-loop (the rows are in L1 / L2 by then). Roundings differ from the two
+// launches' (x * w rounded to bf16 instead of x * inv_rms * w): within bf16 tolerance, not equal.
+template <class Wt, int U, class Out = u16, bool NORM = false>
 __device__ __forceinline__ void gemv(Out* y, const u16* x, const Wt& wt, const u16* residual,
-                                     int B, int N, int K, int split1, int split2) {
+                                     int B, int N, int K, int split1, int split2,
+                                     const u16* norm_w = nullptr, float eps = 0.0f) {
   __shared__ float red[GEMV_GROUPS * GEMV_RED];
   __shared__ typename Wt::Shared sh;
+  __shared__ float inv_rms[NORM ? 8 * GEMV_GROUPS : 1];
   Wt::init_shared(sh);
   pdl_launch_dependents();
   __syncthreads();
@@ -51,7 +59,25 @@ __device__ __forceinline__ void gemv(Out* y, const u16* x, const Wt& wt, const u
   const int n0 = blockIdx.x * 16;
   if (threadIdx.x == 0) wt.prefetch(n0, min(16, N - n0), K);
   const typename Wt::Rows rows = Wt::rows(wt, min(n0 + g, N - 1), wt, min(n0 + g + 8, N - 1), K);
-  gemv_partials<Wt, U>(red, rows, x, B, K, sh);
+  gemv_partials<Wt, U, NORM>(red, rows, x, B, K, sh, norm_w);
+  if constexpr (NORM) {  // warp w: rows w, w + GEMV_WARPS, ..; K % 8 == 0
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int b = warp; b < B; b += GEMV_WARPS) {
+      float sum_sq = 0.0f;
+      for (int k = 8 * lane; k < K; k += 256) {
+        const uint4 v = ld_act_v4(x + (size_t)b * K + k);
+        const u32 w4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float lo = bf16x2_lo(w4[j]), hi = bf16x2_hi(w4[j]);
+          sum_sq = fmaf(lo, lo, fmaf(hi, hi, sum_sq));
+        }
+      }
+      sum_sq = warp_sum(sum_sq);
+      if (lane == 0) inv_rms[b] = rsqrtf(sum_sq / K + eps);
+    }
+    __syncthreads();
+  }
   const int r = threadIdx.x >> 3, n = n0 + r;  // threads 0..127: 16 rows x 8 tokens of a group
   if (r >= 16 || n >= N) return;
 #pragma unroll
@@ -59,6 +85,7 @@ __device__ __forceinline__ void gemv(Out* y, const u16* x, const Wt& wt, const u
     const int j = threadIdx.x & 7, b = grp * 8 + j;
     if (b >= B) break;
     float v = tile_sum<GEMV_WARPS>(red + grp * GEMV_RED, r, j) * wt.sum_scale((n >= split1) + (n >= split2));
+    if constexpr (NORM) v *= inv_rms[b];
     if (residual) v += bf16_to_f32(residual[(size_t)b * N + n]);
     if constexpr (sizeof(Out) == 4) {
       y[(size_t)b * N + n] = v;
@@ -109,6 +136,20 @@ gemv_nvfp4(u16* y, const u16* x, const u8* codes, const u8* scales, const float*
            const u16* residual, int B, int N, int K, int split1, int split2) {
   gemv<Nvfp4Weights, NVFP4_UNROLL>(y, x, Nvfp4Weights{codes, scales, tensor_scale}, residual, B, N, K,
                                    split1, split2);
+}
+
+// rms_norm(x, norm_w, eps) . W^T in one launch (see gemv's NORM)
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_bf16_norm(u16* y, const u16* x, const u16* w, const u16* residual, int B, int N, int K, const u16* norm_w,
+               float eps) {
+  gemv<Bf16Weights, BF16_UNROLL, u16, true>(y, x, Bf16Weights{w}, residual, B, N, K, N, N, norm_w, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_nvfp4_norm(u16* y, const u16* x, const u8* codes, const u8* scales, const float* tensor_scale,
+                const u16* residual, int B, int N, int K, int split1, int split2, const u16* norm_w, float eps) {
+  gemv<Nvfp4Weights, NVFP4_UNROLL, u16, true>(y, x, Nvfp4Weights{codes, scales, tensor_scale}, residual, B, N, K,
+                                              split1, split2, norm_w, eps);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)

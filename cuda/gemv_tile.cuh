@@ -57,6 +57,9 @@ struct Bf16Weights {
   }
   typedef uint4 X;  // token g's activations of one lane's k-step: 8 bf16
   static __device__ X load_x(const u16* xk) { return ld_act_v4(xk); }
+  // x times a per-k weight (an RMSNorm's, folded into the GEMV: bf16 products, one rounding each)
+  static __device__ X load_x_w(const u16* xk, const u16* wk) { return mul_bf16x2_v4(ld_act_v4(xk), __ldg(
+      reinterpret_cast<const uint4*>(wk))); }
   static __device__ X zero_x() { return make_uint4(0, 0, 0, 0); }
   static __device__ void mma(float (&acc)[4], const Frag& f, const X& x, const Shared&) {
     mma_bf16_16x8x16(acc, f.w0.x, f.w1.x, f.w0.y, f.w1.y, x.x, x.y);
@@ -134,6 +137,14 @@ struct Nvfp4Weights {
     for (int i = 0; i < 4; ++i) x.v[i] = ld_act_v4(xk + 8 * i);
     return x;
   }
+  static __device__ X load_x_w(const u16* xk, const u16* wk) {  // as Bf16Weights::load_x_w
+    X x;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x.v[i] = ld_act_v4(xk + 8 * i);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x.v[i] = mul_bf16x2_v4(x.v[i], __ldg(reinterpret_cast<const uint4*>(wk + 8 * i)));
+    return x;
+  }
   static __device__ X zero_x() {
     X x;
 #pragma unroll
@@ -186,10 +197,19 @@ struct Nvfp4Weights {
 // PREFETCH: the caller has not waited on the previous kernel yet (PDL); the first round of weight
 // loads is issued before `pdl_wait`, so it overlaps the previous kernel's tail, and every thread
 // has waited when this returns. Weights never depend on the previous kernel; x does.
-template <class Wt, int W, int U, bool PREFETCH = false, int G = 1>
+// XW: x is multiplied by xw [k_total] (bf16) on load, as Wt::load_x_w.
+template <class Wt, int W, int U, bool PREFETCH = false, int G = 1, bool XW = false>
 __device__ __forceinline__ void tile_partial_groups(float (&acc)[G][4], const typename Wt::Rows& rows,
                                                     const u16* const (&x_g)[G], int k_total, int s_begin,
-                                                    int s_end, const typename Wt::Shared& sh) {
+                                                    int s_end, const typename Wt::Shared& sh,
+                                                    const u16* xw = nullptr) {
+  auto load_x = [&](const u16* xk, int k) {
+    if constexpr (XW) {
+      return Wt::load_x_w(xk, xw + k);
+    } else {
+      return Wt::load_x(xk);
+    }
+  };
   const int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
   bool waited = !PREFETCH;
   for (int s0 = s_begin + warp; s0 < s_end; s0 += W * U) {
@@ -214,7 +234,7 @@ __device__ __forceinline__ void tile_partial_groups(float (&acc)[G][4], const ty
         const int k = s * Wt::KSTEP + t * Wt::LANE_K;
 #pragma unroll
         for (int grp = 0; grp < G; ++grp)
-          xv[u][grp] = (x_g[grp] && s < s_end && k < k_total) ? Wt::load_x(x_g[grp] + k) : Wt::zero_x();
+          xv[u][grp] = (x_g[grp] && s < s_end && k < k_total) ? load_x(x_g[grp] + k, k) : Wt::zero_x();
       }
 #pragma unroll
       for (int u = 0; u < U; ++u)
@@ -228,7 +248,7 @@ __device__ __forceinline__ void tile_partial_groups(float (&acc)[G][4], const ty
           typename Wt::X xv[G];
 #pragma unroll
           for (int grp = 0; grp < G; ++grp)
-            xv[grp] = (x_g[grp] && k < k_total) ? Wt::load_x(x_g[grp] + k) : Wt::zero_x();
+            xv[grp] = (x_g[grp] && k < k_total) ? load_x(x_g[grp] + k, k) : Wt::zero_x();
           Wt::template mma_groups<G>(acc, f[u], xv, sh);
         }
       }

@@ -57,6 +57,12 @@ FUSE_NORMS = True
 # 7.14, 6.81 ms against 6.16, 6.25 / 6.81, 6.77 on cuBLAS (session 14): no gain, so 16.
 GEMV_MAX_ROWS = {"nvfp4": 16, "bf16": 16}
 
+# Fused steps: an RMSNorm whose reader is a GEMV (the next layer's q/k/v, the LM head) is done inside
+# that GEMV (kernels/linear.py `norm_weight`): a launch and a dependent hop less a layer. The norm
+# before the MoE (router and experts read it) still launches. Prepared without a GPU (session 29):
+# off until measured (benchmarks/ab_decode.py at 1 and 8 requests).
+FOLD_NORMS = False
+
 # Prompt steps: their leading one-row entries (the decodes beside the chunks of a mixed step) attend
 # on the decode kernel, the chunks on the prefill kernel (PrefillMetadata.decodes). In the prefill
 # kernel a decode is a 16-row query tile with one row, and an e4m3 cache's history goes through its
@@ -64,6 +70,15 @@ GEMV_MAX_ROWS = {"nvfp4": 16, "bf16": 16}
 # attention a step (e4m3; the chunk alone ~2), against 3.4 ms for the decodes on the decode kernel
 # (benchmarks/RESULTS.md, session 26). False: every row in the prefill kernel, as before.
 DECODES_APART = True
+
+
+@dataclass(frozen=True)
+class Unnormed:
+    """rms_norm(h, weight) not computed yet (FOLD_NORMS): the GEMV that reads it normalizes on the fly,
+    any other reader has it computed first (`KernelOps._normed`)."""
+
+    h: torch.Tensor
+    weight: str
 
 
 @dataclass
@@ -126,16 +141,31 @@ class KernelOps:
     def resume(self) -> torch.Tensor:
         return self.hidden[0]
 
-    def rms_norm(self, x: torch.Tensor, weight: str) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: str) -> torch.Tensor | Unnormed:
+        if FOLD_NORMS and self.variant == "fused":
+            return Unnormed(x, weight)
         return rms_norm(x, self.w[weight], self.eps, out=torch.empty_like(x), pdl=self.pdl)
 
-    def qkv(self, i: int, x: torch.Tensor):
+    def _normed(self, x: torch.Tensor | Unnormed) -> torch.Tensor:
+        """x, or the norm an Unnormed stands for, launched now."""
+        if isinstance(x, Unnormed):
+            return rms_norm(x.h, self.w[x.weight], self.eps, out=torch.empty_like(x.h), pdl=self.pdl)
+        return x
+
+    def _gemv_linear(self, x: torch.Tensor | Unnormed, weight, **kw) -> torch.Tensor:
+        """`linear` of x, folding the norm of an Unnormed into it."""
+        if isinstance(x, Unnormed):
+            return linear(x.h, weight, pdl=self.pdl, norm_weight=self.w[x.weight], norm_eps=self.eps, **kw)
+        return linear(x, weight, pdl=self.pdl, **kw)
+
+    def qkv(self, i: int, x: torch.Tensor | Unnormed):
         c, p = self.c, f"model.layers.{i}.self_attn."
         weight, splits = self.k.qkv[i]
-        out = torch.empty(self.rows, c.q_size + 2 * c.kv_size, dtype=torch.bfloat16, device=x.device)
+        out = torch.empty(self.rows, c.q_size + 2 * c.kv_size, dtype=torch.bfloat16, device=self.hidden.device)
         if self._gemv(self.rows, weight):
-            qkv = linear(x, weight, out=out, pdl=self.pdl, row_splits=splits)
+            qkv = self._gemv_linear(x, weight, out=out, row_splits=splits)
         else:
+            x = self._normed(x)
             if self.k.copies is not None:
                 weight, splits = self.k.copies.qkv_weight(i, self.rows, weight, splits)
             qkv = grouped_linear(x, weight, out=out, pdl=self.pdl, row_splits=splits)
@@ -145,7 +175,7 @@ class KernelOps:
             return prefill_qk_norm_rope(qkv, self.w[p + "q_norm.weight"], self.w[p + "k_norm.weight"], self.prefill,
                                         c.rms_norm_eps, c.rope_theta if sliding else None, *pools, pdl=self.pdl)
         inp, q = self.inputs, torch.empty(self.rows, c.num_attention_heads, c.head_dim, dtype=torch.bfloat16,
-                                          device=x.device)
+                                          device=qkv.device)
         b = self.rows
         if c.is_sliding(i):
             ring = self.k.kv.ring[self.k.kv.ring_index[i]]
@@ -205,12 +235,13 @@ class KernelOps:
         w = self.w[name]
         return w if self.k.copies is None else self.k.copies.weight(name, rows, w)
 
-    def _dense(self, x: torch.Tensor, name: str, out: torch.Tensor, residual: torch.Tensor | None = None):
+    def _dense(self, x: torch.Tensor | Unnormed, name: str, out: torch.Tensor,
+               residual: torch.Tensor | None = None):
         """x @ W^T (+ residual) into out, on the GEMVs or the grouped GEMMs by the rows (`_gemv`)."""
-        rows, w = x.shape[0], self.w[name]
+        rows, w = out.shape[0], self.w[name]
         if self._gemv(rows, w):
-            return linear(x, w, residual=residual, out=out, pdl=self.pdl)
-        return grouped_linear(x, self._weight(name, rows), residual=residual, out=out, pdl=self.pdl)
+            return self._gemv_linear(x, w, residual=residual, out=out)
+        return grouped_linear(self._normed(x), self._weight(name, rows), residual=residual, out=out, pdl=self.pdl)
 
     def linear(self, x: torch.Tensor, weight: str, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self._dense(x, weight, self._other(residual), residual)
@@ -224,14 +255,16 @@ class KernelOps:
                            pdl=self.pdl, norm_weight=self.w[norm], norm_out=normed, norm_eps=self.eps)
         return h, normed
 
-    def gate_up(self, x: torch.Tensor, gate: str, up: str) -> torch.Tensor:
+    def gate_up(self, x: torch.Tensor | Unnormed, gate: str, up: str) -> torch.Tensor:
+        x = self._normed(x)
         rows = x.shape[0]
         out = torch.empty(rows, self.w[gate].shape[0], dtype=torch.bfloat16, device=x.device)
         if self._gemv(rows, self.w[gate]):
             return gate_up_silu(x, self.w[gate], self.w[up], out=out, pdl=self.pdl)
         return grouped_gate_up(x, self._weight(gate, rows), self._weight(up, rows), out=out, pdl=self.pdl)
 
-    def moe(self, i: int, x: torch.Tensor, residual: torch.Tensor, norm: str | None = None):
+    def moe(self, i: int, x: torch.Tensor | Unnormed, residual: torch.Tensor, norm: str | None = None):
+        x = self._normed(x)
         c, w, p = self.c, self.w, f"model.layers.{i}.mlp."
         shared = [w[p + f"shared_experts.{n}_proj.weight"] if c.n_shared_experts else None for n in ("gate", "up", "down")]
         experts = [w[p + f"experts.{n}_proj.weight"] for n in ("gate", "up", "down")]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
+from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.hardware import sm_count
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
@@ -193,10 +193,12 @@ def check_row_splits(row_splits: tuple[int, ...], n: int) -> None:
 
 def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
            out: torch.Tensor | None = None, pdl: bool = False, row_splits: tuple[int, ...] = (),
-           out_dtype: torch.dtype = torch.bfloat16, warps: int | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype = torch.bfloat16, warps: int | None = None,
+           norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
     """y[B, N] = x @ W^T (+ residual), fp32 sums, one bf16 rounding. `row_splits`: from `concat_rows`.
     out_dtype fp32 (bf16 W, no residual): y unrounded, the router's logits. `warps`: per CTA (4, 8
-    or 16), else `gemv_warps`."""
+    or 16), else `gemv_warps`. norm_weight [K]: y = rms_norm(x, norm_weight, norm_eps) @ W^T in the
+    same launch (cuda/gemv.cu's NORM: bf16 roundings differ from the norm's own launch)."""
     check_activations(x, max_tokens=GEMV_MAX_TOKENS)
     b, k = x.shape
     n = weight.shape[0]
@@ -211,6 +213,10 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     if out_dtype not in (torch.bfloat16, torch.float32) or f32 and (fmt != "bf16" or residual is not None
                                                                       or row_splits):
         raise ValueError("linear writes bf16, or fp32 from one bf16 weight without a residual")
+    if norm_weight is not None:
+        if f32:
+            raise ValueError("a folded norm writes bf16")
+        check_tensor(norm_weight, "norm_weight", torch.bfloat16, (k,), x.device)
     y = output(out, "out", (b, n), x, out_dtype)
     tiles, num_groups = cdiv(n, TILE_ROWS), groups(b)
     if warps not in (None, 4, 8, 16) or warps == 16 and num_groups > 2:
@@ -219,8 +225,11 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     splits = [I32(r) for r in (*row_splits, n, n)[:2]] if fmt == "nvfp4" else []
     args = ([y, x, *w_args, I32(b), I32(n), I32(k)] if f32 else
             [y, x, *w_args, residual, I32(b), I32(n), I32(k), *splits])
-    _kernel("gemv_bf16_f32" if f32 else f"gemv_{fmt}", warps, x_batch(fmt), num_groups).launch(
-        (tiles,), (32 * warps,), args, pdl=pdl, device=x.device.index)
+    name = "gemv_bf16_f32" if f32 else f"gemv_{fmt}"
+    if norm_weight is not None:
+        name, args = name + "_norm", [*args, norm_weight, F32(norm_eps)]
+    _kernel(name, warps, x_batch(fmt), num_groups).launch((tiles,), (32 * warps,), args, pdl=pdl,
+                                                          device=x.device.index)
     return y
 
 

@@ -71,11 +71,14 @@ def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True, seqs=4, num_blocks
     return decode_logits, outputs, preemptions
 
 
-@pytest.mark.parametrize("cluster_router", [True, False], ids=["cluster-router", "ticket-router"])
-def test_decode_logits_match_the_reference(ckpt, cluster_router, monkeypatch):
-    """Fused decode steps (both routers of kernels/moe.py: CLUSTER_ROUTER) against the reference."""
+@pytest.mark.parametrize("cluster_router,fold_norms", [(True, False), (False, False), (True, True)],
+                         ids=["cluster-router", "ticket-router", "folded-norms"])
+def test_decode_logits_match_the_reference(ckpt, cluster_router, fold_norms, monkeypatch):
+    """Fused decode steps (both routers of kernels/moe.py: CLUSTER_ROUTER; the norms before q/k/v and
+    the LM head folded into their GEMVs: kernel_ops.FOLD_NORMS) against the reference."""
     moe_kernels = importlib.import_module("flint_sched.kernels.moe")   # the package exports a function `moe`
     monkeypatch.setattr(moe_kernels, "CLUSTER_ROUTER", cluster_router)
+    monkeypatch.setattr(kernel_ops, "FOLD_NORMS", fold_norms)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (5, 600, 37)]
     decode_logits, outputs, _ = run(ckpt, prompts, max_tokens=6)

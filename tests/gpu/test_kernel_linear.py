@@ -202,3 +202,29 @@ def test_rejects_bad_inputs():
         linear(activations(2, 64, seed=0), nvfp4_weight(64, 64, seed=0).codes)  # uint8 is no weight
     with pytest.raises(ValueError):
         linear(activations(2, 96, seed=0), nvfp4_weight(64, 96 + 32, seed=0))
+
+
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).bfloat16()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("b", [1, 5, 8, 16])
+def test_a_folded_norm_matches_the_norm_then_the_gemv(fmt, b):
+    """linear(x, W, norm_weight=w) = linear(rms_norm(x, w), W) within bf16 tolerance (the product x * w
+    is rounded instead of x * inv_rms * w), with q/k/v's row splits (NVFP4) and a residual."""
+    n, k, eps = 5120, 2048, 1e-6
+    w = nvfp4_weight(n, k, 11) if fmt == "nvfp4" else bf16_weight(n, k, 11)
+    splits = (4096, 4608) if fmt == "nvfp4" else ()
+    if fmt == "nvfp4":
+        w, splits = concat_rows([NVFP4Tensor(w.codes[a:z], w.block_scales[a:z], w.tensor_scale.clone())
+                                 for a, z in ((0, 4096), (4096, 4608), (4608, 5120))])
+    x = (3 * torch.randn(b, k, device="cuda", generator=gen(12))).bfloat16()
+    nw = (1 + 0.3 * torch.randn(k, device="cuda", generator=gen(13))).bfloat16()
+    residual = torch.randn(b, n, device="cuda", generator=gen(14)).bfloat16()
+    for res in (None, residual):
+        want = linear(rms_norm_ref(x, nw, eps), w, residual=res, row_splits=splits)
+        got = linear(x, w, residual=res, row_splits=splits, norm_weight=nw, norm_eps=eps,
+                     out=poisoned(b, n))
+        assert_close_bf16(got, want, f"{fmt} b={b} residual={res is not None}")
