@@ -1,0 +1,77 @@
+"""kernel_ops.FOLD_NORMS on the CPU: the fused path's forward over recording stand-ins for the kernels,
+counting which RMSNorms launch and which GEMVs take a norm's weight (the kernels themselves are
+checked on the GPU: tests/gpu/test_kernel_linear.py, test_cuda_executor.py)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flint_sched.config import preset
+from flint_sched.executor import kernel_ops
+from flint_sched.executor.forward import forward
+
+
+class Weights(dict):
+    def __init__(self, config):
+        super().__init__({"lm_head.weight": torch.empty(config.vocab_size, config.hidden_size)})
+        self.config = config
+
+    def __missing__(self, name):
+        return torch.empty(self.config.intermediate_size, self.config.hidden_size)
+
+
+def stand_ins(monkeypatch, calls):
+    def record(kind, result):
+        calls.append(kind)
+        return result
+
+    monkeypatch.setattr(kernel_ops, "embed_tokens", lambda table, tokens, h, **kw: h)
+    monkeypatch.setattr(kernel_ops, "rms_norm", lambda x, w, eps, out, pdl: record("norm", out))
+    monkeypatch.setattr(kernel_ops, "linear", lambda x, w, out, pdl, norm_weight=None, **kw: record(
+        ("linear", w.shape[0], norm_weight is not None), out))
+    monkeypatch.setattr(kernel_ops, "gate_up_silu", lambda x, g, u, out, pdl: out)
+    monkeypatch.setattr(kernel_ops, "route", lambda x, *a, **kw: (torch.zeros(x.shape[0], 4, dtype=torch.int32),
+                                                                torch.zeros(x.shape[0], 4)))
+    monkeypatch.setattr(kernel_ops, "moe_gate_up", lambda x, ids, *w, out, pdl: out)
+    monkeypatch.setattr(kernel_ops, "moe_down", lambda hidden, ids, weights, *w, residual, out, pdl: out)
+    monkeypatch.setattr(kernel_ops, "greedy", lambda logits, out, **kw: out)
+    monkeypatch.setattr(kernel_ops, "attn", SimpleNamespace(
+        qk_norm_rope_kv_sliding=lambda *a, q_out, pdl: q_out, qk_norm_rope_kv_full=lambda *a, q_out, pdl: q_out,
+        decode_attention_sliding=lambda q, *a, out, **kw: out, decode_attention_full=lambda q, *a, out, **kw: out))
+
+
+def fused_forward(config, rows=2):
+    c = config
+    qkv = {i: (torch.empty(c.q_size + 2 * c.kv_size, c.hidden_size), (c.q_size, c.q_size + c.kv_size))
+           for i in range(c.num_hidden_layers)}
+    kv = SimpleNamespace(ring={j: (None, None) for j in range(c.num_hidden_layers)}, ring_index=list(
+        range(c.num_hidden_layers)), full={j: (None, None) for j in range(c.num_hidden_layers)},
+        full_index=list(range(c.num_hidden_layers)))
+    weights = kernel_ops.KernelWeights(c, Weights(c), qkv, kv, SimpleNamespace(router=None, attention=None,
+                                                                               argmax=None))
+    inputs = SimpleNamespace(num_rows=None, tokens=None, sources=None, sampled=None, table_scatter=None,
+                             positions=torch.zeros(rows), ring_slots=torch.zeros(rows),
+                             block_tables=torch.zeros(rows, 1), seq_lens=torch.zeros(rows), max_model_len=64,
+                             argmax=None)
+    ops = kernel_ops.KernelOps(weights, "fused", rows, torch.zeros(2, rows, c.hidden_size),
+                               torch.zeros(rows, c.vocab_size), torch.zeros(rows, dtype=torch.int32), inputs)
+    return forward(ops, c)
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_folded_norms_leave_only_the_norms_before_the_moe_and_dense_mlps(monkeypatch, fold):
+    config = preset("flint-tiny")
+    calls = []
+    stand_ins(monkeypatch, calls)
+    monkeypatch.setattr(kernel_ops, "FOLD_NORMS", fold)
+    logits = fused_forward(config)
+    assert logits.shape == (2, config.vocab_size)
+    layers, qkv_rows = config.num_hidden_layers, config.q_size + 2 * config.kv_size
+    norms = calls.count("norm")
+    folded = [c for c in calls if c != "norm" and c[2]]
+    if fold:   # every post-attention norm launches; the input norms and the final one go into GEMVs
+        assert norms == layers
+        assert folded == [("linear", qkv_rows, True)] * layers + [("linear", config.vocab_size, True)]
+    else:      # input norm a layer, post-attention norm a layer, the final norm
+        assert norms == 2 * layers + 1 and folded == []
