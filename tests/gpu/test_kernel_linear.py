@@ -215,11 +215,10 @@ def test_a_folded_norm_matches_the_norm_then_the_gemv(fmt, b):
     """linear(x, W, norm_weight=w) = linear(rms_norm(x, w), W) within bf16 tolerance (the product x * w
     is rounded instead of x * inv_rms * w), with q/k/v's row splits (NVFP4) and a residual."""
     n, k, eps = 5120, 2048, 1e-6
-    w = nvfp4_weight(n, k, 11) if fmt == "nvfp4" else bf16_weight(n, k, 11)
-    splits = (4096, 4608) if fmt == "nvfp4" else ()
-    if fmt == "nvfp4":
-        w, splits = concat_rows([NVFP4Tensor(w.codes[a:z], w.block_scales[a:z], w.tensor_scale.clone())
-                                 for a, z in ((0, 4096), (4096, 4608), (4608, 5120))])
+    if fmt == "nvfp4":                                  # q/k/v: three weights, each its tensor scale
+        w, splits = concat_rows([nvfp4_weight(rows, k, 11 + rows) for rows in (4096, 512, 512)])
+    else:
+        w, splits = bf16_weight(n, k, 11), ()
     x = (3 * torch.randn(b, k, device="cuda", generator=gen(12))).bfloat16()
     nw = (1 + 0.3 * torch.randn(k, device="cuda", generator=gen(13))).bfloat16()
     residual = torch.randn(b, n, device="cuda", generator=gen(14)).bfloat16()
