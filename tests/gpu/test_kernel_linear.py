@@ -216,7 +216,7 @@ def test_a_folded_norm_matches_the_norm_then_the_gemv(fmt, b):
     is rounded instead of x * inv_rms * w), with q/k/v's row splits (NVFP4) and a residual."""
     n, k, eps = 5120, 2048, 1e-6
     if fmt == "nvfp4":                                  # q/k/v: three weights, each its tensor scale
-        w, splits = concat_rows([nvfp4_weight(rows, k, 11 + rows) for rows in (4096, 512, 512)])
+        w, splits = concat_rows([nvfp4_weight(rows, k, 11 + i) for i, rows in enumerate((4096, 512, 512))])
     else:
         w, splits = bf16_weight(n, k, 11), ()
     x = (3 * torch.randn(b, k, device="cuda", generator=gen(12))).bfloat16()
