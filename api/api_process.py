@@ -35,10 +35,9 @@ from flint_sched.engine.remote import EngineClient, EngineConnection
 
 def serve_with_api_process(state: EngineState, server_config: ServerConfig) -> int:
     """Serve until the API process exits (drained by a signal: 0; the engine died: EXIT_ENGINE_DIED)."""
-    import uvloop
+    from flint_sched.llm import run_async     # uvloop where installed, as uvicorn's "auto" loop
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_engine_process(state, server_config))
+    return run_async(_engine_process(state, server_config))
 
 
 async def _engine_process(state: EngineState, server_config: ServerConfig) -> int:
