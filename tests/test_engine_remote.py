@@ -4,6 +4,7 @@ requests; and a reader behind its producer gets merged outputs (async_engine.Out
 
 import asyncio
 import socket
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -34,6 +35,27 @@ async def connected(engine):
                           engine.grammar_compiler)
     client.start()
     return client, serving
+
+
+@asynccontextmanager
+async def serving_client(parts):
+    """A running engine and a client connected to it; the client's connection closed after."""
+    engine = build_engine(parts)
+    engine.start()
+    try:
+        client, serving = await connected(engine)
+        yield engine, client, serving
+        await client.shutdown()
+        await asyncio.wait_for(serving, 5)
+    finally:
+        await engine.shutdown()
+
+
+async def until_no_requests(engine, timeout_s: float = 2.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if not engine.num_unfinished_requests:
+            return
+        await asyncio.sleep(0.01)
 
 
 async def outputs_of(stream):
@@ -70,11 +92,8 @@ REQUESTS = [
 
 
 async def test_a_clients_streams_add_up_to_the_engines_own(parts):
-    engine = build_engine(parts)
-    engine.start()
-    try:
+    async with serving_client(parts) as (engine, client, _):
         direct = await asyncio.gather(*(outputs_of(engine.add_request(p, sp)) for p, sp in REQUESTS))
-        client, serving = await connected(engine)
         remote = await asyncio.gather(*(outputs_of(client.add_request(p, sp)) for p, sp in REQUESTS))
         for alone, through in zip(direct, remote):
             assert summary(through) == summary(alone)
@@ -82,70 +101,41 @@ async def test_a_clients_streams_add_up_to_the_engines_own(parts):
         stats = await client.fetch_stats()
         assert stats.num_running == stats.num_waiting == 0 and stats.num_used_blocks == 0
         assert client.stats() is stats and client.num_unfinished_requests == 0
-        await client.shutdown()
-        await asyncio.wait_for(serving, 5)
-    finally:
-        await engine.shutdown()
 
 
 async def test_leaving_a_stream_aborts_the_engines_request(parts):
-    engine = build_engine(parts)
-    engine.start()
-    try:
-        client, serving = await connected(engine)
+    async with serving_client(parts) as (engine, client, _):
         stream = client.add_request([1, 2, 3], SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
         async for _ in stream:
             break
         await stream.aclose()
-        for _ in range(200):
-            if not engine.num_unfinished_requests:
-                break
-            await asyncio.sleep(0.01)
+        await until_no_requests(engine)
         assert engine.num_unfinished_requests == 0
         assert engine.scheduler.kv_allocator.num_used_blocks == 0
         # a second stream after the first's abort runs to its end
         outs = await outputs_of(client.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0)))
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
-        await client.shutdown()
-        await asyncio.wait_for(serving, 5)
-    finally:
-        await engine.shutdown()
 
 
 async def test_bad_requests_are_refused_before_they_are_sent(parts):
-    engine = build_engine(parts)
-    engine.start()
-    try:
-        client, serving = await connected(engine)
+    async with serving_client(parts) as (engine, client, _):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             client.add_request([engine.vocab_size + 5], SamplingParams(max_tokens=2))
         with pytest.raises(ValueError, match="maximum context length"):
             client.add_request([1, 2], SamplingParams(max_tokens=engine.max_model_len))
         assert client.num_unfinished_requests == 0
-        await client.shutdown()
-        await asyncio.wait_for(serving, 5)
-    finally:
-        await engine.shutdown()
 
 
 async def test_a_closed_connection_aborts_its_requests(parts):
-    engine = build_engine(parts)
-    engine.start()
-    try:
-        client, serving = await connected(engine)
+    async with serving_client(parts) as (engine, client, serving):
         stream = client.add_request([4, 5], SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
         await stream.__anext__()
         await client.shutdown()                  # the API process goes away
         await asyncio.wait_for(serving, 5)
         with pytest.raises(EngineError, match="shut down"):
             await stream.__anext__()
-        for _ in range(200):
-            if not engine.num_unfinished_requests:
-                break
-            await asyncio.sleep(0.01)
+        await until_no_requests(engine)
         assert engine.num_unfinished_requests == 0
-    finally:
-        await engine.shutdown()
 
 
 async def test_an_engine_that_dies_fails_the_clients_requests(parts):

@@ -116,6 +116,25 @@ class OutputQueue:
         return self._items.popleft()
 
 
+async def stream_outputs(queue: OutputQueue, abort) -> AsyncIterator[RequestOutput]:
+    """A request's outputs until its last one (an exception it gets is raised); a reader that leaves
+    before the last (disconnect, break, cancel) has `abort()` called."""
+    done = False
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                done = True                    # the request is over already
+                raise item
+            yield item
+            if item.finished:
+                done = True
+                return
+    finally:
+        if not done:
+            abort()
+
+
 @dataclass(eq=False)
 class _Request:
     request_id: str
@@ -258,18 +277,8 @@ class AsyncEngine:
         self._wakeup.set()
         return request
 
-    async def _stream(self, request: _Request) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                item = await request.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            if not request.finished:           # the consumer left early (disconnect, break, cancel)
-                self.abort(request.request_id)
+    def _stream(self, request: _Request) -> AsyncIterator[RequestOutput]:
+        return stream_outputs(request.queue, lambda: self.abort(request.request_id))
 
     def abort_all(self) -> int:
         """Finish every request now with "abort" (a drain that ran out of time); how many there were."""

@@ -30,7 +30,7 @@ import pickle
 import struct
 from collections.abc import AsyncIterator, Sequence
 
-from flint_sched.engine.async_engine import AsyncEngine, OutputQueue, check_request
+from flint_sched.engine.async_engine import AsyncEngine, OutputQueue, check_request, stream_outputs
 from flint_sched.engine.outputs import CompletionOutput, EngineError, RequestOutput
 from flint_sched.sampling_params import SamplingParams
 
@@ -89,8 +89,8 @@ class EngineConnection:
         if not self._items:
             asyncio.get_running_loop().call_soon(self._flush)
         self._items.append(item)
-        if finished_id is not None or len(item) == 2:
-            self._open.discard(item[0])
+        if finished_id is not None:
+            self._open.discard(finished_id)
 
     def _flush(self) -> None:
         items, self._items = self._items, []
@@ -222,19 +222,7 @@ class EngineClient:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = self._requests[request_id] = _RemoteRequest(request_id, prompt_ids, params)
         self._send(("add", request_id, prompt_ids, params))
-        return self._stream(request)
-
-    async def _stream(self, request: _RemoteRequest) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                item = await request.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            self.abort(request.request_id)        # a no-op once finished
+        return stream_outputs(request.queue, lambda: self.abort(request_id))
 
     def abort(self, request_id: str) -> bool:
         """Ask the engine to finish the request with "abort" (its last output still comes)."""
