@@ -12,6 +12,7 @@
 // are mma column group g, every group fed by the same decoded weights (3-4 groups: at most 8
 // warps, kernels/linear.py gemv_warps).
 #include "gemv_tile.cuh"
+#include "norm.cuh"  // norm_unpack
 
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 4
@@ -67,11 +68,8 @@ __device__ __forceinline__ void gemv(Out* y, const u16* x, const Wt& wt, const u
       for (int k = 8 * lane; k < K; k += 256) {
         const uint4 v = ld_act_v4(x + (size_t)b * K + k);
         const u32 w4[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float lo = bf16x2_lo(w4[j]), hi = bf16x2_hi(w4[j]);
-          sum_sq = fmaf(lo, lo, fmaf(hi, hi, sum_sq));
-        }
+        float unpacked[8];
+        sum_sq = norm_unpack(unpacked, w4, sum_sq);
       }
       sum_sq = warp_sum(sum_sq);
       if (lane == 0) inv_rms[b] = rsqrtf(sum_sq / K + eps);
