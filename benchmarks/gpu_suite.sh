@@ -11,6 +11,8 @@
 #   serve-max     c=256 with the flags for throughput: e4m3 cache, 32K-token budget, stream interval 4
 #   serve-api     c=256, e4m3, stream interval 1: one process (--api-server-count 0), then the API process (1)
 #   persistent    bench_persistent.py: a chain of GEMVs on counters in one launch against launches
+#   decode-step   the persistent decode step (kernel_ops.PERSISTENT): its GPU tests, then ab_decode at
+#                 1, 4 and 8 requests against the launches
 #
 # Only the lines that carry figures are printed (decode steps, served throughput, TTFT / ITL, GPU
 # busy and idle, failures, what /metrics still holds after a run), after one on the machine (GPU
@@ -18,7 +20,7 @@
 # GPU, the wheels in ./.whl (../shared/tools/device-wheels) are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,16p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,18p "$0"; exit 2; }
 if command -v nvidia-smi >/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -79,6 +81,14 @@ for part in "$@"; do
                 serve "--kv-cache-dtype fp8 --api-server-count $count" "$RANDOM_1K --num-prompts 512 --max-concurrency 256 --seed 9"
             done ;;
         persistent) python3 benchmarks/bench_persistent.py 2>&1 | grep -E "^\||^NVFP4|rror" ;;
-        *) echo "unknown part $part (tests, latency, latency-fp8, latency-bf16, serve, serve-max, serve-api, persistent)"; exit 2 ;;
+        decode-step)
+            timeout 300 python3 -m pytest -q -x tests/gpu/test_cuda_executor.py -k persistent 2>&1 |
+                grep -E "^FAILED|^ERROR|Error| in [0-9.]+s"
+            for fmt in nvfp4 bf16; do
+                python3 benchmarks/ab_decode.py --weight-format $fmt --batch-sizes 1,4,8 --contexts 1024 --num-steps 20 \
+                    --rounds 2 --variant launches: --variant "persistent:flint_sched.executor.kernel_ops.PERSISTENT=True" \
+                    2>&1 | grep -E "^\||rror"
+            done ;;
+        *) echo "unknown part $part (tests, latency, latency-fp8, latency-bf16, serve, serve-max, serve-api, persistent, decode-step)"; exit 2 ;;
     esac
 done

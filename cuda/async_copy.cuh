@@ -30,6 +30,11 @@ __device__ __forceinline__ void mbarrier_init(u32 bar, u32 arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
 }
 
+// Before an initialized barrier's memory is initialized again (a persistent kernel's next task).
+__device__ __forceinline__ void mbarrier_inval(u32 bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
 // Makes barrier initialization visible to the copy engine (the async proxy).
 __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");

@@ -177,8 +177,21 @@ __device__ __forceinline__ T block_exclusive_sum(T mine, T* warp_total, T& total
 // serialization. `pdl_wait` must precede every read of the previous kernel's outputs and every
 // write to memory the previous kernel may still read; the memory clobber keeps the compiler from
 // hoisting such accesses above it.
+// PERSISTENT_STEP (cuda/decode_step.cu): the kernels' bodies run as tasks of one launch, each
+// started only once what it reads is complete (the task loop waits on counters), so inside them
+// both are no-ops; the launch itself waits once, before its first task.
 
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+#ifndef PERSISTENT_STEP
+#define PERSISTENT_STEP 0
+#endif
+
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+#if PERSISTENT_STEP
+__device__ __forceinline__ void pdl_wait() {}
+#else
+__device__ __forceinline__ void pdl_wait() { griddep_wait(); }
+#endif
 
 // A counter another CTA bumps (after __threadfence() and atomicAdd): this load is ordered before
 // the thread's later loads (gpu scope), so what the other CTA wrote before its bump is seen.
@@ -188,5 +201,7 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
   return v;
 }
 __device__ __forceinline__ void pdl_launch_dependents() {
+#if !PERSISTENT_STEP
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }

@@ -35,6 +35,11 @@
 #define ATTN_CP_ASYNC 0
 #endif
 #define ATTN_THREADS (ATTN_WARPS * 32)
+// The barrier of the CTA's attention threads: all of them, or (cuda/decode_step.cu) a named barrier
+// of the first ATTN_THREADS threads of a larger CTA.
+#ifndef ATTN_SYNC
+#define ATTN_SYNC() __syncthreads()
+#endif
 #define ATTN_TILE 16            // keys per warp step
 #ifndef ATTN_MIN_SPLIT_KEYS
 #define ATTN_MIN_SPLIT_KEYS 64  // flint_sched/kernels/attention.py MIN_SPLIT_KEYS (passed as a define)
@@ -276,7 +281,7 @@ __device__ __forceinline__ void merge_partials(const float* first, int count, in
 // also resets the ticket for the next launch. One thread fences after the barrier (fences are
 // cumulative, as in cooperative groups' grid sync); the last fences again before reading.
 __device__ __forceinline__ bool take_ticket(u32* ticket, int arrivals, int* flag) {
-  __syncthreads();
+  ATTN_SYNC();
   if (threadIdx.x == 0) {
     __threadfence();
     const bool last = atomicAdd(ticket, 1u) == (u32)(arrivals - 1);
@@ -286,20 +291,20 @@ __device__ __forceinline__ bool take_ticket(u32* ticket, int arrivals, int* flag
     }
     *flag = last;
   }
-  __syncthreads();
+  ATTN_SYNC();
   return *flag;
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-decode_attention_bf16(u16* out, const u16* q, int q_stride, const kv_t* k_cache, const kv_t* v_cache,
-                      const int* block_tables, int table_stride, const int* ring_slots, int page_rows, int window,
-                      const int* seq_lens, int one_split_below, const void* sinks, int sinks_bf16, float scale_log2,
-                      u32* tickets, float* partials) {
-  extern __shared__ uint4 smem[];
+// One CTA (threads 0 .. ATTN_THREADS - 1): split `split` of `num_splits` of KV head g (of G) of request b.
+__device__ __forceinline__ void decode_attention_cta(int split, int g, int b, int num_splits, int G, u16* out,
+                                                     const u16* q, int q_stride, const kv_t* k_cache,
+                                                     const kv_t* v_cache, const int* block_tables, int table_stride,
+                                                     const int* ring_slots, int page_rows, int window,
+                                                     const int* seq_lens, int one_split_below, const void* sinks,
+                                                     int sinks_bf16, float scale_log2, u32* tickets, float* partials) {
+  extern __shared__ uint4 attn_smem[];
   __shared__ u64 stage_bars[ATTN_WARPS][ATTN_STAGES];
   __shared__ int is_last;
-  const int split = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
-  const int num_splits = gridDim.x, G = gridDim.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3, row = lane >> 2;
   u16* out_group = out + ((long long)b * G + g) * GROUP * HEAD_DIM;
   pdl_launch_dependents();
@@ -328,7 +333,7 @@ decode_attention_bf16(u16* out, const u16* q, int q_stride, const kv_t* k_cache,
   const long long head_offset = (long long)g * HEAD_DIM;
   const int n_tiles = cdiv_i(end - begin, ATTN_TILE);
   const int my_tiles = n_tiles > warp ? cdiv_i(n_tiles - warp, ATTN_WARPS) : 0;
-  unsigned char* warp_smem = reinterpret_cast<unsigned char*>(smem) + warp * WARP_SMEM_BYTES;
+  unsigned char* warp_smem = reinterpret_cast<unsigned char*>(attn_smem) + warp * WARP_SMEM_BYTES;
   const u32 stage0 = smem_addr(warp_smem), bar0 = smem_addr(&stage_bars[warp][0]);
   if (lane == 0)
     for (int s = 0; s < ATTN_STAGES; ++s) mbarrier_init(bar0 + 8 * s, ATTN_CP_ASYNC ? 32 : 1);
@@ -399,7 +404,11 @@ decode_attention_bf16(u16* out, const u16* q, int q_stride, const kv_t* k_cache,
   }
   st.l += __shfl_xor_sync(0xFFFFFFFFu, st.l, 1);
   st.l += __shfl_xor_sync(0xFFFFFFFFu, st.l, 2);
-  __syncthreads();  // every copy was waited for: the stages become the combine area
+#if PERSISTENT_STEP  // the next task initializes the barriers again: invalidate them first
+  if (lane == 0)
+    for (int s = 0; s < ATTN_STAGES; ++s) mbarrier_inval(bar0 + 8 * s);
+#endif
+  ATTN_SYNC();  // every copy was waited for: the stages become the combine area
 
   // Per-warp (m, l, o) -> shared: cm[8], cl[8], co[8][COMBINE_STRIDE] at the start of the warp's area.
   float* cm = reinterpret_cast<float*>(warp_smem);
@@ -416,7 +425,7 @@ decode_attention_bf16(u16* out, const u16* q, int q_stride, const kv_t* k_cache,
   for (int n = 0; n < 16; ++n)
     *reinterpret_cast<float2*>(co + row * COMBINE_STRIDE + 8 * n + 2 * t) = make_float2(st.o[n][0], st.o[n][1]);
 #endif
-  __syncthreads();
+  ATTN_SYNC();
 
   // Thread -> (head h, dims d..d+7): combine the warps into this split's (m, l, o).
   const int h = threadIdx.x >> 4, d = (threadIdx.x & 15) * 8;
@@ -424,7 +433,7 @@ decode_attention_bf16(u16* out, const u16* q, int q_stride, const kv_t* k_cache,
   float m = NEG_INF, l = 0.0f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int w = 0; w < ATTN_WARPS; ++w) {
-    const float* wm = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(smem) + w * WARP_SMEM_BYTES);
+    const float* wm = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(attn_smem) + w * WARP_SMEM_BYTES);
     float4 lo, hi;
     memcpy(&lo, wm + 2 * GROUP + h * COMBINE_STRIDE + d, 16);
     memcpy(&hi, wm + 2 * GROUP + h * COMBINE_STRIDE + d + 4, 16);
@@ -450,7 +459,7 @@ decode_attention_bf16(u16* out, const u16* q, int q_stride, const kv_t* k_cache,
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[e] = 0.0f;
     merge_partials(group_slot, in_group, h, d, m, l, o);
-    __syncthreads();  // every thread has read the group's first slot before it is overwritten
+    ATTN_SYNC();  // every thread has read the group's first slot before it is overwritten
     store_partial(group_slot, h, d, m, l, o);
   }
   if (!take_ticket(tickets + pair, groups > 1 ? groups : active, &is_last)) return;
@@ -466,4 +475,14 @@ decode_attention_bf16(u16* out, const u16* q, int q_stride, const kv_t* k_cache,
   *reinterpret_cast<uint4*>(out_group + h * HEAD_DIM + d) =
       make_uint4(pack_bf16x2(o[0] * inv, o[1] * inv), pack_bf16x2(o[2] * inv, o[3] * inv),
                  pack_bf16x2(o[4] * inv, o[5] * inv), pack_bf16x2(o[6] * inv, o[7] * inv));
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+decode_attention_bf16(u16* out, const u16* q, int q_stride, const kv_t* k_cache, const kv_t* v_cache,
+                      const int* block_tables, int table_stride, const int* ring_slots, int page_rows, int window,
+                      const int* seq_lens, int one_split_below, const void* sinks, int sinks_bf16, float scale_log2,
+                      u32* tickets, float* partials) {
+  decode_attention_cta(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y, out, q, q_stride, k_cache, v_cache,
+                       block_tables, table_stride, ring_slots, page_rows, window, seq_lens, one_split_below, sinks,
+                       sinks_bf16, scale_log2, tickets, partials);
 }

@@ -47,7 +47,7 @@ __device__ __forceinline__ void gemv_partials(float* red, const typename Wt::Row
 // from x itself after its k-loop (the rows are in L1 / L2 by then). Roundings differ from the two
 // launches' (x * w rounded to bf16 instead of x * inv_rms * w): within bf16 tolerance, not equal.
 template <class Wt, int U, class Out = u16, bool NORM = false>
-__device__ __forceinline__ void gemv(Out* y, const u16* x, const Wt& wt, const u16* residual,
+__device__ __forceinline__ void gemv(int tile, Out* y, const u16* x, const Wt& wt, const u16* residual,
                                      int B, int N, int K, int split1, int split2,
                                      const u16* norm_w = nullptr, float eps = 0.0f) {
   __shared__ float red[GEMV_GROUPS * GEMV_RED];
@@ -57,7 +57,7 @@ __device__ __forceinline__ void gemv(Out* y, const u16* x, const Wt& wt, const u
   pdl_launch_dependents();
   __syncthreads();
   const int g = (threadIdx.x & 31) >> 2;
-  const int n0 = blockIdx.x * 16;
+  const int n0 = tile * 16;
   if (threadIdx.x == 0) wt.prefetch(n0, min(16, N - n0), K);
   const typename Wt::Rows rows = Wt::rows(wt, min(n0 + g, N - 1), wt, min(n0 + g + 8, N - 1), K);
   gemv_partials<Wt, U, NORM>(red, rows, x, B, K, sh, norm_w);
@@ -94,7 +94,7 @@ __device__ __forceinline__ void gemv(Out* y, const u16* x, const Wt& wt, const u
 }
 
 template <class Wt, int U>
-__device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, const Wt& wu, int B,
+__device__ __forceinline__ void gate_up(int tile, u16* h, const u16* x, const Wt& wg, const Wt& wu, int B,
                                         int I, int K) {
   __shared__ float red[GEMV_GROUPS * GEMV_RED];
   __shared__ typename Wt::Shared sh;
@@ -102,7 +102,7 @@ __device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, cons
   pdl_launch_dependents();
   __syncthreads();
   const int g = (threadIdx.x & 31) >> 2;
-  const int j0 = blockIdx.x * 8;
+  const int j0 = tile * 8;
   if (threadIdx.x == 0) wg.prefetch(j0, min(8, I - j0), K);
   if (threadIdx.x == 32) wu.prefetch(j0, min(8, I - j0), K);
   const int row = min(j0 + g, I - 1);
@@ -121,18 +121,18 @@ __device__ __forceinline__ void gate_up(u16* h, const u16* x, const Wt& wg, cons
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_bf16(u16* y, const u16* x, const u16* w, const u16* residual, int B, int N, int K) {
-  gemv<Bf16Weights, BF16_UNROLL>(y, x, Bf16Weights{w}, residual, B, N, K, N, N);
+  gemv<Bf16Weights, BF16_UNROLL>(blockIdx.x, y, x, Bf16Weights{w}, residual, B, N, K, N, N);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_bf16_f32(float* y, const u16* x, const u16* w, int B, int N, int K) {
-  gemv<Bf16Weights, BF16_UNROLL>(y, x, Bf16Weights{w}, nullptr, B, N, K, N, N);
+  gemv<Bf16Weights, BF16_UNROLL>(blockIdx.x, y, x, Bf16Weights{w}, nullptr, B, N, K, N, N);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_nvfp4(u16* y, const u16* x, const u8* codes, const u8* scales, const float* tensor_scale,
            const u16* residual, int B, int N, int K, int split1, int split2) {
-  gemv<Nvfp4Weights, NVFP4_UNROLL>(y, x, Nvfp4Weights{codes, scales, tensor_scale}, residual, B, N, K,
+  gemv<Nvfp4Weights, NVFP4_UNROLL>(blockIdx.x, y, x, Nvfp4Weights{codes, scales, tensor_scale}, residual, B, N, K,
                                    split1, split2);
 }
 
@@ -140,24 +140,24 @@ gemv_nvfp4(u16* y, const u16* x, const u8* codes, const u8* scales, const float*
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_bf16_norm(u16* y, const u16* x, const u16* w, const u16* residual, int B, int N, int K, const u16* norm_w,
                float eps) {
-  gemv<Bf16Weights, BF16_UNROLL, u16, true>(y, x, Bf16Weights{w}, residual, B, N, K, N, N, norm_w, eps);
+  gemv<Bf16Weights, BF16_UNROLL, u16, true>(blockIdx.x, y, x, Bf16Weights{w}, residual, B, N, K, N, N, norm_w, eps);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_nvfp4_norm(u16* y, const u16* x, const u8* codes, const u8* scales, const float* tensor_scale,
                 const u16* residual, int B, int N, int K, int split1, int split2, const u16* norm_w, float eps) {
-  gemv<Nvfp4Weights, NVFP4_UNROLL, u16, true>(y, x, Nvfp4Weights{codes, scales, tensor_scale}, residual, B, N, K,
+  gemv<Nvfp4Weights, NVFP4_UNROLL, u16, true>(blockIdx.x, y, x, Nvfp4Weights{codes, scales, tensor_scale}, residual, B, N, K,
                                               split1, split2, norm_w, eps);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gate_up_bf16(u16* h, const u16* x, const u16* wg, const u16* wu, int B, int I, int K) {
-  gate_up<Bf16Weights, BF16_UNROLL>(h, x, Bf16Weights{wg}, Bf16Weights{wu}, B, I, K);
+  gate_up<Bf16Weights, BF16_UNROLL>(blockIdx.x, h, x, Bf16Weights{wg}, Bf16Weights{wu}, B, I, K);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gate_up_nvfp4(u16* h, const u16* x, const u8* g_codes, const u8* g_scales, const float* g_tensor_scale,
               const u8* u_codes, const u8* u_scales, const float* u_tensor_scale, int B, int I, int K) {
-  gate_up<Nvfp4Weights, NVFP4_UNROLL>(h, x, Nvfp4Weights{g_codes, g_scales, g_tensor_scale},
+  gate_up<Nvfp4Weights, NVFP4_UNROLL>(blockIdx.x, h, x, Nvfp4Weights{g_codes, g_scales, g_tensor_scale},
                                       Nvfp4Weights{u_codes, u_scales, u_tensor_scale}, B, I, K);
 }

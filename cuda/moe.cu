@@ -15,14 +15,16 @@
 #ifndef MOE_GATE_UP_WARPS
 #define MOE_GATE_UP_WARPS 4  // a compile-time define: 8 for bf16 (one round of loads per warp)
 #endif
-#define MOE_DOWN_WARPS 16
+#ifndef MOE_DOWN_WARPS
+#define MOE_DOWN_WARPS 16  // a define: cuda/decode_step.cu runs the body on 8
+#endif
 #define MOE_MAX_PAIRS 64  // T * A
 #define MOE_DOWN_PREFETCH_EXPERTS 8
 #define BF16_UNROLL 8
 #define NVFP4_UNROLL 4
 
 template <class Wt, int U>
-__device__ __forceinline__ void moe_gate_up(u16* h, const u16* x, const int* ids, const Wt& gate,
+__device__ __forceinline__ void moe_gate_up(int tile, int pair, u16* h, const u16* x, const int* ids, const Wt& gate,
                                             const Wt& up, const Wt& shared_gate, const Wt& shared_up,
                                             int T, int A, int I, int K, int E) {
   __shared__ float red[MOE_GATE_UP_WARPS * 4 * 32];
@@ -33,7 +35,7 @@ __device__ __forceinline__ void moe_gate_up(u16* h, const u16* x, const int* ids
   // Triggered after the wait on purpose: when moe_down starts, every CTA here has waited, so the
   // router (the kernel before this one) is complete, and moe_down reads its ids early.
   pdl_launch_dependents();
-  const int P = T * A, p = blockIdx.y;
+  const int P = T * A, p = pair;
   if (threadIdx.x < P) pair_expert[threadIdx.x] = ids[threadIdx.x];
   __syncthreads();
   const bool shared = p == P;
@@ -47,7 +49,7 @@ __device__ __forceinline__ void moe_gate_up(u16* h, const u16* x, const int* ids
   const Wt wg = shared ? shared_gate : gate.expert(e, I, K);
   const Wt wu = shared ? shared_up : up.expert(e, I, K);
   const int g = (threadIdx.x & 31) >> 2;
-  const int j0 = blockIdx.x * 8;
+  const int j0 = tile * 8;
   const int row = min(j0 + g, I - 1);
   const typename Wt::Rows rows = Wt::rows(wg, row, wu, row, K);
   const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;
@@ -124,7 +126,7 @@ __device__ __forceinline__ int moe_expert_list(int* expert, int (*slot)[8], floa
 }
 
 template <class Wt, int U>
-__device__ __forceinline__ void moe_down(u16* y, const u16* h, const int* ids,
+__device__ __forceinline__ void moe_down(int tile, u16* y, const u16* h, const int* ids,
                                          const float* routing_weights, const Wt& stack,
                                          const Wt& shared, int has_shared, const u16* residual,
                                          int T, int A, int N, int K, int E) {
@@ -139,7 +141,7 @@ __device__ __forceinline__ void moe_down(u16* y, const u16* h, const int* ids,
   // first round of weight loads before waiting for h.
   const int num_experts =
       moe_expert_list(expert, slot, coef, ids, routing_weights, stack, shared, has_shared, T, A, E);
-  const int n0 = blockIdx.x * 16;
+  const int n0 = tile * 16;
   // Prefetched only for a few experts (batch 1: 6 + shared): with many, gate/up is bandwidth-bound
   // already and the prefetch competes with it and falls out of L2 before use (measured: batch 8
   // got slower).
@@ -213,7 +215,7 @@ __device__ __forceinline__ void moe_down(u16* y, const u16* h, const int* ids,
 extern "C" __global__ void __launch_bounds__(MOE_GATE_UP_WARPS * 32, 2)
 moe_gate_up_bf16(u16* h, const u16* x, const int* ids, const u16* gate, const u16* up,
                  const u16* shared_gate, const u16* shared_up, int T, int A, int I, int K, int E) {
-  moe_gate_up<Bf16Weights, BF16_UNROLL>(h, x, ids, Bf16Weights{gate}, Bf16Weights{up},
+  moe_gate_up<Bf16Weights, BF16_UNROLL>(blockIdx.x, blockIdx.y, h, x, ids, Bf16Weights{gate}, Bf16Weights{up},
                                         Bf16Weights{shared_gate}, Bf16Weights{shared_up}, T, A, I, K, E);
 }
 
@@ -227,7 +229,7 @@ moe_gate_up_nvfp4(u16* h, const u16* x, const int* ids,
                   const u8* su_codes, const u8* su_scales, const float* su_tensor_scale,
                   int T, int A, int I, int K, int E) {
   moe_gate_up<Nvfp4Weights, NVFP4_UNROLL>(
-      h, x, ids, Nvfp4Weights{g_codes, g_scales, g_tensor_scale},
+      blockIdx.x, blockIdx.y, h, x, ids, Nvfp4Weights{g_codes, g_scales, g_tensor_scale},
       Nvfp4Weights{u_codes, u_scales, u_tensor_scale}, Nvfp4Weights{sg_codes, sg_scales, sg_tensor_scale},
       Nvfp4Weights{su_codes, su_scales, su_tensor_scale}, T, A, I, K, E);
 }
@@ -236,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
 moe_down_bf16(u16* y, const u16* h, const int* ids, const float* routing_weights, const u16* down,
               const u16* shared_down, int has_shared, const u16* residual, int T, int A, int N, int K,
               int E) {
-  moe_down<Bf16Weights, BF16_UNROLL>(y, h, ids, routing_weights, Bf16Weights{down},
+  moe_down<Bf16Weights, BF16_UNROLL>(blockIdx.x, y, h, ids, routing_weights, Bf16Weights{down},
                                      Bf16Weights{shared_down}, has_shared, residual, T, A, N, K, E);
 }
 
@@ -245,7 +247,7 @@ moe_down_nvfp4(u16* y, const u16* h, const int* ids, const float* routing_weight
                const u8* d_codes, const u8* d_scales, const float* d_tensor_scale,
                const u8* sd_codes, const u8* sd_scales, const float* sd_tensor_scale, int has_shared,
                const u16* residual, int T, int A, int N, int K, int E) {
-  moe_down<Nvfp4Weights, NVFP4_UNROLL>(y, h, ids, routing_weights,
+  moe_down<Nvfp4Weights, NVFP4_UNROLL>(blockIdx.x, y, h, ids, routing_weights,
                                        Nvfp4Weights{d_codes, d_scales, d_tensor_scale},
                                        Nvfp4Weights{sd_codes, sd_scales, sd_tensor_scale}, has_shared,
                                        residual, T, A, N, K, E);

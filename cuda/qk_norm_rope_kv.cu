@@ -21,14 +21,15 @@ __device__ __forceinline__ void store_bf16x4(u16* p, const float (&x)[4]) {
   *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
 }
 
-extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32)
-qk_norm_rope_kv_bf16(u16* q_out, kv_t* k_cache, kv_t* v_cache, const u16* qkv, const u16* q_norm_weight,
-                     const u16* k_norm_weight, const int* positions, const int* block_tables,
-                     int table_stride, const int* ring_slots, int page_rows, int num_q_heads,
-                     int num_kv_heads, float eps, const double* rope_inv_freq) {
+// One CTA: request b, heads head_block * QKN_WARPS .. + QKN_WARPS - 1.
+__device__ __forceinline__ void qk_norm_rope_kv_cta(int b, int head_block, u16* q_out, kv_t* k_cache, kv_t* v_cache,
+                                                    const u16* qkv, const u16* q_norm_weight, const u16* k_norm_weight,
+                                                    const int* positions, const int* block_tables, int table_stride,
+                                                    const int* ring_slots, int page_rows, int num_q_heads,
+                                                    int num_kv_heads, float eps, const double* rope_inv_freq) {
   __shared__ float cos_s[HEAD_DIM / 2], sin_s[HEAD_DIM / 2];
-  const int b = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int H = num_q_heads, G = num_kv_heads, head = blockIdx.y * QKN_WARPS + warp;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int H = num_q_heads, G = num_kv_heads, head = head_block * QKN_WARPS + warp;
   const bool rope = rope_inv_freq != nullptr;
   pdl_launch_dependents();
   // Before the wait: positions, block tables and ring slots are the step's inputs (written before
@@ -59,4 +60,14 @@ qk_norm_rope_kv_bf16(u16* q_out, kv_t* k_cache, kv_t* v_cache, const u16* qkv, c
   else if (p >= 0)
     store_kv4(k_cache + kv_offset + (head - H) * HEAD_DIM + 4 * lane,
               make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3])));
+}
+
+extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32)
+qk_norm_rope_kv_bf16(u16* q_out, kv_t* k_cache, kv_t* v_cache, const u16* qkv, const u16* q_norm_weight,
+                     const u16* k_norm_weight, const int* positions, const int* block_tables,
+                     int table_stride, const int* ring_slots, int page_rows, int num_q_heads,
+                     int num_kv_heads, float eps, const double* rope_inv_freq) {
+  qk_norm_rope_kv_cta(blockIdx.x, blockIdx.y, q_out, k_cache, v_cache, qkv, q_norm_weight, k_norm_weight, positions,
+                      block_tables, table_stride, ring_slots, page_rows, num_q_heads, num_kv_heads, eps,
+                      rope_inv_freq);
 }

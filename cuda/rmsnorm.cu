@@ -46,11 +46,12 @@ __device__ __forceinline__ void load_sum(u32 (&w)[4], const float* x, int parts,
     w[j] = pack_bf16x2(xs[2 * j] + bf16x2_lo(r[j]), xs[2 * j + 1] + bf16x2_hi(r[j]));
 }
 
+// Row `row` of `rows` (x's parts are rows * H apart).
 template <class X>
-__device__ __forceinline__ void add_norm_row(u16* out, u16* residual_out, const X* x, const u16* residual,
+__device__ __forceinline__ void add_norm_row(int row, int rows, u16* out, u16* residual_out, const X* x, const u16* residual,
                                              const u16* weight, int H, float eps, int parts = 1) {
   pdl_launch_dependents();
-  const size_t base = (size_t)blockIdx.x * H;
+  const size_t base = (size_t)row * H;
   const int num_vec = H / 8;
   uint4 wv[NORM_MAX_VEC];
   norm_weight_load(wv, weight, num_vec);
@@ -63,7 +64,7 @@ __device__ __forceinline__ void add_norm_row(u16* out, u16* residual_out, const 
     if (v >= num_vec) break;
     u32 w[4];
     if constexpr (sizeof(X) == 4)
-      load_sum(w, x, parts, (size_t)gridDim.x * H, residual, base + 8 * v);
+      load_sum(w, x, parts, (size_t)rows * H, residual, base + 8 * v);
     else
       load_sum(w, x, residual, base + 8 * v);
     if (residual) *reinterpret_cast<uint4*>(residual_out + base + 8 * v) = make_uint4(w[0], w[1], w[2], w[3]);
@@ -75,11 +76,11 @@ __device__ __forceinline__ void add_norm_row(u16* out, u16* residual_out, const 
 extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
 rmsnorm_bf16(u16* out, u16* residual_out, const u16* x, const u16* residual, const u16* weight,
              int H, float eps) {
-  add_norm_row(out, residual_out, x, residual, weight, H, eps);
+  add_norm_row(blockIdx.x, gridDim.x, out, residual_out, x, residual, weight, H, eps);
 }
 
 extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
 add_rmsnorm_f32(u16* out, u16* residual_out, const float* x, const u16* residual, const u16* weight,
                 int H, float eps, int parts) {
-  add_norm_row(out, residual_out, x, residual, weight, H, eps, parts);
+  add_norm_row(blockIdx.x, gridDim.x, out, residual_out, x, residual, weight, H, eps, parts);
 }

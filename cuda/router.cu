@@ -21,16 +21,18 @@
 #define ROUTER_UNROLL 4
 #define ROUTER_MAX_SPLITS 8  // kernels/moe.py MAX_ROUTER_SPLITS
 
-extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
-router_topk(int* ids, float* weights, const u16* x, const u16* gate, const float* bias,
-            float* partial, u32* ticket, int T, int E, int K, int A, float scaling) {
+// One CTA of router_topk: rows tile * 16 .. + 15, k split `split` of `splits`; `ctas` CTAs in all
+// take the ticket (the last selects).
+__device__ __forceinline__ void router_topk_cta(int tile, int split, int splits, int ctas, int* ids, float* weights,
+                                                const u16* x, const u16* gate, const float* bias, float* partial,
+                                                u32* ticket, int T, int E, int K, int A, float scaling) {
   __shared__ float red[ROUTER_WARPS * 4 * 32];
   __shared__ Bf16Weights::Shared sh;
   __shared__ u32 is_last;
   extern __shared__ float scores[];  // [T][E], last CTA only
   pdl_launch_dependents();
   const int g = (threadIdx.x & 31) >> 2, warp = threadIdx.x >> 5;
-  const int n0 = blockIdx.x * 16, split = blockIdx.y, splits = gridDim.y;
+  const int n0 = tile * 16;
   const int steps = (K + Bf16Weights::KSTEP - 1) / Bf16Weights::KSTEP;
   const Bf16Weights w{gate};
   if (threadIdx.x == 0 && split == 0) w.prefetch(n0, min(16, E - n0), K);
@@ -49,7 +51,7 @@ router_topk(int* ids, float* weights, const u16* x, const u16* gate, const float
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    is_last = atomicAdd(ticket, 1u) == gridDim.x * gridDim.y - 1;
+    is_last = atomicAdd(ticket, 1u) == (u32)ctas - 1;
   }
   __syncthreads();
   if (!is_last) return;
@@ -69,6 +71,13 @@ router_topk(int* ids, float* weights, const u16* x, const u16* gate, const float
   for (int tok = warp; tok < T; tok += ROUTER_WARPS)
     router_select(ids + tok * A, weights + tok * A, scores + tok * E, bias, E, A, scaling);
   if (threadIdx.x == 0) *ticket = 0u;
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
+router_topk(int* ids, float* weights, const u16* x, const u16* gate, const float* bias,
+            float* partial, u32* ticket, int T, int E, int K, int A, float scaling) {
+  router_topk_cta(blockIdx.x, blockIdx.y, gridDim.y, gridDim.x * gridDim.y, ids, weights, x, gate, bias, partial,
+                  ticket, T, E, K, A, scaling);
 }
 
 // ---- cluster router ------------------------------------------------------------------------------

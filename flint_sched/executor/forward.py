@@ -36,6 +36,11 @@ class LayerOps(Protocol):
     def resume(self) -> torch.Tensor:
         """The hidden state where an earlier `forward(..., last=k)` of this step stopped."""
 
+    def layers(self, first: int, last: int) -> torch.Tensor | None:
+        """Layers [first, last) in one go from the hidden state embed/resume returned (the
+        persistent decode step: kernels/decode_step.py), returning the new hidden state; None where
+        the ops run a layer an operation at a time (the loop below)."""
+
     def rms_norm(self, x: torch.Tensor, weight: str) -> torch.Tensor: ...
 
     def qkv(self, i: int, x: torch.Tensor) -> Any:
@@ -73,6 +78,8 @@ def forward(ops: LayerOps, config: FlintConfig, first: int = 0, last: int | None
     """
     last = config.num_hidden_layers if last is None else last
     h = ops.embed() if first == 0 else ops.resume()
+    if layer_outputs is None and (done := ops.layers(first, last)) is not None:
+        return done if last < config.num_hidden_layers else ops.logits(done)
     x = ops.rms_norm(h, f"model.layers.{first}.input_layernorm.weight") if first < last else None
     for i in range(first, last):
         p = f"model.layers.{i}."

@@ -27,6 +27,7 @@ from flint_sched.executor.dense_copies import DenseCopies
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.kernels import attention as attn
+from flint_sched.kernels.decode_step import DecodeStep
 from flint_sched.kernels.embedding import embed_tokens
 from flint_sched.kernels.grouped import grouped_gate_up, grouped_linear
 from flint_sched.kernels.grouped_moe import moe_grouped
@@ -62,6 +63,12 @@ GEMV_MAX_ROWS = {"nvfp4": 16, "bf16": 16}
 # before the MoE (router and experts read it) still launches. Prepared without a GPU (session 29):
 # off until measured (benchmarks/ab_decode.py at 1 and 8 requests).
 FOLD_NORMS = False
+
+# Fused steps run their layers as one persistent launch a graph segment (kernels/decode_step.py,
+# cuda/decode_step.cu: the kernels' bodies as tasks on counters, no kernel boundaries); the LM
+# head stays as it is. Prepared without a GPU (session 30): off until measured against the
+# launches (benchmarks/ab_decode.py at 1 and 8 requests; the GPU tests first).
+PERSISTENT = False
 
 # Prompt steps: their leading one-row entries (the decodes beside the chunks of a mixed step) attend
 # on the decode kernel, the chunks on the prefill kernel (PrefillMetadata.decodes). In the prefill
@@ -140,6 +147,18 @@ class KernelOps:
 
     def resume(self) -> torch.Tensor:
         return self.hidden[0]
+
+    def layers(self, first: int, last: int) -> torch.Tensor | None:
+        """A fused step's layers [first, last) in one launch (PERSISTENT), in place in hidden[0]."""
+        if not (PERSISTENT and self.variant == "fused"):
+            return None
+        kv, h = self.k.kv, self.hidden[0]
+        key = (self.rows, first, last, h.data_ptr(), kv.full.data_ptr(), kv.ring.data_ptr(), self.inputs.flat.data_ptr())
+        step = self.ws.decode_steps.get(key)
+        if step is None:       # built outside a capture (the graphs' eager first run): static tables
+            step = self.ws.decode_steps[key] = DecodeStep(self.k, self.inputs, h, self.rows, first, last)
+        step.launch(pdl=self.pdl)
+        return h
 
     def rms_norm(self, x: torch.Tensor, weight: str) -> torch.Tensor | Unnormed:
         if FOLD_NORMS and self.variant == "fused":

@@ -122,6 +122,9 @@ class TorchOps(AttentionOps):
     def resume(self) -> torch.Tensor:
         raise NotImplementedError("the torch path runs a step's layers in one call")
 
+    def layers(self, first: int, last: int) -> None:
+        return None
+
     def rms_norm(self, x: torch.Tensor, weight: str) -> torch.Tensor:
         return rms_norm(x, self.model.w(weight), self.config.rms_norm_eps)
 

@@ -37,6 +37,9 @@ class Workspaces:
         self.prompt_graph_rows = prompt_graph_rows
         self.prompt_graph_routing = self._routing(prompt_graph_rows, device) if prompt_graph_rows > max_rows else None
         self._prompt_routing = None      # grown to the longest prompt step seen (eager steps only)
+        # Persistent decode steps (kernel_ops.PERSISTENT) by (rows, layers, buffers): their task lists
+        # and pointer tables, read by every replay of the graphs that launch them.
+        self.decode_steps: dict[tuple, object] = {}
 
     def routing_for(self, rows: int):
         """The grouped MoE's routing workspace for `rows` tokens: the static one of the decode graphs,

@@ -25,6 +25,9 @@ VARIANTS = {
     + ({"GROUPED_CHUNK": 8, "GROUPED_TILES": 4},),                                # grouped.MOE_SMALL_CHUNK = 8
     "moe_routing.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),
     "gemv_chain.cu": tuple({"GEMV_WARPS": w, "X_BATCH": 0, "CHAIN_SLEEP_NS": s} for w in (8, 16) for s in (0, 64)),
+    # decode_step.kernel_defines: X_BATCH by weight format, the attention's settings by KV dtype
+    "decode_step.cu": tuple({"X_BATCH": x, "ATTN_MIN_SPLIT_KEYS": 64, **kv} for x in (0, 1)
+                            for kv in ({}, {"KV_FP8": 1, "ATTN_STAGES": 4, "ATTN_CP_ASYNC": 1})),
 }
 ENTRY_POINTS = (
     ("rmsnorm.cu", "rmsnorm_bf16"), ("rmsnorm.cu", "add_rmsnorm_f32"),
@@ -41,7 +44,8 @@ ENTRY_POINTS = (
       for fmt in ("bf16", "nvfp4")),
     ("moe_routing.cu", "moe_topk"), ("moe_routing.cu", "moe_sort"), ("moe_routing.cu", "moe_route"),
     ("moe_routing.cu", "moe_finalize"), ("moe_routing.cu", "moe_finalize_norm"), ("nvfp4_dequant.cu", "nvfp4_to_bf16"),
-    ("embedding.cu", "embed_tokens"), ("gemv_chain.cu", "gemv_chain_nvfp4"),   # the last: a benchmark's probe
+    ("embedding.cu", "embed_tokens"), ("decode_step.cu", "decode_step_nvfp4"), ("decode_step.cu", "decode_step_bf16"),
+    ("gemv_chain.cu", "gemv_chain_nvfp4"),   # the last: a benchmark's probe
 )
 
 __all__ = [

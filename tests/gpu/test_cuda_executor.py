@@ -71,14 +71,17 @@ def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True, seqs=4, num_blocks
     return decode_logits, outputs, preemptions
 
 
-@pytest.mark.parametrize("cluster_router,fold_norms", [(True, False), (False, False), (True, True)],
-                         ids=["cluster-router", "ticket-router", "folded-norms"])
-def test_decode_logits_match_the_reference(ckpt, cluster_router, fold_norms, monkeypatch):
+@pytest.mark.parametrize("cluster_router,fold_norms,persistent", [(True, False, False), (False, False, False),
+                                                                  (True, True, False), (True, False, True)],
+                         ids=["cluster-router", "ticket-router", "folded-norms", "persistent"])
+def test_decode_logits_match_the_reference(ckpt, cluster_router, fold_norms, persistent, monkeypatch):
     """Fused decode steps (both routers of kernels/moe.py: CLUSTER_ROUTER; the norms before q/k/v and
-    the LM head folded into their GEMVs: kernel_ops.FOLD_NORMS) against the reference."""
+    the LM head folded into their GEMVs: kernel_ops.FOLD_NORMS; the layers as one persistent launch
+    a graph: kernel_ops.PERSISTENT) against the reference."""
     moe_kernels = importlib.import_module("flint_sched.kernels.moe")   # the package exports a function `moe`
     monkeypatch.setattr(moe_kernels, "CLUSTER_ROUTER", cluster_router)
     monkeypatch.setattr(kernel_ops, "FOLD_NORMS", fold_norms)
+    monkeypatch.setattr(kernel_ops, "PERSISTENT", persistent)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (5, 600, 37)]
     decode_logits, outputs, _ = run(ckpt, prompts, max_tokens=6)
@@ -246,6 +249,29 @@ def test_graphs_with_pdl_replay_the_eager_step_exactly(ckpt, first_graph_layers)
     assert out_eager == out_graphed
     for (r1, p1, a), (r2, p2, b) in zip(eager, graphed):
         assert (r1, p1) == (r2, p2) and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-kv", "e4m3-kv"])
+def test_persistent_steps_match_the_reference_and_replay_exactly(ckpt, kv_dtype, monkeypatch):
+    """kernel_ops.PERSISTENT: 8 requests decoding together (the fused path's most rows), prompts on
+    both sides of the window, against the reference; then the same steps eager and from graphs of
+    1, 4 and 2 layers (three launches a step) give the same logits bit for bit: each tile is one
+    CTA's in a fixed order, and the counters are back to zero after every launch."""
+    monkeypatch.setattr(kernel_ops, "PERSISTENT", True)
+    gen = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (3, 600, 37, 515, 90, 1, 260, 700)]
+    decode_logits, outputs, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype)
+    assert "fused" in run.paths and len(decode_logits) == 8 * 5
+    steps = run.executor.ws.decode_steps
+    assert steps and all(int(step.counters.abs().sum()) == 0 for step in steps.values())
+    assert 8 in {step.rows for step in steps.values()}
+    check_against_reference(ckpt, prompts, decode_logits, outputs, kv_dtype=kv_dtype,
+                            **({"typical": 3e-2} if kv_dtype == torch.float8_e4m3fn else {}))
+    eager, out_eager, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype, use_graphs=False, pdl=False)
+    split, out_split, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype, first_graph_layers=1)
+    assert out_eager == outputs == out_split
+    for (r1, p1, a), (r2, p2, b), (r3, p3, c) in zip(eager, decode_logits, split, strict=True):
+        assert (r1, p1) == (r2, p2) == (r3, p3) and torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_dense_bf16_copies_change_no_logit(ckpt, monkeypatch):

@@ -1,0 +1,273 @@
+// A decode step's layers in one launch (issue 17's persistent decode; the fused path's <= 8 rows).
+// One CTA of 8 warps per SM walks its own list of tasks; a task is a range of tiles of one
+// operation of one layer, run by the graph path's kernel bodies with the tile as an argument
+// (gemv.cu, qk_norm_rope_kv.cu, decode_attention.cu, rmsnorm.cu, router.cu, moe.cu):
+//
+//   layer i:  norm_in -> qkv -> qk_norm -> attention -> o_proj (+ h) -> norm_post
+//             -> router -> gate_up -> down (+ h)              MoE layers
+//             -> dense_gate_up -> dense_down (+ h)             dense layers
+//
+// Each (layer, operation) has a counter; a task bumps its operation's counter once when done (the
+// CTA's writes, a fence, an atomic) and waits, before it starts, until the operation before it has
+// as many bumps as it has tasks (thread 0 polls with acquire loads; the CTA then passes a barrier).
+// While it waits its CTA has already asked L2 for the task's weights (the task before asks for the
+// next one's), which is what PDL's early weight loads did at a kernel boundary. The host builds the
+// lists (kernels/decode_step.py): each CTA's in operation order, at most one CTA per SM, so the
+// tasks that finish an operation can always run: no deadlock, no grid barrier. The last CTA to
+// finish zeroes the counters for the next launch (graph replays).
+//
+// The rows are hidden[0] of the fused path: read and written in place by the residual operations
+// (each element by one thread). Attention runs on warps 0-3 (a named barrier; decode_attention.cu
+// is a 4-warp body); warps 4-7 wait at the task's end.
+// Defines (kernels/decode_step.py): X_BATCH (gemv_tile.cuh), KV_FP8, ATTN_STAGES, ATTN_CP_ASYNC,
+// ATTN_MIN_SPLIT_KEYS (decode_attention.cu).
+#define PERSISTENT_STEP 1
+#define GEMV_WARPS 8
+#define GEMV_GROUPS 1
+#define MOE_GATE_UP_WARPS 8
+#define MOE_DOWN_WARPS 8
+#define STEP_THREADS 256
+#define ATTN_SYNC() asm volatile("bar.sync 1, 128;" ::: "memory")
+#include "gemv.cu"
+#include "moe.cu"
+#include "router.cu"
+#include "rmsnorm.cu"
+#include "qk_norm_rope_kv.cu"
+#include "decode_attention.cu"
+
+// kernels/decode_step.py mirrors these four lists by name (tests/test_decode_step.py checks).
+enum StepOp {
+  OP_NORM_IN, OP_QKV, OP_QK_NORM, OP_ATTENTION, OP_O_PROJ, OP_NORM_POST, OP_ROUTER, OP_GATE_UP, OP_DOWN,
+  OP_DENSE_GATE_UP, OP_DENSE_DOWN,
+};
+
+enum StepPtr {  // the step's buffers
+  SP_H, SP_X, SP_QKV, SP_Q, SP_ATTN, SP_ROUTER_PARTIAL, SP_ROUTER_TICKET, SP_IDS, SP_ROUTE_WEIGHTS, SP_MOE_H,
+  SP_DENSE_H, SP_POSITIONS, SP_SEQ_LENS, SP_RING_SLOTS, SP_BLOCK_TABLES, SP_ATTN_TICKETS, SP_ATTN_PARTIALS,
+  SP_ROPE_INV_FREQ, SP_LAYERS, SP_COUNT,
+};
+
+enum StepInt {  // the step's sizes (floats as their bits)
+  SI_ROWS, SI_HIDDEN, SI_HEADS, SI_KV_HEADS, SI_MOE_I, SI_DENSE_I, SI_EXPERTS, SI_TOP_K, SI_ROUTER_SPLITS,
+  SI_SPLITS_SLIDING, SI_SPLITS_FULL, SI_ONE_SPLIT_SLIDING, SI_ONE_SPLIT_FULL, SI_TABLE_STRIDE, SI_BLOCK_SIZE,
+  SI_RING_ROWS, SI_WINDOW, SI_SINKS_BF16, SI_HAS_SHARED, SI_EPS, SI_SCALING, SI_SCALE_LOG2, SI_COUNT,
+};
+
+enum LayerPtr {  // per layer; a weight is 3 entries: NVFP4 (codes, scales, tensor scale), bf16 (w, 0, 0)
+  LP_IN_NORM, LP_POST_NORM, LP_QKV, LP_QKV_1, LP_QKV_2, LP_Q_NORM, LP_K_NORM, LP_SINKS, LP_K_POOL, LP_V_POOL,
+  LP_O, LP_O_1, LP_O_2, LP_ROUTER, LP_ROUTER_BIAS, LP_GATE, LP_GATE_1, LP_GATE_2, LP_UP, LP_UP_1, LP_UP_2,
+  LP_DOWN, LP_DOWN_1, LP_DOWN_2, LP_SHARED_GATE, LP_SHARED_GATE_1, LP_SHARED_GATE_2, LP_SHARED_UP,
+  LP_SHARED_UP_1, LP_SHARED_UP_2, LP_SHARED_DOWN, LP_SHARED_DOWN_1, LP_SHARED_DOWN_2, LP_QKV_SPLIT1,
+  LP_QKV_SPLIT2, LP_SLIDING, LP_COUNT,
+};
+
+struct StepTask {
+  int op, layer, begin, end;  // tiles [begin, end) of the operation
+  int wait, target;           // start once counters[wait] >= target (wait < 0: at once)
+  int signal, pad;            // then counters[signal] += 1
+};
+
+template <class Wt>
+__device__ __forceinline__ Wt weight_at(const u64* p);
+template <>
+__device__ __forceinline__ Nvfp4Weights weight_at<Nvfp4Weights>(const u64* p) {
+  return {reinterpret_cast<const u8*>(p[0]), reinterpret_cast<const u8*>(p[1]), reinterpret_cast<const float*>(p[2])};
+}
+template <>
+__device__ __forceinline__ Bf16Weights weight_at<Bf16Weights>(const u64* p) {
+  return {reinterpret_cast<const u16*>(p[0])};
+}
+
+template <class T>
+__device__ __forceinline__ T* ptr(const u64* table, int i) {
+  return reinterpret_cast<T*>(table[i]);
+}
+
+__device__ __forceinline__ float as_float(int bits) { return __int_as_float(bits); }
+
+// L2 prefetch of the weights task t reads (by thread 0, before it waits): rows [16 begin, 16 end)
+// of a GEMV's weight, cut at its N rows.
+template <class Wt>
+__device__ __forceinline__ void prefetch_rows(const Wt& w, int first, int end, int n, int k) {
+  end = min(end, n);
+  if (first < end) w.prefetch(first, end - first, k);
+}
+
+template <class Wt>
+__device__ __forceinline__ void prefetch_task(const StepTask& t, const u64* sp, const int* si) {
+  const u64* lp = ptr<const u64>(sp, SP_LAYERS) + (size_t)t.layer * LP_COUNT;
+  const int hidden = si[SI_HIDDEN], heads = si[SI_HEADS], dense = si[SI_DENSE_I];
+  switch (t.op) {
+    case OP_QKV:
+      prefetch_rows(weight_at<Wt>(lp + LP_QKV), 16 * t.begin, 16 * t.end, (heads + 2 * si[SI_KV_HEADS]) * HEAD_DIM,
+                    hidden);
+      break;
+    case OP_O_PROJ:
+      prefetch_rows(weight_at<Wt>(lp + LP_O), 16 * t.begin, 16 * t.end, hidden, heads * HEAD_DIM);
+      break;
+    case OP_ROUTER: {
+      const int splits = si[SI_ROUTER_SPLITS];
+      prefetch_rows(weight_at<Bf16Weights>(lp + LP_ROUTER), 16 * (t.begin / splits), 16 * ((t.end - 1) / splits + 1),
+                    si[SI_EXPERTS], hidden);
+      break;
+    }
+    case OP_DENSE_GATE_UP:
+      prefetch_rows(weight_at<Wt>(lp + LP_GATE), 8 * t.begin, 8 * t.end, dense, hidden);
+      prefetch_rows(weight_at<Wt>(lp + LP_UP), 8 * t.begin, 8 * t.end, dense, hidden);
+      break;
+    case OP_DENSE_DOWN:
+      prefetch_rows(weight_at<Wt>(lp + LP_DOWN), 16 * t.begin, 16 * t.end, hidden, dense);
+      break;
+    default:  // norms, attention (KV rows), the experts (known once routed)
+      break;
+  }
+}
+
+// Tile i of operation op of layer `layer`: one CTA's worth of the kernel the graph path launches.
+template <class Wt, int U>
+__device__ __forceinline__ void run_tile(int op, int layer, int i, const u64* sp, const int* si) {
+  const u64* lp = ptr<const u64>(sp, SP_LAYERS) + (size_t)layer * LP_COUNT;
+  const int B = si[SI_ROWS], hidden = si[SI_HIDDEN], H = si[SI_HEADS], G = si[SI_KV_HEADS];
+  const int qkv_rows = (H + 2 * G) * HEAD_DIM;
+  const float eps = as_float(si[SI_EPS]);
+  u16* h = ptr<u16>(sp, SP_H);
+  u16* x = ptr<u16>(sp, SP_X);
+  switch (op) {
+    case OP_NORM_IN:
+    case OP_NORM_POST:
+      add_norm_row<u16>(i, B, x, nullptr, h, nullptr, ptr<const u16>(lp, op == OP_NORM_IN ? LP_IN_NORM : LP_POST_NORM),
+                        hidden, eps);
+      break;
+    case OP_QKV:
+      gemv<Wt, U>(i, ptr<u16>(sp, SP_QKV), x, weight_at<Wt>(lp + LP_QKV), nullptr, B, qkv_rows, hidden,
+                  (int)lp[LP_QKV_SPLIT1], (int)lp[LP_QKV_SPLIT2]);
+      break;
+    case OP_QK_NORM: {
+      const int blocks = cdiv_i(H + 2 * G, QKN_WARPS);
+      const bool sliding = lp[LP_SLIDING] != 0;
+      qk_norm_rope_kv_cta(i / blocks, i % blocks, ptr<u16>(sp, SP_Q), ptr<kv_t>(lp, LP_K_POOL), ptr<kv_t>(lp, LP_V_POOL),
+                          ptr<const u16>(sp, SP_QKV), ptr<const u16>(lp, LP_Q_NORM), ptr<const u16>(lp, LP_K_NORM),
+                          ptr<const int>(sp, SP_POSITIONS), sliding ? nullptr : ptr<const int>(sp, SP_BLOCK_TABLES),
+                          si[SI_TABLE_STRIDE], ptr<const int>(sp, SP_RING_SLOTS),
+                          sliding ? si[SI_RING_ROWS] : si[SI_BLOCK_SIZE], H, G, eps,
+                          sliding ? ptr<const double>(sp, SP_ROPE_INV_FREQ) : nullptr);
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // the K/V rows: read next by bulk copies
+      break;
+    }
+    case OP_ATTENTION: {
+      if (threadIdx.x >= ATTN_THREADS) break;
+      const bool sliding = lp[LP_SLIDING] != 0;
+      const int splits = sliding ? si[SI_SPLITS_SLIDING] : si[SI_SPLITS_FULL];
+      const int pair = i / splits, b = pair / G, g = pair % G;
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // the new K/V rows, written by qk_norm tasks
+      decode_attention_cta(i % splits, g, b, splits, G, ptr<u16>(sp, SP_ATTN), ptr<const u16>(sp, SP_Q), H * HEAD_DIM,
+                           ptr<const kv_t>(lp, LP_K_POOL), ptr<const kv_t>(lp, LP_V_POOL),
+                           sliding ? nullptr : ptr<const int>(sp, SP_BLOCK_TABLES),
+                           sliding ? 0 : si[SI_TABLE_STRIDE], ptr<const int>(sp, SP_RING_SLOTS),
+                           sliding ? si[SI_RING_ROWS] : si[SI_BLOCK_SIZE], sliding ? si[SI_WINDOW] : 0,
+                           ptr<const int>(sp, SP_SEQ_LENS), sliding ? si[SI_ONE_SPLIT_SLIDING] : si[SI_ONE_SPLIT_FULL],
+                           ptr<const void>(lp, LP_SINKS), si[SI_SINKS_BF16], as_float(si[SI_SCALE_LOG2]),
+                           ptr<u32>(sp, SP_ATTN_TICKETS), ptr<float>(sp, SP_ATTN_PARTIALS));
+      break;
+    }
+    case OP_O_PROJ:
+      gemv<Wt, U>(i, h, ptr<const u16>(sp, SP_ATTN), weight_at<Wt>(lp + LP_O), h, B, hidden, H * HEAD_DIM, hidden,
+                  hidden);
+      break;
+    case OP_ROUTER: {
+      const int splits = si[SI_ROUTER_SPLITS], E = si[SI_EXPERTS];
+      router_topk_cta(i / splits, i % splits, splits, cdiv_i(E, 16) * splits, ptr<int>(sp, SP_IDS),
+                      ptr<float>(sp, SP_ROUTE_WEIGHTS), x, ptr<const u16>(lp, LP_ROUTER),
+                      ptr<const float>(lp, LP_ROUTER_BIAS), ptr<float>(sp, SP_ROUTER_PARTIAL),
+                      ptr<u32>(sp, SP_ROUTER_TICKET), B, E, hidden, si[SI_TOP_K], as_float(si[SI_SCALING]));
+      break;
+    }
+    case OP_GATE_UP: {
+      const int I = si[SI_MOE_I], tiles = cdiv_i(I, 8);
+      moe_gate_up<Wt, U>(i % tiles, i / tiles, ptr<u16>(sp, SP_MOE_H), x, ptr<const int>(sp, SP_IDS),
+                         weight_at<Wt>(lp + LP_GATE), weight_at<Wt>(lp + LP_UP), weight_at<Wt>(lp + LP_SHARED_GATE),
+                         weight_at<Wt>(lp + LP_SHARED_UP), B, si[SI_TOP_K], I, hidden, si[SI_EXPERTS]);
+      break;
+    }
+    case OP_DOWN:
+      moe_down<Wt, U>(i, h, ptr<const u16>(sp, SP_MOE_H), ptr<const int>(sp, SP_IDS),
+                      ptr<const float>(sp, SP_ROUTE_WEIGHTS), weight_at<Wt>(lp + LP_DOWN),
+                      weight_at<Wt>(lp + LP_SHARED_DOWN), si[SI_HAS_SHARED], h, B, si[SI_TOP_K], hidden,
+                      si[SI_MOE_I], si[SI_EXPERTS]);
+      break;
+    case OP_DENSE_GATE_UP:
+      gate_up<Wt, U>(i, ptr<u16>(sp, SP_DENSE_H), x, weight_at<Wt>(lp + LP_GATE), weight_at<Wt>(lp + LP_UP), B,
+                     si[SI_DENSE_I], hidden);
+      break;
+    case OP_DENSE_DOWN:
+      gemv<Wt, U>(i, h, ptr<const u16>(sp, SP_DENSE_H), weight_at<Wt>(lp + LP_DOWN), h, B, hidden, si[SI_DENSE_I],
+                  hidden, hidden);
+      break;
+  }
+}
+
+__device__ __forceinline__ u64 global_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Spin until *counter >= target (acquire). A wait of over STEP_WAIT_LIMIT_NS traps: a plan or
+// kernel bug (or a CTA that never became resident) ends the launch with an error, not a hung GPU.
+#define STEP_WAIT_LIMIT_NS 2000000000ull
+__device__ __forceinline__ void wait_for(const int* counter, int target) {
+  if (ld_acquire_gpu(counter) >= target) return;
+  const u64 start = global_ns();
+  while (ld_acquire_gpu(counter) < target)
+    if (global_ns() - start > STEP_WAIT_LIMIT_NS) __trap();
+}
+
+template <class Wt, int U>
+__device__ __forceinline__ void decode_step(const StepTask* tasks, const int* task_start, int* counters,
+                                            int num_counters, const u64* step_ptrs, const int* step_ints) {
+  __shared__ u64 sp[SP_COUNT];
+  __shared__ int si[SI_COUNT];
+  __shared__ int last_out;
+  for (int j = threadIdx.x; j < SP_COUNT; j += blockDim.x) sp[j] = step_ptrs[j];
+  for (int j = threadIdx.x; j < SI_COUNT; j += blockDim.x) si[j] = step_ints[j];
+  __syncthreads();
+  const int first = task_start[blockIdx.x], last = task_start[blockIdx.x + 1];
+  if (threadIdx.x == 0 && first < last) prefetch_task<Wt>(tasks[first], sp, si);
+  griddep_wait();  // the kernel before (the embedding: h, new block-table entries) is complete
+  for (int k = first; k < last; ++k) {
+    const StepTask t = tasks[k];
+    if (threadIdx.x == 0) {
+      if (k + 1 < last) prefetch_task<Wt>(tasks[k + 1], sp, si);
+      if (t.wait >= 0) wait_for(counters + t.wait, t.target);
+    }
+    __syncthreads();  // thread 0's acquire covers the CTA: what the waited-on tasks wrote is seen
+    for (int i = t.begin; i < t.end; ++i) {
+      run_tile<Wt, U>(t.op, t.layer, i, sp, si);
+      __syncthreads();  // the body's shared memory is free again; every write of the task is done
+    }
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(counters + t.signal, 1);
+    }
+  }
+  // Every CTA counts itself out; the last zeroes the counters (and the count) for the next launch.
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last_out = atomicAdd(counters + num_counters, 1) == (int)gridDim.x - 1;
+  }
+  __syncthreads();
+  if (last_out)
+    for (int j = threadIdx.x; j <= num_counters; j += blockDim.x) counters[j] = 0;
+}
+
+extern "C" __global__ void __launch_bounds__(STEP_THREADS, 1)
+decode_step_nvfp4(const StepTask* tasks, const int* task_start, int* counters, int num_counters,
+                  const u64* step_ptrs, const int* step_ints) {
+  decode_step<Nvfp4Weights, NVFP4_UNROLL>(tasks, task_start, counters, num_counters, step_ptrs, step_ints);
+}
+
+extern "C" __global__ void __launch_bounds__(STEP_THREADS, 1)
+decode_step_bf16(const StepTask* tasks, const int* task_start, int* counters, int num_counters,
+                 const u64* step_ptrs, const int* step_ints) {
+  decode_step<Bf16Weights, BF16_UNROLL>(tasks, task_start, counters, num_counters, step_ptrs, step_ints);
+}

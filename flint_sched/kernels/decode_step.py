@@ -1,0 +1,312 @@
+"""A decode step's layers in one launch (cuda/decode_step.cu): the persistent decode of issue 17.
+
+The fused path (<= 8 rows) launches ~9 kernels a layer; here one kernel of one CTA per SM runs the
+same kernel bodies as tasks: each CTA walks its own list, and a task waits on a counter in global
+memory (the operation before it finished) instead of a kernel boundary. `plan_tasks` lays the
+operations of a layer range out over the CTAs; `DecodeStep` holds the lists, the pointer tables
+and the step's intermediate buffers, static, so one CUDA graph replays the launch.
+
+    layer i:  norm_in, qkv, qk_norm, attention, o_proj, norm_post, then router, gate_up, down (MoE)
+              or dense_gate_up, dense_down (dense layers); every operation waits for the one before
+
+Rows are hidden[0] of the fused path, updated in place; the LM head stays the graph path's.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flint_sched.config import FlintConfig
+from flint_sched.kernels import attention as attn
+from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
+from flint_sched.kernels._compiler import source_dir
+from flint_sched.kernels.hardware import sm_count
+from flint_sched.kernels.linear import MAX_TOKENS, weight_format, x_batch
+from flint_sched.kernels.moe import MAX_ROUTER_SPLITS
+from flint_sched.quant.nvfp4 import NVFP4Tensor
+
+THREADS = 256                    # cuda/decode_step.cu STEP_THREADS: 8 warps a CTA, one CTA a SM
+TASK_INTS = 8                    # StepTask: op, layer, begin, end, wait, target, signal, pad
+GATE_UP_ROWS = 8                 # intermediate rows a gate/up tile (gate and up: 16 tile rows)
+
+# The enums of cuda/decode_step.cu, in order (tests/test_decode_step.py reads them from the source).
+OPS = ("NORM_IN", "QKV", "QK_NORM", "ATTENTION", "O_PROJ", "NORM_POST", "ROUTER", "GATE_UP", "DOWN",
+       "DENSE_GATE_UP", "DENSE_DOWN")
+STEP_PTRS = ("H", "X", "QKV", "Q", "ATTN", "ROUTER_PARTIAL", "ROUTER_TICKET", "IDS", "ROUTE_WEIGHTS", "MOE_H",
+             "DENSE_H", "POSITIONS", "SEQ_LENS", "RING_SLOTS", "BLOCK_TABLES", "ATTN_TICKETS", "ATTN_PARTIALS",
+             "ROPE_INV_FREQ", "LAYERS")
+STEP_INTS = ("ROWS", "HIDDEN", "HEADS", "KV_HEADS", "MOE_I", "DENSE_I", "EXPERTS", "TOP_K", "ROUTER_SPLITS",
+             "SPLITS_SLIDING", "SPLITS_FULL", "ONE_SPLIT_SLIDING", "ONE_SPLIT_FULL", "TABLE_STRIDE", "BLOCK_SIZE",
+             "RING_ROWS", "WINDOW", "SINKS_BF16", "HAS_SHARED", "EPS", "SCALING", "SCALE_LOG2")
+_WEIGHTS = ("QKV", "O", "GATE", "UP", "DOWN", "SHARED_GATE", "SHARED_UP", "SHARED_DOWN")
+LAYER_PTRS = ("IN_NORM", "POST_NORM", "QKV", "QKV_1", "QKV_2", "Q_NORM", "K_NORM", "SINKS", "K_POOL", "V_POOL",
+              "O", "O_1", "O_2", "ROUTER", "ROUTER_BIAS", "GATE", "GATE_1", "GATE_2", "UP", "UP_1", "UP_2",
+              "DOWN", "DOWN_1", "DOWN_2", "SHARED_GATE", "SHARED_GATE_1", "SHARED_GATE_2", "SHARED_UP",
+              "SHARED_UP_1", "SHARED_UP_2", "SHARED_DOWN", "SHARED_DOWN_1", "SHARED_DOWN_2", "QKV_SPLIT1",
+              "QKV_SPLIT2", "SLIDING")
+OP = {name: i for i, name in enumerate(OPS)}
+SP = {name: i for i, name in enumerate(STEP_PTRS)}
+SI = {name: i for i, name in enumerate(STEP_INTS)}
+LP = {name: i for i, name in enumerate(LAYER_PTRS)}
+
+
+def cuda_enum(name: str) -> tuple[str, ...]:
+    """The member names of `enum name` in cuda/decode_step.cu, prefix and _COUNT dropped."""
+    text = (source_dir() / "decode_step.cu").read_text()
+    body = re.search(r"enum %s \{(.*?)\};" % name, text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    members = [m.strip() for m in body.split(",") if m.strip()]
+    return tuple(m.split("_", 1)[1] for m in members if not m.endswith("_COUNT"))
+
+
+# ---- the plan -------------------------------------------------------------------------------------
+
+
+def layer_ops(config: FlintConfig, layer: int) -> tuple[str, ...]:
+    """The operations of one layer, in order."""
+    mlp = ("ROUTER", "GATE_UP", "DOWN") if config.is_moe(layer) else ("DENSE_GATE_UP", "DENSE_DOWN")
+    return ("NORM_IN", "QKV", "QK_NORM", "ATTENTION", "O_PROJ", "NORM_POST") + mlp
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Task lists: tasks int32 [n, TASK_INTS] (each CTA's contiguous, from task_start[c]),
+    task_start int32 [grid + 1], and the counters the tasks use (one per operation of the range)."""
+    tasks: np.ndarray
+    task_start: np.ndarray
+    num_counters: int
+
+    @property
+    def grid(self) -> int:
+        return len(self.task_start) - 1
+
+
+def plan_tasks(phases: list[tuple[int, int, int]], grid: int) -> Plan:
+    """Lay out phases (op, layer, tiles), in order, over `grid` CTAs. Phase p's tiles go to CTAs as
+    contiguous ranges (one task a CTA; with fewer tiles than CTAs one tile a task, on CTAs after
+    the previous small phase's, so that consecutive small phases land on different SMs). Every task
+    of phase p waits for counter p - 1 to reach the task count of phase p - 1 and bumps counter p."""
+    if grid < 1:
+        raise ValueError(f"grid must be >= 1, got {grid}")
+    per_cta: list[list[list[int]]] = [[] for _ in range(grid)]
+    previous, offset = 0, 0
+    for p, (op, layer, tiles) in enumerate(phases):
+        if tiles < 1:
+            raise ValueError(f"phase {p} ({OPS[op]}, layer {layer}) has no tiles")
+        wait, target = (p - 1, previous) if p else (-1, 0)
+        if tiles >= grid:
+            bounds = [c * tiles // grid for c in range(grid + 1)]
+            for c in range(grid):
+                per_cta[c].append([op, layer, bounds[c], bounds[c + 1], wait, target, p, 0])
+            previous = grid
+        else:
+            for i in range(tiles):
+                per_cta[(offset + i) % grid].append([op, layer, i, i + 1, wait, target, p, 0])
+            offset = (offset + tiles) % grid
+            previous = tiles
+    start = np.zeros(grid + 1, dtype=np.int32)
+    start[1:] = np.cumsum([len(t) for t in per_cta])
+    rows = [task for cta in per_cta for task in cta]
+    tasks = np.array(rows, dtype=np.int32).reshape(len(rows), TASK_INTS)
+    return Plan(tasks, start, len(phases))
+
+
+def attention_splits(rows: int, max_keys: int, kv_heads: int, grid: int) -> int:
+    """Splits per (row, KV head) of the persistent step: one task per CTA when the keys allow
+    (>= MIN_SPLIT_KEYS a split), as the graph path fills its wave."""
+    by_keys = max(1, -(-max_keys // attn.MIN_SPLIT_KEYS))
+    return min(max(1, grid // (rows * kv_heads)), by_keys, attn.MAX_SPLITS)
+
+
+def router_splits(experts: int, hidden: int) -> int:
+    """K splits of the router's 16-row tiles: kernels/moe.py route()'s ticket kernel's choice."""
+    tiles = -(-experts // 16)
+    return max(1, min(MAX_ROUTER_SPLITS, 128 // tiles, -(-hidden // 32) // 8))
+
+
+def step_phases(config: FlintConfig, rows: int, first: int, last: int, splits: dict[bool, int]) -> list:
+    """(op, layer, tiles) of layers [first, last); splits[sliding]: attention splits a (row, KV head)."""
+    c = config
+    heads, g = c.num_attention_heads, c.num_key_value_heads
+    tiles = {
+        "NORM_IN": rows, "NORM_POST": rows,
+        "QKV": -(-(heads + 2 * g) * attn.HEAD_DIM // 16),
+        "QK_NORM": rows * -(-(heads + 2 * g) // attn.NORM_WARPS),
+        "O_PROJ": -(-c.hidden_size // 16), "DOWN": -(-c.hidden_size // 16), "DENSE_DOWN": -(-c.hidden_size // 16),
+        "ROUTER": -(-c.n_routed_experts // 16) * router_splits(c.n_routed_experts, c.hidden_size),
+        "GATE_UP": -(-c.moe_intermediate_size // GATE_UP_ROWS) * (rows * c.num_experts_per_tok
+                                                                  + int(bool(c.n_shared_experts))),
+        "DENSE_GATE_UP": -(-c.intermediate_size // GATE_UP_ROWS),
+    }
+    phases = []
+    for i in range(first, last):
+        for name in layer_ops(c, i):
+            n = rows * g * splits[c.is_sliding(i)] if name == "ATTENTION" else tiles[name]
+            phases.append((OP[name], i, n))
+    return phases
+
+
+# ---- the launch -------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _kernel(fmt: str, defines: tuple) -> Kernel:
+    return compile_kernel("decode_step.cu", f"decode_step_{fmt}", dict(defines))
+
+
+def kernel_defines(fmt: str, kv_dtype: torch.dtype) -> tuple:
+    """Compile-time settings: the GEMVs' X_BATCH by format, the attention's by KV dtype (as
+    kernels/attention.py builds its kernel)."""
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    defines = [("X_BATCH", x_batch(fmt)), ("ATTN_MIN_SPLIT_KEYS", attn.MIN_SPLIT_KEYS)]
+    if fp8:
+        defines += [("KV_FP8", 1), ("ATTN_STAGES", attn.FP8_STAGES)]
+    if kv_dtype in attn.CP_ASYNC_DTYPES:
+        defines.append(("ATTN_CP_ASYNC", 1))
+    return tuple(defines)
+
+
+def _weight_ptrs(w) -> list[int]:
+    if isinstance(w, NVFP4Tensor):
+        return [w.codes.data_ptr(), w.block_scales.data_ptr(), w.tensor_scale.data_ptr()]
+    return [w.data_ptr(), 0, 0]
+
+
+def supported(config: FlintConfig, w: dict, qkv: dict, rows: int) -> str | None:
+    """Why the persistent step cannot run this model at `rows` rows, or None: every GEMV weight of
+    one format (the kernel is built per format), <= 8 rows (one mma column group), the small MoE's
+    pair limit, the attention kernels' head shape."""
+    if not 1 <= rows <= MAX_TOKENS:
+        return f"rows {rows} outside 1..{MAX_TOKENS}"
+    c = config
+    if c.head_dim != attn.HEAD_DIM or c.num_attention_heads != attn.GROUP * c.num_key_value_heads:
+        return "head_dim 128 and 8 query heads per KV head only"
+    if rows * c.num_experts_per_tok > 64:
+        return "rows x top_k > 64"
+    names = [qkv[i][0] for i in range(c.num_hidden_layers)]
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names.append(w[p + "self_attn.o_proj.weight"])
+        if c.is_moe(i):
+            names += [w[p + f"mlp.experts.{n}_proj.weight"] for n in ("gate", "up", "down")]
+            if c.n_shared_experts:
+                names += [w[p + f"mlp.shared_experts.{n}_proj.weight"] for n in ("gate", "up", "down")]
+        else:
+            names += [w[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")]
+    formats = {weight_format(t) for t in names}
+    if len(formats) != 1:
+        return f"weights of several formats ({', '.join(sorted(formats))})"
+    return None
+
+
+class DecodeStep:
+    """Layers [first, last) of a fused decode step of `rows` rows as one launch.
+
+    weights: executor/kernel_ops.py KernelWeights (weights by name, fused q/k/v, KV cache,
+    workspaces); inputs: the step's DecodeInputs; hidden: the [rows, hidden] rows (hidden[0]),
+    updated in place. Everything the launch reads is static here, so it can be captured.
+    """
+
+    def __init__(self, weights, inputs, hidden: torch.Tensor, rows: int, first: int, last: int,
+                 grid: int | None = None):
+        c, w, dev = weights.config, weights.w, hidden.device
+        why = supported(c, w, weights.qkv, rows)
+        if why is not None:
+            raise ValueError(f"the persistent decode step cannot run this model: {why}")
+        self.rows, self.first, self.last = rows, first, last
+        self.grid = sm_count(dev) if grid is None else grid
+        kv = weights.kv
+        g, heads = c.num_key_value_heads, c.num_attention_heads
+        self.fmt = weight_format(weights.qkv[first][0])
+        pools = [kv.ring[kv.ring_index[i]] if c.is_sliding(i) else kv.full[kv.full_index[i]]
+                 for i in range(first, last)]
+        kv_dtype = pools[0].dtype
+        splits = {True: attention_splits(rows, c.sliding_window, g, self.grid),
+                  False: attention_splits(rows, inputs.max_model_len, g, self.grid)}
+        self.plan = plan_tasks(step_phases(c, rows, first, last, splits), self.grid)
+
+        def zeros(*shape, dtype=torch.bfloat16):
+            return torch.zeros(*shape, dtype=dtype, device=dev)
+        a = c.num_experts_per_tok
+        self.x = zeros(rows, c.hidden_size)
+        self.qkv = zeros(rows, (heads + 2 * g) * attn.HEAD_DIM)
+        self.q = zeros(rows, heads, attn.HEAD_DIM)
+        self.attn = zeros(rows, heads * attn.HEAD_DIM)
+        self.ids = zeros(rows, a, dtype=torch.int32)
+        self.route_weights = zeros(rows, a, dtype=torch.float32)
+        self.moe_h = zeros(rows, a + 1, c.moe_intermediate_size)
+        self.dense_h = zeros(rows, c.intermediate_size)
+        router, workspace = weights.workspaces.router, weights.workspaces.attention
+        r_splits = router_splits(c.n_routed_experts, c.hidden_size)
+        if router.numel() < r_splits * rows * c.n_routed_experts + 1:
+            raise ValueError("the router workspace is too small for the persistent step")
+
+        layers = np.zeros((c.num_hidden_layers, len(LAYER_PTRS)), dtype=np.int64)
+        for i in range(first, last):
+            p, row = f"model.layers.{i}.", layers[i]
+            qkv_w, (split1, split2) = weights.qkv[i]
+            row[LP["IN_NORM"]] = w[p + "input_layernorm.weight"].data_ptr()
+            row[LP["POST_NORM"]] = w[p + "post_attention_layernorm.weight"].data_ptr()
+            row[LP["QKV"]:LP["QKV"] + 3] = _weight_ptrs(qkv_w)
+            row[LP["QKV_SPLIT1"]], row[LP["QKV_SPLIT2"]] = split1, split2
+            row[LP["Q_NORM"]] = w[p + "self_attn.q_norm.weight"].data_ptr()
+            row[LP["K_NORM"]] = w[p + "self_attn.k_norm.weight"].data_ptr()
+            row[LP["SINKS"]] = w[p + "self_attn.sinks"].data_ptr()
+            pool = pools[i - first]
+            row[LP["K_POOL"]], row[LP["V_POOL"]] = pool[0].data_ptr(), pool[1].data_ptr()
+            row[LP["SLIDING"]] = int(c.is_sliding(i))
+            row[LP["O"]:LP["O"] + 3] = _weight_ptrs(w[p + "self_attn.o_proj.weight"])
+            if c.is_moe(i):
+                row[LP["ROUTER"]] = w[p + "mlp.gate.weight"].data_ptr()
+                row[LP["ROUTER_BIAS"]] = w[p + "mlp.gate.e_score_correction_bias"].data_ptr()
+                for n in ("gate", "up", "down"):
+                    row[LP[n.upper()]:LP[n.upper()] + 3] = _weight_ptrs(w[p + f"mlp.experts.{n}_proj.weight"])
+                    if c.n_shared_experts:
+                        name = "SHARED_" + n.upper()
+                        row[LP[name]:LP[name] + 3] = _weight_ptrs(w[p + f"mlp.shared_experts.{n}_proj.weight"])
+            else:
+                for n in ("gate", "up", "down"):
+                    row[LP[n.upper()]:LP[n.upper()] + 3] = _weight_ptrs(w[p + f"mlp.{n}_proj.weight"])
+        self.layers = torch.from_numpy(layers).to(dev)
+        sinks = w[f"model.layers.{first}.self_attn.sinks"]
+
+        ptrs = {
+            "H": hidden, "X": self.x, "QKV": self.qkv, "Q": self.q, "ATTN": self.attn,
+            "ROUTER_PARTIAL": router, "ROUTER_TICKET": router[router.numel() - 1:], "IDS": self.ids,
+            "ROUTE_WEIGHTS": self.route_weights, "MOE_H": self.moe_h, "DENSE_H": self.dense_h,
+            "POSITIONS": inputs.positions, "SEQ_LENS": inputs.seq_lens, "RING_SLOTS": inputs.ring_slots,
+            "BLOCK_TABLES": inputs.block_tables, "ATTN_TICKETS": workspace,
+            "ATTN_PARTIALS": workspace[attn.TICKET_SLOTS:],
+            "ROPE_INV_FREQ": attn.rope_inv_freq(float(c.rope_theta), dev), "LAYERS": self.layers,
+        }
+        self.step_ptrs = torch.tensor([ptrs[n].data_ptr() for n in STEP_PTRS], dtype=torch.int64, device=dev)
+        f32 = lambda v: int(np.float32(v).view(np.int32))  # noqa: E731 - a float's bits as an int argument
+        ints = {
+            "ROWS": rows, "HIDDEN": c.hidden_size, "HEADS": heads, "KV_HEADS": g,
+            "MOE_I": c.moe_intermediate_size, "DENSE_I": c.intermediate_size, "EXPERTS": c.n_routed_experts,
+            "TOP_K": a, "ROUTER_SPLITS": r_splits, "SPLITS_SLIDING": splits[True], "SPLITS_FULL": splits[False],
+            "ONE_SPLIT_SLIDING": 0, "ONE_SPLIT_FULL": 0, "TABLE_STRIDE": inputs.block_tables.shape[1],
+            "BLOCK_SIZE": kv.full.shape[3], "RING_ROWS": kv.ring.shape[3], "WINDOW": c.sliding_window,
+            "SINKS_BF16": int(sinks.dtype == torch.bfloat16), "HAS_SHARED": int(bool(c.n_shared_experts)),
+            "EPS": f32(c.rms_norm_eps), "SCALING": f32(c.routed_scaling_factor),
+            "SCALE_LOG2": f32(attn.LOG2E / np.sqrt(attn.HEAD_DIM)),
+        }
+        self.step_ints = torch.tensor([ints[n] for n in STEP_INTS], dtype=torch.int32, device=dev)
+        self.tasks = torch.from_numpy(self.plan.tasks).to(dev)
+        self.task_start = torch.from_numpy(self.plan.task_start).to(dev)
+        self.counters = zeros(self.plan.num_counters + 1, dtype=torch.int32)
+        self.kernel = _kernel(self.fmt, kernel_defines(self.fmt, kv_dtype))
+        smem_attn = attn.fp8_smem_bytes(attn.FP8_STAGES) if kv_dtype == torch.float8_e4m3fn else attn.ATTN_SMEM_BYTES
+        self.shared_bytes = max(smem_attn, rows * c.n_routed_experts * 4)
+
+    def launch(self, pdl: bool = False) -> None:
+        """The layers, on the current stream (after the kernel that wrote hidden[0])."""
+        self.kernel.launch((self.grid,), (THREADS,),
+                           [self.tasks, self.task_start, self.counters, I32(self.plan.num_counters),
+                            self.step_ptrs, self.step_ints],
+                           shared_bytes=self.shared_bytes, pdl=pdl, device=self.tasks.device.index)

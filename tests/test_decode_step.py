@@ -1,0 +1,179 @@
+"""The persistent decode step's host side (kernels/decode_step.py), on the CPU: the task lists
+cuda/decode_step.cu walks (every tile once, each operation after the one before, no deadlock in any
+order the CTAs may run), the tables' layouts against the kernel's enums, its builds (NVRTC), and
+forward() handing a layer range to ops that run it in one go."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from flint_sched.config import preset
+from flint_sched.executor import kernel_ops
+from flint_sched.executor.forward import forward
+from flint_sched.kernels import VARIANTS, _runtime
+from flint_sched.kernels import decode_step as ds
+
+WAIT, TARGET, SIGNAL = 4, 5, 6
+
+
+@pytest.mark.parametrize("name,ours", [("StepOp", ds.OPS), ("StepPtr", ds.STEP_PTRS), ("StepInt", ds.STEP_INTS),
+                                       ("LayerPtr", ds.LAYER_PTRS)])
+def test_the_tables_follow_the_kernels_enums(name, ours):
+    assert ds.cuda_enum(name) == ours
+
+
+def run_plan(plan: ds.Plan, rng: random.Random) -> list[tuple[int, int, int]]:
+    """Run the CTAs' lists as the kernel does (a CTA's next task starts once its counter is reached),
+    choosing at random among the CTAs that can go on; returns (phase, op, tile) in the order run.
+    Fails on a deadlock (no CTA can go on before all are done)."""
+    counters = [0] * plan.num_counters
+    heads = [int(plan.task_start[c]) for c in range(plan.grid)]
+    done: list[tuple[int, int, int]] = []
+    while True:
+        ready = [c for c in range(plan.grid) if heads[c] < plan.task_start[c + 1]
+                 and (plan.tasks[heads[c], WAIT] < 0 or counters[plan.tasks[heads[c], WAIT]] >= plan.tasks[heads[c], TARGET])]
+        if not ready:
+            break
+        c = rng.choice(ready)
+        op, layer, begin, end, _, _, signal, _ = plan.tasks[heads[c]]
+        done += [(int(signal), int(op), i) for i in range(begin, end)]
+        counters[signal] += 1
+        heads[c] += 1
+    assert all(heads[c] == plan.task_start[c + 1] for c in range(plan.grid)), "deadlock: tasks left, none can start"
+    return done
+
+
+@pytest.mark.parametrize("grid", [1, 3, 132])
+def test_the_plan_runs_every_tile_once_each_operation_after_the_one_before(grid):
+    phases = [(ds.OP["NORM_IN"], 0, 1), (ds.OP["QKV"], 0, 320), (ds.OP["QK_NORM"], 0, 5),
+              (ds.OP["ATTENTION"], 0, 132), (ds.OP["O_PROJ"], 0, 128), (ds.OP["NORM_POST"], 1, 2)]
+    plan = ds.plan_tasks(phases, grid)
+    assert plan.tasks.shape[1] == ds.TASK_INTS and plan.num_counters == len(phases)
+    for seed in range(5):
+        order = run_plan(plan, random.Random(seed))
+        assert sorted(order) == sorted((p, op, i) for p, (op, _, n) in enumerate(phases) for i in range(n))
+        phase_seen = [p for p, _, _ in order]
+        assert phase_seen == sorted(phase_seen), "a tile ran before the operation before it had finished"
+    for c in range(grid):                   # each CTA's list in operation order, a task per phase at most
+        mine = plan.tasks[plan.task_start[c]:plan.task_start[c + 1]]
+        assert list(mine[:, SIGNAL]) == sorted(set(mine[:, SIGNAL]))
+
+
+def test_small_operations_land_on_different_ctas():
+    """Consecutive phases of few tiles (a norm, the Q/K norms) go to CTAs after the previous one's,
+    so one SM does not carry every small hop of the chain."""
+    plan = ds.plan_tasks([(0, 0, 1), (2, 0, 5), (0, 0, 1)], 8)
+    owner = {}
+    for c in range(8):
+        for task in plan.tasks[plan.task_start[c]:plan.task_start[c + 1]]:
+            owner.setdefault(int(task[SIGNAL]), []).append(c)
+    assert owner == {0: [0], 1: [1, 2, 3, 4, 5], 2: [6]}
+
+
+def test_a_phase_without_tiles_is_refused():
+    with pytest.raises(ValueError, match="no tiles"):
+        ds.plan_tasks([(0, 0, 0)], 4)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_flints_phases(rows):
+    """Flint's layers: 9 operations a MoE layer, 8 a dense one (layers 0-1), tile counts as the kernel
+    splits them (16-row GEMV tiles, 8-row gate/up tiles for each chosen expert and the shared one)."""
+    c = preset("flint")
+    phases = ds.step_phases(c, rows, 0, c.num_hidden_layers, {True: 9, False: 33})
+    assert len(phases) == 2 * 8 + 47 * 9
+    by = {(ds.OPS[op], layer): n for op, layer, n in phases}
+    assert by["QKV", 5] == (32 + 8) * 128 // 16 and by["O_PROJ", 5] == 2048 // 16
+    assert by["GATE_UP", 5] == 512 // 8 * (rows * 6 + 1) and by["DOWN", 5] == 128
+    assert by["ROUTER", 5] == 16 * ds.router_splits(256, 2048) and ds.router_splits(256, 2048) == 8
+    assert by["DENSE_GATE_UP", 0] == 10240 // 8 and ("ROUTER", 0) not in by
+    assert by["ATTENTION", 0] == rows * 4 * 9 and by["ATTENTION", 3] == rows * 4 * 33      # layer 3: full
+    assert by["QK_NORM", 5] == rows * 5 and by["NORM_IN", 5] == rows
+    plan = ds.plan_tasks(phases, 132)
+    assert run_plan(plan, random.Random(1))
+
+
+def test_attention_splits_fill_the_grid_within_the_keys():
+    assert ds.attention_splits(1, 513, 4, 132) == 9          # 513 keys: 9 splits of >= 64
+    assert ds.attention_splits(1, 8192, 4, 132) == 33        # one task a CTA
+    assert ds.attention_splits(8, 8192, 4, 132) == 4
+    assert ds.attention_splits(8, 10, 4, 16) == 1
+
+
+def test_unsupported_shapes_are_named():
+    c = preset("flint-tiny")
+    assert "rows 9" in ds.supported(c, {}, {}, 9)
+
+
+def test_the_kernel_builds_are_the_compile_tests_variants():
+    for fmt in ("nvfp4", "bf16"):
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            assert dict(ds.kernel_defines(fmt, dtype)) in VARIANTS["decode_step.cu"]
+
+
+available, why = _runtime.nvrtc_available()
+
+
+@pytest.mark.skipif(not available, reason=f"NVRTC cannot be imported: {why}")
+@pytest.mark.usefixtures("private_cache")
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-kv", "e4m3-kv"])
+def test_one_cta_a_sm_fits_the_kernel(kv_dtype):
+    """8 warps of <= 255 registers and no spills (one CTA a SM: 64 K registers), and shared memory
+    (static + the attention's dynamic) within the H200's 227 KiB."""
+    from flint_sched.kernels import _compiler
+    defines = dict(ds.kernel_defines("nvfp4", kv_dtype))
+    usage = _compiler.resource_usage("decode_step.cu", defines)
+    for name in ("decode_step_nvfp4", "decode_step_bf16"):
+        use = usage[name]
+        assert use.registers * ds.THREADS <= 65536 and use.spill_store_bytes == 0, (name, use)
+
+
+class _OneGo:
+    """Ops whose layers run in one call: forward must not touch the per-layer operations."""
+
+    def __init__(self):
+        self.calls = []
+
+    def embed(self):
+        self.calls.append("embed")
+        return torch.zeros(2, 4)
+
+    def resume(self):
+        self.calls.append("resume")
+        return torch.zeros(2, 4)
+
+    def layers(self, first, last):
+        self.calls.append(("layers", first, last))
+        return torch.ones(2, 4)
+
+    def logits(self, h):
+        self.calls.append("logits")
+        return h + 1
+
+    def __getattr__(self, name):
+        raise AssertionError(f"forward called {name} though the layers ran in one go")
+
+
+def test_forward_hands_the_layer_range_to_ops_that_run_it_in_one_go():
+    c = preset("flint-tiny")
+    ops = _OneGo()
+    assert torch.equal(forward(ops, c), torch.full((2, 4), 2.0))
+    assert ops.calls == ["embed", ("layers", 0, c.num_hidden_layers), "logits"]
+    ops = _OneGo()
+    assert torch.equal(forward(ops, c, 1, 2), torch.ones(2, 4))
+    assert ops.calls == ["resume", ("layers", 1, 2)]
+
+
+def test_kernel_ops_runs_layers_one_at_a_time_unless_persistent():
+    assert kernel_ops.PERSISTENT is False    # prepared without a GPU: off until measured
+    ops = kernel_ops.KernelOps.__new__(kernel_ops.KernelOps)
+    ops.variant = "fused"
+    assert ops.layers(0, 3) is None
+
+
+def test_plan_arrays_are_int32():
+    plan = ds.plan_tasks([(0, 0, 3)], 2)
+    assert plan.tasks.dtype == np.int32 and plan.task_start.dtype == np.int32
+    assert list(plan.task_start) == [0, 1, 2]
