@@ -19,6 +19,12 @@
 // The rows are hidden[0] of the fused path: read and written in place by the residual operations
 // (each element by one thread). Attention runs on warps 0-3 (a named barrier; decode_attention.cu
 // is a 4-warp body); warps 4-7 wait at the task's end.
+//
+// SI_FOLD_NORMS: no norm operations; each task of an operation that reads a normed row (q/k/v, the
+// router, gate/up) first normalizes the rows itself into its CTA's slot of x (rmsnorm.cu's body,
+// so the same bits), two dependent hops a layer fewer for B x 4 KB read again per task.
+// A non-null `trace` gets three global-timer stamps a task (before its wait, after it, after its
+// bump): benchmarks/bench_decode_step.py charges each operation with them.
 // Defines (kernels/decode_step.py): X_BATCH (gemv_tile.cuh), KV_FP8, ATTN_STAGES, ATTN_CP_ASYNC,
 // ATTN_MIN_SPLIT_KEYS (decode_attention.cu).
 #define PERSISTENT_STEP 1
@@ -50,7 +56,8 @@ enum StepPtr {  // the step's buffers
 enum StepInt {  // the step's sizes (floats as their bits)
   SI_ROWS, SI_HIDDEN, SI_HEADS, SI_KV_HEADS, SI_MOE_I, SI_DENSE_I, SI_EXPERTS, SI_TOP_K, SI_ROUTER_SPLITS,
   SI_SPLITS_SLIDING, SI_SPLITS_FULL, SI_ONE_SPLIT_SLIDING, SI_ONE_SPLIT_FULL, SI_TABLE_STRIDE, SI_BLOCK_SIZE,
-  SI_RING_ROWS, SI_WINDOW, SI_SINKS_BF16, SI_HAS_SHARED, SI_EPS, SI_SCALING, SI_SCALE_LOG2, SI_COUNT,
+  SI_RING_ROWS, SI_WINDOW, SI_SINKS_BF16, SI_HAS_SHARED, SI_EPS, SI_SCALING, SI_SCALE_LOG2, SI_FOLD_NORMS,
+  SI_COUNT,
 };
 
 enum LayerPtr {  // per layer; a weight is 3 entries: NVFP4 (codes, scales, tensor scale), bf16 (w, 0, 0)
@@ -124,14 +131,14 @@ __device__ __forceinline__ void prefetch_task(const StepTask& t, const u64* sp, 
 }
 
 // Tile i of operation op of layer `layer`: one CTA's worth of the kernel the graph path launches.
+// x: the normed rows this CTA reads (SP_X, or its own slot of it with SI_FOLD_NORMS).
 template <class Wt, int U>
-__device__ __forceinline__ void run_tile(int op, int layer, int i, const u64* sp, const int* si) {
+__device__ __forceinline__ void run_tile(int op, int layer, int i, const u64* sp, const int* si, u16* x) {
   const u64* lp = ptr<const u64>(sp, SP_LAYERS) + (size_t)layer * LP_COUNT;
   const int B = si[SI_ROWS], hidden = si[SI_HIDDEN], H = si[SI_HEADS], G = si[SI_KV_HEADS];
   const int qkv_rows = (H + 2 * G) * HEAD_DIM;
   const float eps = as_float(si[SI_EPS]);
   u16* h = ptr<u16>(sp, SP_H);
-  u16* x = ptr<u16>(sp, SP_X);
   switch (op) {
     case OP_NORM_IN:
     case OP_NORM_POST:
@@ -222,9 +229,19 @@ __device__ __forceinline__ void wait_for(const int* counter, int target) {
     if (global_ns() - start > STEP_WAIT_LIMIT_NS) __trap();
 }
 
+// The norm an operation's input is (SI_FOLD_NORMS: its tasks compute it), or null.
+__device__ __forceinline__ const u16* folded_norm(int op, const u64* lp) {
+  switch (op) {
+    case OP_QKV: return ptr<const u16>(lp, LP_IN_NORM);
+    case OP_ROUTER: case OP_GATE_UP: case OP_DENSE_GATE_UP: return ptr<const u16>(lp, LP_POST_NORM);
+    default: return nullptr;
+  }
+}
+
 template <class Wt, int U>
 __device__ __forceinline__ void decode_step(const StepTask* tasks, const int* task_start, int* counters,
-                                            int num_counters, const u64* step_ptrs, const int* step_ints) {
+                                            int num_counters, const u64* step_ptrs, const int* step_ints,
+                                            u64* trace) {
   __shared__ u64 sp[SP_COUNT];
   __shared__ int si[SI_COUNT];
   __shared__ int last_out;
@@ -232,22 +249,35 @@ __device__ __forceinline__ void decode_step(const StepTask* tasks, const int* ta
   for (int j = threadIdx.x; j < SI_COUNT; j += blockDim.x) si[j] = step_ints[j];
   __syncthreads();
   const int first = task_start[blockIdx.x], last = task_start[blockIdx.x + 1];
+  const bool fold = si[SI_FOLD_NORMS] != 0;
+  u16* const x = ptr<u16>(sp, SP_X) + (fold ? (size_t)blockIdx.x * si[SI_ROWS] * si[SI_HIDDEN] : 0);
   if (threadIdx.x == 0 && first < last) prefetch_task<Wt>(tasks[first], sp, si);
   griddep_wait();  // the kernel before (the embedding: h, new block-table entries) is complete
   for (int k = first; k < last; ++k) {
     const StepTask t = tasks[k];
     if (threadIdx.x == 0) {
+      if (trace) trace[3 * k] = global_ns();
       if (k + 1 < last) prefetch_task<Wt>(tasks[k + 1], sp, si);
       if (t.wait >= 0) wait_for(counters + t.wait, t.target);
     }
     __syncthreads();  // thread 0's acquire covers the CTA: what the waited-on tasks wrote is seen
+    if (trace && threadIdx.x == 0) trace[3 * k + 1] = global_ns();
+    const u16* norm = fold ? folded_norm(t.op, ptr<const u64>(sp, SP_LAYERS) + (size_t)t.layer * LP_COUNT) : nullptr;
+    if (norm) {
+      for (int b = 0; b < si[SI_ROWS]; ++b) {
+        add_norm_row<u16>(b, si[SI_ROWS], x, nullptr, ptr<const u16>(sp, SP_H), nullptr, norm, si[SI_HIDDEN],
+                          as_float(si[SI_EPS]));
+        __syncthreads();  // block_sum's partials are read before the next row writes them
+      }
+    }
     for (int i = t.begin; i < t.end; ++i) {
-      run_tile<Wt, U>(t.op, t.layer, i, sp, si);
+      run_tile<Wt, U>(t.op, t.layer, i, sp, si, x);
       __syncthreads();  // the body's shared memory is free again; every write of the task is done
     }
     if (threadIdx.x == 0) {
       __threadfence();
       atomicAdd(counters + t.signal, 1);
+      if (trace) trace[3 * k + 2] = global_ns();
     }
   }
   // Every CTA counts itself out; the last zeroes the counters (and the count) for the next launch.
@@ -262,12 +292,12 @@ __device__ __forceinline__ void decode_step(const StepTask* tasks, const int* ta
 
 extern "C" __global__ void __launch_bounds__(STEP_THREADS, 1)
 decode_step_nvfp4(const StepTask* tasks, const int* task_start, int* counters, int num_counters,
-                  const u64* step_ptrs, const int* step_ints) {
-  decode_step<Nvfp4Weights, NVFP4_UNROLL>(tasks, task_start, counters, num_counters, step_ptrs, step_ints);
+                  const u64* step_ptrs, const int* step_ints, u64* trace) {
+  decode_step<Nvfp4Weights, NVFP4_UNROLL>(tasks, task_start, counters, num_counters, step_ptrs, step_ints, trace);
 }
 
 extern "C" __global__ void __launch_bounds__(STEP_THREADS, 1)
 decode_step_bf16(const StepTask* tasks, const int* task_start, int* counters, int num_counters,
-                 const u64* step_ptrs, const int* step_ints) {
-  decode_step<Bf16Weights, BF16_UNROLL>(tasks, task_start, counters, num_counters, step_ptrs, step_ints);
+                 const u64* step_ptrs, const int* step_ints, u64* trace) {
+  decode_step<Bf16Weights, BF16_UNROLL>(tasks, task_start, counters, num_counters, step_ptrs, step_ints, trace);
 }

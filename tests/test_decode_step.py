@@ -95,6 +95,15 @@ def test_flints_phases(rows):
     assert run_plan(plan, random.Random(1))
 
 
+def test_folded_norms_leave_the_norm_operations_out():
+    c = preset("flint")
+    phases = ds.step_phases(c, 1, 0, 4, {True: 9, False: 33}, fold_norms=True)
+    assert [ds.OPS[op] for op, layer, _ in phases if layer == 3] == [
+        "QKV", "QK_NORM", "ATTENTION", "O_PROJ", "ROUTER", "GATE_UP", "DOWN"]
+    assert [ds.OPS[op] for op, layer, _ in phases if layer == 0] == [
+        "QKV", "QK_NORM", "ATTENTION", "O_PROJ", "DENSE_GATE_UP", "DENSE_DOWN"]
+
+
 def test_attention_splits_fill_the_grid_within_the_keys():
     assert ds.attention_splits(1, 513, 4, 132) == 9          # 513 keys: 9 splits of >= 64
     assert ds.attention_splits(1, 8192, 4, 132) == 33        # one task a CTA
@@ -108,9 +117,8 @@ def test_unsupported_shapes_are_named():
 
 
 def test_the_kernel_builds_are_the_compile_tests_variants():
-    for fmt in ("nvfp4", "bf16"):
-        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            assert dict(ds.kernel_defines(fmt, dtype)) in VARIANTS["decode_step.cu"]
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        assert dict(ds.kernel_defines(dtype)) in VARIANTS["decode_step.cu"]
 
 
 available, why = _runtime.nvrtc_available()
@@ -123,11 +131,67 @@ def test_one_cta_a_sm_fits_the_kernel(kv_dtype):
     """8 warps of <= 255 registers and no spills (one CTA a SM: 64 K registers), and shared memory
     (static + the attention's dynamic) within the H200's 227 KiB."""
     from flint_sched.kernels import _compiler
-    defines = dict(ds.kernel_defines("nvfp4", kv_dtype))
+    defines = dict(ds.kernel_defines(kv_dtype))
     usage = _compiler.resource_usage("decode_step.cu", defines)
     for name in ("decode_step_nvfp4", "decode_step_bf16"):
         use = usage[name]
         assert use.registers * ds.THREADS <= 65536 and use.spill_store_bytes == 0, (name, use)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("fold", [False, True], ids=["norm-tasks", "folded-norms"])
+def test_the_tables_point_at_each_layers_tensors(fmt, fold):
+    """DecodeStep's tables, built on the CPU over flint-tiny: each layer's row names its own norms,
+    q/k/v (with the splits), KV pools (ring or paged) and expert stacks; the step's buffers and
+    sizes; the plan of the layers asked for (folded: no norm operations, a row slot a CTA)."""
+    from flint_sched.checkpoint.make import dummy_checkpoint
+    from flint_sched.executor.cuda_executor import _kernel_weight
+    from flint_sched.executor.kv_cache import KVCache
+    from flint_sched.executor.step_inputs import DecodeInputs
+    from flint_sched.executor.workspace import Workspaces
+    from flint_sched.kernels.linear import concat_rows
+    from flint_sched.quant.nvfp4 import NVFP4Tensor
+
+    c, cpu, rows = preset("flint-tiny"), torch.device("cpu"), 3
+    ckpt = dummy_checkpoint(c, fmt, seed=1, device="cpu")
+    w = {n: _kernel_weight(t, cpu) for n, t in ckpt.weights.items()}
+    qkv = {i: concat_rows([w[f"model.layers.{i}.self_attn.{n}_proj.weight"] for n in "qkv"])
+           for i in range(c.num_hidden_layers)}
+    kv = KVCache(c, 32, 16, 4, torch.bfloat16, "cpu")
+    ws = Workspaces(c, 8, 4, cpu)
+    inputs = DecodeInputs(8, 256, 16, cpu)
+    hidden = ws.hidden[0][:rows]
+    step = ds.DecodeStep(kernel_ops.KernelWeights(c, w, qkv, kv, ws), inputs, hidden, rows, 1, 5, fold_norms=fold)
+    assert step.fmt == fmt and step.plan.grid == step.grid
+    assert {int(t[1]) for t in step.plan.tasks} == {1, 2, 3, 4}
+    assert (ds.OP["NORM_IN"] in step.plan.tasks[:, 0]) is not fold
+    assert tuple(step.x.shape) == ((step.grid if fold else 1), rows, c.hidden_size)
+
+    def first(t):
+        return (t.codes if isinstance(t, NVFP4Tensor) else t).data_ptr()
+    table = step.layers.tolist()
+    for i in (1, 3, 4):
+        row, p = table[i], f"model.layers.{i}."
+        assert row[ds.LP["IN_NORM"]] == w[p + "input_layernorm.weight"].data_ptr()
+        assert row[ds.LP["POST_NORM"]] == w[p + "post_attention_layernorm.weight"].data_ptr()
+        assert row[ds.LP["QKV"]] == first(qkv[i][0])
+        assert (row[ds.LP["QKV_SPLIT1"]], row[ds.LP["QKV_SPLIT2"]]) == tuple(qkv[i][1])
+        assert row[ds.LP["O"]] == first(w[p + "self_attn.o_proj.weight"])
+        sliding = c.is_sliding(i)
+        pool = kv.ring[kv.ring_index[i]] if sliding else kv.full[kv.full_index[i]]
+        assert (row[ds.LP["SLIDING"]], row[ds.LP["K_POOL"]], row[ds.LP["V_POOL"]]) == (
+            int(sliding), pool[0].data_ptr(), pool[1].data_ptr())
+        gate = p + ("mlp.experts.gate_proj.weight" if c.is_moe(i) else "mlp.gate_proj.weight")
+        assert row[ds.LP["GATE"]] == first(w[gate])
+        if fmt == "nvfp4":
+            assert row[ds.LP["GATE_2"]] == w[gate].tensor_scale.data_ptr()
+    assert table[0] == [0] * len(ds.LAYER_PTRS) and table[5] == [0] * len(ds.LAYER_PTRS)   # not in the range
+    ptrs, ints = step.step_ptrs.tolist(), step.step_ints.tolist()
+    assert ptrs[ds.SP["H"]] == hidden.data_ptr() and ptrs[ds.SP["BLOCK_TABLES"]] == inputs.block_tables.data_ptr()
+    assert ptrs[ds.SP["LAYERS"]] == step.layers.data_ptr()
+    assert ints[ds.SI["ROWS"]] == rows and ints[ds.SI["TABLE_STRIDE"]] == inputs.block_tables.shape[1]
+    assert ints[ds.SI["RING_ROWS"]] == kv.ring.shape[3] and ints[ds.SI["FOLD_NORMS"]] == int(fold)
+    assert np.float32(np.int32(ints[ds.SI["EPS"]]).view(np.float32)) == np.float32(c.rms_norm_eps)
 
 
 class _OneGo:

@@ -27,7 +27,7 @@ from flint_sched.executor.dense_copies import DenseCopies
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.kernels import attention as attn
-from flint_sched.kernels.decode_step import DecodeStep
+from flint_sched.kernels import decode_step
 from flint_sched.kernels.embedding import embed_tokens
 from flint_sched.kernels.grouped import grouped_gate_up, grouped_linear
 from flint_sched.kernels.grouped_moe import moe_grouped
@@ -153,10 +153,11 @@ class KernelOps:
         if not (PERSISTENT and self.variant == "fused"):
             return None
         kv, h = self.k.kv, self.hidden[0]
-        key = (self.rows, first, last, h.data_ptr(), kv.full.data_ptr(), kv.ring.data_ptr(), self.inputs.flat.data_ptr())
+        key = (self.rows, first, last, decode_step.FOLD_NORMS, h.data_ptr(), kv.full.data_ptr(), kv.ring.data_ptr(),
+               self.inputs.flat.data_ptr())
         step = self.ws.decode_steps.get(key)
         if step is None:       # built outside a capture (the graphs' eager first run): static tables
-            step = self.ws.decode_steps[key] = DecodeStep(self.k, self.inputs, h, self.rows, first, last)
+            step = self.ws.decode_steps[key] = decode_step.DecodeStep(self.k, self.inputs, h, self.rows, first, last)
         step.launch(pdl=self.pdl)
         return h
 

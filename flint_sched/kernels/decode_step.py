@@ -10,6 +10,7 @@ and the step's intermediate buffers, static, so one CUDA graph replays the launc
               or dense_gate_up, dense_down (dense layers); every operation waits for the one before
 
 Rows are hidden[0] of the fused path, updated in place; the LM head stays the graph path's.
+With FOLD_NORMS the norm operations go: the tasks that read a normed row make it themselves.
 """
 
 from __future__ import annotations
@@ -26,13 +27,19 @@ from flint_sched.kernels import attention as attn
 from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
 from flint_sched.kernels._compiler import source_dir
 from flint_sched.kernels.hardware import sm_count
-from flint_sched.kernels.linear import MAX_TOKENS, weight_format, x_batch
+from flint_sched.kernels.linear import MAX_TOKENS, weight_format
 from flint_sched.kernels.moe import MAX_ROUTER_SPLITS
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 THREADS = 256                    # cuda/decode_step.cu STEP_THREADS: 8 warps a CTA, one CTA a SM
 TASK_INTS = 8                    # StepTask: op, layer, begin, end, wait, target, signal, pad
 GATE_UP_ROWS = 8                 # intermediate rows a gate/up tile (gate and up: 16 tile rows)
+# The tasks of q/k/v, the router and gate/up normalize their rows themselves (rmsnorm.cu's body in
+# each, the same bits) instead of waiting on a norm operation: two dependent hops a layer fewer.
+# Prepared without a GPU (session 30): measure both (gpu_suite.sh decode-step).
+FOLD_NORMS = False
+# Steps built while set stamp every task (DecodeStep.phase_times; benchmarks/bench_decode_step.py).
+TRACE = False
 
 # The enums of cuda/decode_step.cu, in order (tests/test_decode_step.py reads them from the source).
 OPS = ("NORM_IN", "QKV", "QK_NORM", "ATTENTION", "O_PROJ", "NORM_POST", "ROUTER", "GATE_UP", "DOWN",
@@ -42,7 +49,7 @@ STEP_PTRS = ("H", "X", "QKV", "Q", "ATTN", "ROUTER_PARTIAL", "ROUTER_TICKET", "I
              "ROPE_INV_FREQ", "LAYERS")
 STEP_INTS = ("ROWS", "HIDDEN", "HEADS", "KV_HEADS", "MOE_I", "DENSE_I", "EXPERTS", "TOP_K", "ROUTER_SPLITS",
              "SPLITS_SLIDING", "SPLITS_FULL", "ONE_SPLIT_SLIDING", "ONE_SPLIT_FULL", "TABLE_STRIDE", "BLOCK_SIZE",
-             "RING_ROWS", "WINDOW", "SINKS_BF16", "HAS_SHARED", "EPS", "SCALING", "SCALE_LOG2")
+             "RING_ROWS", "WINDOW", "SINKS_BF16", "HAS_SHARED", "EPS", "SCALING", "SCALE_LOG2", "FOLD_NORMS")
 _WEIGHTS = ("QKV", "O", "GATE", "UP", "DOWN", "SHARED_GATE", "SHARED_UP", "SHARED_DOWN")
 LAYER_PTRS = ("IN_NORM", "POST_NORM", "QKV", "QKV_1", "QKV_2", "Q_NORM", "K_NORM", "SINKS", "K_POOL", "V_POOL",
               "O", "O_1", "O_2", "ROUTER", "ROUTER_BIAS", "GATE", "GATE_1", "GATE_2", "UP", "UP_1", "UP_2",
@@ -67,10 +74,11 @@ def cuda_enum(name: str) -> tuple[str, ...]:
 # ---- the plan -------------------------------------------------------------------------------------
 
 
-def layer_ops(config: FlintConfig, layer: int) -> tuple[str, ...]:
-    """The operations of one layer, in order."""
+def layer_ops(config: FlintConfig, layer: int, fold_norms: bool = False) -> tuple[str, ...]:
+    """The operations of one layer, in order (fold_norms: without the norms, see FOLD_NORMS)."""
     mlp = ("ROUTER", "GATE_UP", "DOWN") if config.is_moe(layer) else ("DENSE_GATE_UP", "DENSE_DOWN")
-    return ("NORM_IN", "QKV", "QK_NORM", "ATTENTION", "O_PROJ", "NORM_POST") + mlp
+    ops = ("NORM_IN", "QKV", "QK_NORM", "ATTENTION", "O_PROJ", "NORM_POST") + mlp
+    return tuple(op for op in ops if not (fold_norms and op.startswith("NORM")))
 
 
 @dataclass(frozen=True)
@@ -129,7 +137,8 @@ def router_splits(experts: int, hidden: int) -> int:
     return max(1, min(MAX_ROUTER_SPLITS, 128 // tiles, -(-hidden // 32) // 8))
 
 
-def step_phases(config: FlintConfig, rows: int, first: int, last: int, splits: dict[bool, int]) -> list:
+def step_phases(config: FlintConfig, rows: int, first: int, last: int, splits: dict[bool, int],
+                fold_norms: bool = False) -> list:
     """(op, layer, tiles) of layers [first, last); splits[sliding]: attention splits a (row, KV head)."""
     c = config
     heads, g = c.num_attention_heads, c.num_key_value_heads
@@ -145,7 +154,7 @@ def step_phases(config: FlintConfig, rows: int, first: int, last: int, splits: d
     }
     phases = []
     for i in range(first, last):
-        for name in layer_ops(c, i):
+        for name in layer_ops(c, i, fold_norms):
             n = rows * g * splits[c.is_sliding(i)] if name == "ATTENTION" else tiles[name]
             phases.append((OP[name], i, n))
     return phases
@@ -159,11 +168,12 @@ def _kernel(fmt: str, defines: tuple) -> Kernel:
     return compile_kernel("decode_step.cu", f"decode_step_{fmt}", dict(defines))
 
 
-def kernel_defines(fmt: str, kv_dtype: torch.dtype) -> tuple:
-    """Compile-time settings: the GEMVs' X_BATCH by format, the attention's by KV dtype (as
-    kernels/attention.py builds its kernel)."""
+def kernel_defines(kv_dtype: torch.dtype) -> tuple:
+    """Compile-time settings: the attention's by KV dtype (as kernels/attention.py builds its
+    kernel); the GEMVs load each activation next to its mma (X_BATCH 0: with 1, the BF16 build
+    spilled at the 255 registers a thread of one 8-warp CTA a SM)."""
     fp8 = kv_dtype == torch.float8_e4m3fn
-    defines = [("X_BATCH", x_batch(fmt)), ("ATTN_MIN_SPLIT_KEYS", attn.MIN_SPLIT_KEYS)]
+    defines = [("X_BATCH", 0), ("ATTN_MIN_SPLIT_KEYS", attn.MIN_SPLIT_KEYS)]
     if fp8:
         defines += [("KV_FP8", 1), ("ATTN_STAGES", attn.FP8_STAGES)]
     if kv_dtype in attn.CP_ASYNC_DTYPES:
@@ -213,7 +223,8 @@ class DecodeStep:
     """
 
     def __init__(self, weights, inputs, hidden: torch.Tensor, rows: int, first: int, last: int,
-                 grid: int | None = None):
+                 grid: int | None = None, fold_norms: bool | None = None, trace: bool | None = None):
+        """fold_norms, trace (stamp every task: `phase_times`): FOLD_NORMS, TRACE by default."""
         c, w, dev = weights.config, weights.w, hidden.device
         why = supported(c, w, weights.qkv, rows)
         if why is not None:
@@ -228,12 +239,14 @@ class DecodeStep:
         kv_dtype = pools[0].dtype
         splits = {True: attention_splits(rows, c.sliding_window, g, self.grid),
                   False: attention_splits(rows, inputs.max_model_len, g, self.grid)}
-        self.plan = plan_tasks(step_phases(c, rows, first, last, splits), self.grid)
+        self.fold_norms = FOLD_NORMS if fold_norms is None else fold_norms
+        self.phases = step_phases(c, rows, first, last, splits, self.fold_norms)
+        self.plan = plan_tasks(self.phases, self.grid)
 
         def zeros(*shape, dtype=torch.bfloat16):
             return torch.zeros(*shape, dtype=dtype, device=dev)
         a = c.num_experts_per_tok
-        self.x = zeros(rows, c.hidden_size)
+        self.x = zeros(self.grid if self.fold_norms else 1, rows, c.hidden_size)   # folded: a slot a CTA
         self.qkv = zeros(rows, (heads + 2 * g) * attn.HEAD_DIM)
         self.q = zeros(rows, heads, attn.HEAD_DIM)
         self.attn = zeros(rows, heads * attn.HEAD_DIM)
@@ -294,13 +307,14 @@ class DecodeStep:
             "BLOCK_SIZE": kv.full.shape[3], "RING_ROWS": kv.ring.shape[3], "WINDOW": c.sliding_window,
             "SINKS_BF16": int(sinks.dtype == torch.bfloat16), "HAS_SHARED": int(bool(c.n_shared_experts)),
             "EPS": f32(c.rms_norm_eps), "SCALING": f32(c.routed_scaling_factor),
-            "SCALE_LOG2": f32(attn.LOG2E / np.sqrt(attn.HEAD_DIM)),
+            "SCALE_LOG2": f32(attn.LOG2E / np.sqrt(attn.HEAD_DIM)), "FOLD_NORMS": int(self.fold_norms),
         }
         self.step_ints = torch.tensor([ints[n] for n in STEP_INTS], dtype=torch.int32, device=dev)
         self.tasks = torch.from_numpy(self.plan.tasks).to(dev)
         self.task_start = torch.from_numpy(self.plan.task_start).to(dev)
         self.counters = zeros(self.plan.num_counters + 1, dtype=torch.int32)
-        self.kernel = _kernel(self.fmt, kernel_defines(self.fmt, kv_dtype))
+        self.trace = zeros(len(self.plan.tasks), 3, dtype=torch.int64) if (TRACE if trace is None else trace) else None
+        self.kernel = _kernel(self.fmt, kernel_defines(kv_dtype))
         smem_attn = attn.fp8_smem_bytes(attn.FP8_STAGES) if kv_dtype == torch.float8_e4m3fn else attn.ATTN_SMEM_BYTES
         self.shared_bytes = max(smem_attn, rows * c.n_routed_experts * 4)
 
@@ -308,5 +322,23 @@ class DecodeStep:
         """The layers, on the current stream (after the kernel that wrote hidden[0])."""
         self.kernel.launch((self.grid,), (THREADS,),
                            [self.tasks, self.task_start, self.counters, I32(self.plan.num_counters),
-                            self.step_ptrs, self.step_ints],
+                            self.step_ptrs, self.step_ints, self.trace],
                            shared_bytes=self.shared_bytes, pdl=pdl, device=self.tasks.device.index)
+
+    def phase_times(self) -> list[dict]:
+        """With trace: each phase of the last launch as {op, layer, start, ready, end} in µs from the
+        launch's first stamp: `start` its first task's wait began, `ready` its last task's wait
+        ended (the operation before it was done and seen), `end` its last task was done."""
+        if self.trace is None:
+            raise ValueError("DecodeStep(trace=True) records the stamps")
+        stamps = self.trace.cpu().numpy()
+        origin = stamps[:, 0].min()
+        by_phase: dict[int, list] = {}
+        for task, (t0, t1, t2) in zip(self.plan.tasks, stamps, strict=True):
+            by_phase.setdefault(int(task[6]), []).append((t0, t1, t2))
+        out = []
+        for p, (op, layer, _) in enumerate(self.phases):
+            t = np.array(by_phase[p], dtype=np.int64) - origin
+            out.append({"op": OPS[op], "layer": layer, "start": t[:, 0].min() / 1e3, "ready": t[:, 1].max() / 1e3,
+                        "end": t[:, 2].max() / 1e3})
+        return out

@@ -17,7 +17,7 @@ from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.dense_copies import copies_bytes
 from flint_sched.executor.graphs import PROMPT_GRAPH_TOKENS
 from flint_sched.executor.kv_cache import KVCache
-from flint_sched.kernels import grouped_moe
+from flint_sched.kernels import decode_step, grouped_moe
 from flint_sched.kernels.grouped import CUBLAS_MIN_ROWS_NVFP4
 from flint_sched.model.reference import FlintReference
 from flint_sched.sampling_params import SamplingParams
@@ -256,7 +256,8 @@ def test_persistent_steps_match_the_reference_and_replay_exactly(ckpt, kv_dtype,
     """kernel_ops.PERSISTENT: 8 requests decoding together (the fused path's most rows), prompts on
     both sides of the window, against the reference; then the same steps eager and from graphs of
     1, 4 and 2 layers (three launches a step) give the same logits bit for bit: each tile is one
-    CTA's in a fixed order, and the counters are back to zero after every launch."""
+    CTA's in a fixed order, and the counters are back to zero after every launch; so do the steps
+    with the norms folded into their readers (decode_step.FOLD_NORMS: the same norm body in each)."""
     monkeypatch.setattr(kernel_ops, "PERSISTENT", True)
     gen = torch.Generator().manual_seed(21)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (3, 600, 37, 515, 90, 1, 260, 700)]
@@ -269,9 +270,12 @@ def test_persistent_steps_match_the_reference_and_replay_exactly(ckpt, kv_dtype,
                             **({"typical": 3e-2} if kv_dtype == torch.float8_e4m3fn else {}))
     eager, out_eager, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype, use_graphs=False, pdl=False)
     split, out_split, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype, first_graph_layers=1)
-    assert out_eager == outputs == out_split
-    for (r1, p1, a), (r2, p2, b), (r3, p3, c) in zip(eager, decode_logits, split, strict=True):
-        assert (r1, p1) == (r2, p2) == (r3, p3) and torch.equal(a, b) and torch.equal(a, c)
+    monkeypatch.setattr(decode_step, "FOLD_NORMS", True)      # the tasks normalize their rows: the same bits
+    folded, out_folded, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype)
+    assert out_eager == outputs == out_split == out_folded
+    for (r1, p1, a), (r2, p2, b), (r3, p3, c), (r4, p4, d) in zip(eager, decode_logits, split, folded, strict=True):
+        assert (r1, p1) == (r2, p2) == (r3, p3) == (r4, p4)
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
 
 
 def test_dense_bf16_copies_change_no_logit(ckpt, monkeypatch):

@@ -1,0 +1,86 @@
+"""Where the persistent decode step's time goes (kernel_ops.PERSISTENT, cuda/decode_step.cu), by
+operation, from the kernel's own global-timer stamps (kernels/decode_step.py TRACE): the full model
+over dummy weights, eager fused decode steps (one launch a graph segment's layers), each layer's
+operations charged with
+
+    hop   from the end of the operation before to the moment its last task saw it done
+    work  from then to its last task done
+
+averaged over the layers that have the operation, per batch size; then the step's own time with
+the launches (graphs, PERSISTENT off) and with the persistent step (graphs, on), as bench latency
+measures it. Run on the GPU machine:
+
+    python3 benchmarks/bench_decode_step.py --weight-format nvfp4 --batch-sizes 1,8 --contexts 1024 [--fold-norms]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flint_sched.benchmarks import latency  # noqa: E402
+from flint_sched.executor import kernel_ops  # noqa: E402
+from flint_sched.kernels import decode_step  # noqa: E402
+
+
+def charges(steps) -> tuple[dict[str, tuple[float, float, int]], float]:
+    """op -> (mean hop µs, mean work µs, layers) over the traced DecodeSteps (graph segments), and
+    the segments' total span (µs from each one's first stamp to its last task done)."""
+    hops: dict[str, list[float]] = {}
+    works: dict[str, list[float]] = {}
+    span = 0.0
+    for step in steps:
+        phases = step.phase_times()
+        previous_end = 0.0
+        for p in phases:
+            hops.setdefault(p["op"], []).append(max(0.0, p["ready"] - previous_end))
+            works.setdefault(p["op"], []).append(p["end"] - p["ready"])
+            previous_end = p["end"]
+        span += phases[-1]["end"]
+    return {op: (statistics.mean(hops[op]), statistics.mean(works[op]), len(hops[op])) for op in hops}, span
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    latency.add_arguments(p)
+    p.add_argument("--fold-norms", action="store_true", help="decode_step.FOLD_NORMS: no norm operations")
+    p.set_defaults(executor="cuda", device="cuda", prefill_lens="", weight_format="nvfp4", batch_sizes="1,8",
+                   contexts="1024", num_steps=20)
+    args = p.parse_args()
+    executor, _, bandwidth, num_blocks = latency.build(args)
+    decode_step.FOLD_NORMS = args.fold_norms
+    for batch, context, blocks in latency.decode_cases(args, num_blocks)[0]:
+        if batch > executor.limits.fused_max_batch:
+            print(f"batch {batch}: past the fused path ({executor.limits.fused_max_batch}), skipped")
+            continue
+        plan = latency.decode_plan(batch, context, blocks, fused_max_batch=executor.limits.fused_max_batch)
+        kernel_ops.PERSISTENT, decode_step.TRACE = True, True
+        executor.use_graphs = False
+        executor.ws.decode_steps.clear()
+        for _ in range(3):                       # the last one's stamps are read
+            executor.execute(plan)
+        table, span = charges(executor.ws.decode_steps.values())
+        print(f"\nbatch {batch}, context {context}: persistent step {span:.0f} µs over the layers (eager, traced)")
+        print("| operation | layers | hop µs | work µs | hop + work, all layers µs |")
+        print("|---|---|---|---|---|")
+        for op, (hop, work, n) in table.items():
+            print(f"| {op} | {n} | {hop:.2f} | {work:.2f} | {n * (hop + work):.0f} |")
+        decode_step.TRACE = False
+        executor.use_graphs = True
+        executor.ws.decode_steps.clear()
+        for persistent in (False, True):
+            kernel_ops.PERSISTENT = persistent
+            executor.clear_graphs()
+            r = latency.run_decode(executor, args, batch, context, bandwidth)
+            print(f"batch {batch}, context {context}: {'persistent' if persistent else 'launches'} "
+                  f"{r.step_ms:.3f} ms a step (graphs)")
+    kernel_ops.PERSISTENT = False
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
