@@ -10,7 +10,8 @@ averaged over the layers that have the operation, per batch size; then the step'
 the launches (graphs, PERSISTENT off) and with the persistent step (graphs, on), as bench latency
 measures it. Run on the GPU machine:
 
-    python3 benchmarks/bench_decode_step.py --weight-format nvfp4 --batch-sizes 1,8 --contexts 1024 [--fold-norms]
+    python3 benchmarks/bench_decode_step.py --weight-format nvfp4 --batch-sizes 1,8 --contexts 1024 \
+        [--fold-norms] [--warps 4]
 """
 
 from __future__ import annotations
@@ -48,11 +49,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     latency.add_arguments(p)
     p.add_argument("--fold-norms", action="store_true", help="decode_step.FOLD_NORMS: no norm operations")
+    p.add_argument("--warps", type=int, default=8, choices=(4, 8), help="decode_step.WARPS: warps a CTA")
     p.set_defaults(executor="cuda", device="cuda", prefill_lens="", weight_format="nvfp4", batch_sizes="1,8",
                    contexts="1024", num_steps=20)
     args = p.parse_args()
     executor, _, bandwidth, num_blocks = latency.build(args)
-    decode_step.FOLD_NORMS = args.fold_norms
+    decode_step.FOLD_NORMS, decode_step.WARPS = args.fold_norms, args.warps
     for batch, context, blocks in latency.decode_cases(args, num_blocks)[0]:
         if batch > executor.limits.fused_max_batch:
             print(f"batch {batch}: past the fused path ({executor.limits.fused_max_batch}), skipped")
@@ -63,7 +65,10 @@ def main() -> int:
         executor.ws.decode_steps.clear()
         for _ in range(3):                       # the last one's stamps are read
             executor.execute(plan)
-        table, span = charges(executor.ws.decode_steps.values())
+        steps = [step for step in executor.ws.decode_steps.values() if step]
+        if not steps:
+            raise SystemExit("the persistent step does not take this model (decode_step.supported)")
+        table, span = charges(steps)
         print(f"\nbatch {batch}, context {context}: persistent step {span:.0f} µs over the layers (eager, traced)")
         print("| operation | layers | hop µs | work µs | hop + work, all layers µs |")
         print("|---|---|---|---|---|")

@@ -1,7 +1,8 @@
 // A decode step's layers in one launch (issue 17's persistent decode; the fused path's <= 8 rows).
-// One CTA of 8 warps per SM walks its own list of tasks; a task is a range of tiles of one
-// operation of one layer, run by the graph path's kernel bodies with the tile as an argument
-// (gemv.cu, qk_norm_rope_kv.cu, decode_attention.cu, rmsnorm.cu, router.cu, moe.cu):
+// One CTA of STEP_WARPS warps (8: one CTA a SM; 4: two) walks its own list of tasks; a task is a
+// range of tiles of one operation of one layer, run by the graph path's kernel bodies with the
+// tile as an argument (gemv.cu, qk_norm_rope_kv.cu, decode_attention.cu, rmsnorm.cu, router.cu,
+// moe.cu):
 //
 //   layer i:  norm_in -> qkv -> qk_norm -> attention -> o_proj (+ h) -> norm_post
 //             -> router -> gate_up -> down (+ h)              MoE layers
@@ -12,27 +13,32 @@
 // as many bumps as it has tasks (thread 0 polls with acquire loads; the CTA then passes a barrier).
 // While it waits its CTA has already asked L2 for the task's weights (the task before asks for the
 // next one's), which is what PDL's early weight loads did at a kernel boundary. The host builds the
-// lists (kernels/decode_step.py): each CTA's in operation order, at most one CTA per SM, so the
+// lists (kernels/decode_step.py): each CTA's in operation order, all CTAs resident at once, so the
 // tasks that finish an operation can always run: no deadlock, no grid barrier. The last CTA to
 // finish zeroes the counters for the next launch (graph replays).
 //
 // The rows are hidden[0] of the fused path: read and written in place by the residual operations
 // (each element by one thread). Attention runs on warps 0-3 (a named barrier; decode_attention.cu
-// is a 4-warp body); warps 4-7 wait at the task's end.
+// is a 4-warp body); with 8 warps a CTA, warps 4-7 wait at the task's end.
 //
 // SI_FOLD_NORMS: no norm operations; each task of an operation that reads a normed row (q/k/v, the
 // router, gate/up) first normalizes the rows itself into its CTA's slot of x (rmsnorm.cu's body,
 // so the same bits), two dependent hops a layer fewer for B x 4 KB read again per task.
 // A non-null `trace` gets three global-timer stamps a task (before its wait, after it, after its
 // bump): benchmarks/bench_decode_step.py charges each operation with them.
-// Defines (kernels/decode_step.py): X_BATCH (gemv_tile.cuh), KV_FP8, ATTN_STAGES, ATTN_CP_ASYNC,
+// Defines (kernels/decode_step.py): STEP_WARPS, X_BATCH (gemv_tile.cuh), KV_FP8, ATTN_STAGES, ATTN_CP_ASYNC,
 // ATTN_MIN_SPLIT_KEYS (decode_attention.cu).
 #define PERSISTENT_STEP 1
-#define GEMV_WARPS 8
+#ifndef STEP_WARPS
+#define STEP_WARPS 8
+#endif
+#define STEP_THREADS (STEP_WARPS * 32)
+#define GEMV_WARPS STEP_WARPS
 #define GEMV_GROUPS 1
-#define MOE_GATE_UP_WARPS 8
-#define MOE_DOWN_WARPS 8
-#define STEP_THREADS 256
+#define MOE_GATE_UP_WARPS STEP_WARPS
+#define MOE_DOWN_WARPS STEP_WARPS
+#define ROUTER_WARPS STEP_WARPS
+#define QKN_WARPS STEP_WARPS
 #define ATTN_SYNC() asm volatile("bar.sync 1, 128;" ::: "memory")
 #include "gemv.cu"
 #include "moe.cu"
@@ -100,8 +106,10 @@ __device__ __forceinline__ void prefetch_rows(const Wt& w, int first, int end, i
   if (first < end) w.prefetch(first, end - first, k);
 }
 
+// NOTE: __noinline__ (and prefetch_down): inlined into the task loop they pushed the kernel past
+// the 255 registers a thread and it spilled (ptxas, both formats).
 template <class Wt>
-__device__ __forceinline__ void prefetch_task(const StepTask& t, const u64* sp, const int* si) {
+__device__ __noinline__ void prefetch_task(const StepTask& t, const u64* sp, const int* si) {
   const u64* lp = ptr<const u64>(sp, SP_LAYERS) + (size_t)t.layer * LP_COUNT;
   const int hidden = si[SI_HIDDEN], heads = si[SI_HEADS], dense = si[SI_DENSE_I];
   switch (t.op) {
@@ -229,6 +237,34 @@ __device__ __forceinline__ void wait_for(const int* counter, int target) {
     if (global_ns() - start > STEP_WAIT_LIMIT_NS) __trap();
 }
 
+// A gate/up task's CTA, its wait passed (the ids are routed), asks L2 for the rows its next task,
+// a down task, reads of each chosen expert and the shared one: warp 0, a lane a (row, slot) pair.
+template <class Wt>
+__device__ __noinline__ void prefetch_down(const StepTask& next, const u64* sp, const int* si) {
+  const u64* lp = ptr<const u64>(sp, SP_LAYERS) + (size_t)next.layer * LP_COUNT;
+  const int pairs = si[SI_ROWS] * si[SI_TOP_K], lane = threadIdx.x & 31;
+  const int hidden = si[SI_HIDDEN], I = si[SI_MOE_I], E = si[SI_EXPERTS];
+  for (int q = lane; q <= pairs; q += 32) {
+    if (q == pairs) {
+      if (si[SI_HAS_SHARED]) prefetch_rows(weight_at<Wt>(lp + LP_SHARED_DOWN), 16 * next.begin, 16 * next.end, hidden, I);
+      continue;
+    }
+    const int e = __ldcg(ptr<const int>(sp, SP_IDS) + q);
+    if (e >= 0 && e < E)
+      prefetch_rows(weight_at<Wt>(lp + LP_DOWN).expert(e, hidden, I), 16 * next.begin, 16 * next.end, hidden, I);
+  }
+}
+
+// The next task of this CTA's list from k + 1 on whose weights are known before its wait (the
+// first two looked at: a norm or Q/K-norm task between two GEMVs is passed over), or -1.
+__device__ __forceinline__ int next_prefetch(const StepTask* tasks, int k, int last) {
+  for (int j = k + 1; j < min(last, k + 3); ++j) {
+    const int op = tasks[j].op;
+    if (op == OP_QKV || op == OP_O_PROJ || op == OP_ROUTER || op == OP_DENSE_GATE_UP || op == OP_DENSE_DOWN) return j;
+  }
+  return -1;
+}
+
 // The norm an operation's input is (SI_FOLD_NORMS: its tasks compute it), or null.
 __device__ __forceinline__ const u16* folded_norm(int op, const u64* lp) {
   switch (op) {
@@ -257,11 +293,14 @@ __device__ __forceinline__ void decode_step(const StepTask* tasks, const int* ta
     const StepTask t = tasks[k];
     if (threadIdx.x == 0) {
       if (trace) trace[3 * k] = global_ns();
-      if (k + 1 < last) prefetch_task<Wt>(tasks[k + 1], sp, si);
+      const int j = next_prefetch(tasks, k, last);  // asked again if the task before asked already: a hint
+      if (j >= 0) prefetch_task<Wt>(tasks[j], sp, si);
       if (t.wait >= 0) wait_for(counters + t.wait, t.target);
     }
     __syncthreads();  // thread 0's acquire covers the CTA: what the waited-on tasks wrote is seen
     if (trace && threadIdx.x == 0) trace[3 * k + 1] = global_ns();
+    if (t.op == OP_GATE_UP && k + 1 < last && threadIdx.x < 32 && tasks[k + 1].op == OP_DOWN)
+      prefetch_down<Wt>(tasks[k + 1], sp, si);
     const u16* norm = fold ? folded_norm(t.op, ptr<const u64>(sp, SP_LAYERS) + (size_t)t.layer * LP_COUNT) : nullptr;
     if (norm) {
       for (int b = 0; b < si[SI_ROWS]; ++b) {
@@ -275,8 +314,8 @@ __device__ __forceinline__ void decode_step(const StepTask* tasks, const int* ta
       __syncthreads();  // the body's shared memory is free again; every write of the task is done
     }
     if (threadIdx.x == 0) {
-      __threadfence();
-      atomicAdd(counters + t.signal, 1);
+      // release: the CTA's writes (ordered before by the barrier) are seen by whoever acquires the count
+      asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counters + t.signal) : "memory");
       if (trace) trace[3 * k + 2] = global_ns();
     }
   }
@@ -290,13 +329,13 @@ __device__ __forceinline__ void decode_step(const StepTask* tasks, const int* ta
     for (int j = threadIdx.x; j <= num_counters; j += blockDim.x) counters[j] = 0;
 }
 
-extern "C" __global__ void __launch_bounds__(STEP_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(STEP_THREADS, 8 / STEP_WARPS)
 decode_step_nvfp4(const StepTask* tasks, const int* task_start, int* counters, int num_counters,
                   const u64* step_ptrs, const int* step_ints, u64* trace) {
   decode_step<Nvfp4Weights, NVFP4_UNROLL>(tasks, task_start, counters, num_counters, step_ptrs, step_ints, trace);
 }
 
-extern "C" __global__ void __launch_bounds__(STEP_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(STEP_THREADS, 8 / STEP_WARPS)
 decode_step_bf16(const StepTask* tasks, const int* task_start, int* counters, int num_counters,
                  const u64* step_ptrs, const int* step_ints, u64* trace) {
   decode_step<Bf16Weights, BF16_UNROLL>(tasks, task_start, counters, num_counters, step_ptrs, step_ints, trace);

@@ -10,7 +10,9 @@
 // KV_FP8: the cache is e4m3 (attention_common.cuh): the K row is the bf16 value above, rounded again.
 #include "qk_norm_rope.cuh"
 
-#define QKN_WARPS 8
+#ifndef QKN_WARPS
+#define QKN_WARPS 8  // a define: cuda/decode_step.cu builds it on its CTA's warps
+#endif
 
 __device__ __forceinline__ void load_bf16x4(const u16* p, float (&x)[4]) {
   const uint2 v = *reinterpret_cast<const uint2*>(p);

@@ -17,7 +17,9 @@
 #include "gemv_tile.cuh"
 #include "topk.cuh"
 
-#define ROUTER_WARPS 8
+#ifndef ROUTER_WARPS
+#define ROUTER_WARPS 8  // a define: cuda/decode_step.cu builds it on its CTA's warps
+#endif
 #define ROUTER_UNROLL 4
 #define ROUTER_MAX_SPLITS 8  // kernels/moe.py MAX_ROUTER_SPLITS
 

@@ -153,11 +153,15 @@ class KernelOps:
         if not (PERSISTENT and self.variant == "fused"):
             return None
         kv, h = self.k.kv, self.hidden[0]
-        key = (self.rows, first, last, decode_step.FOLD_NORMS, h.data_ptr(), kv.full.data_ptr(), kv.ring.data_ptr(),
+        key = (self.rows, first, last, decode_step.FOLD_NORMS, decode_step.WARPS, h.data_ptr(), kv.full.data_ptr(), kv.ring.data_ptr(),
                self.inputs.flat.data_ptr())
         step = self.ws.decode_steps.get(key)
         if step is None:       # built outside a capture (the graphs' eager first run): static tables
-            step = self.ws.decode_steps[key] = decode_step.DecodeStep(self.k, self.inputs, h, self.rows, first, last)
+            fits = decode_step.supported(self.c, self.w, self.k.qkv, self.rows) is None
+            step = decode_step.DecodeStep(self.k, self.inputs, h, self.rows, first, last) if fits else False
+            self.ws.decode_steps[key] = step
+        if step is False:      # a model the persistent step does not take (mixed weight formats): launches
+            return None
         step.launch(pdl=self.pdl)
         return h
 

@@ -31,7 +31,10 @@ from flint_sched.kernels.linear import MAX_TOKENS, weight_format
 from flint_sched.kernels.moe import MAX_ROUTER_SPLITS
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
-THREADS = 256                    # cuda/decode_step.cu STEP_THREADS: 8 warps a CTA, one CTA a SM
+# Warps a CTA (cuda/decode_step.cu STEP_WARPS; every body built on them): 8, one CTA a SM (decode
+# attention, a 4-warp body, leaves half idle), or 4, two CTAs a SM (each GEMV warp with a full
+# round of NVFP4 loads, twice the task lists). Prepared without a GPU: measure both.
+WARPS = 8
 TASK_INTS = 8                    # StepTask: op, layer, begin, end, wait, target, signal, pad
 GATE_UP_ROWS = 8                 # intermediate rows a gate/up tile (gate and up: 16 tile rows)
 # The tasks of q/k/v, the router and gate/up normalize their rows themselves (rmsnorm.cu's body in
@@ -138,14 +141,15 @@ def router_splits(experts: int, hidden: int) -> int:
 
 
 def step_phases(config: FlintConfig, rows: int, first: int, last: int, splits: dict[bool, int],
-                fold_norms: bool = False) -> list:
-    """(op, layer, tiles) of layers [first, last); splits[sliding]: attention splits a (row, KV head)."""
+                fold_norms: bool = False, warps: int = 8) -> list:
+    """(op, layer, tiles) of layers [first, last); splits[sliding]: attention splits a (row, KV head);
+    warps: the CTA's (the Q/K norms take a head a warp)."""
     c = config
     heads, g = c.num_attention_heads, c.num_key_value_heads
     tiles = {
         "NORM_IN": rows, "NORM_POST": rows,
         "QKV": -(-(heads + 2 * g) * attn.HEAD_DIM // 16),
-        "QK_NORM": rows * -(-(heads + 2 * g) // attn.NORM_WARPS),
+        "QK_NORM": rows * -(-(heads + 2 * g) // warps),
         "O_PROJ": -(-c.hidden_size // 16), "DOWN": -(-c.hidden_size // 16), "DENSE_DOWN": -(-c.hidden_size // 16),
         "ROUTER": -(-c.n_routed_experts // 16) * router_splits(c.n_routed_experts, c.hidden_size),
         "GATE_UP": -(-c.moe_intermediate_size // GATE_UP_ROWS) * (rows * c.num_experts_per_tok
@@ -168,12 +172,14 @@ def _kernel(fmt: str, defines: tuple) -> Kernel:
     return compile_kernel("decode_step.cu", f"decode_step_{fmt}", dict(defines))
 
 
-def kernel_defines(kv_dtype: torch.dtype) -> tuple:
-    """Compile-time settings: the attention's by KV dtype (as kernels/attention.py builds its
-    kernel); the GEMVs load each activation next to its mma (X_BATCH 0: with 1, the BF16 build
-    spilled at the 255 registers a thread of one 8-warp CTA a SM)."""
+def kernel_defines(kv_dtype: torch.dtype, warps: int = 8) -> tuple:
+    """Compile-time settings: the CTA's warps, the attention's by KV dtype (as kernels/attention.py
+    builds its kernel); the GEMVs load each activation next to its mma (X_BATCH 0: with 1, the BF16
+    build spilled at the 255 registers a thread of one 8-warp CTA a SM)."""
+    if warps not in (4, 8):
+        raise ValueError(f"the persistent step runs CTAs of 4 or 8 warps, not {warps}")
     fp8 = kv_dtype == torch.float8_e4m3fn
-    defines = [("X_BATCH", 0), ("ATTN_MIN_SPLIT_KEYS", attn.MIN_SPLIT_KEYS)]
+    defines = [("STEP_WARPS", warps), ("X_BATCH", 0), ("ATTN_MIN_SPLIT_KEYS", attn.MIN_SPLIT_KEYS)]
     if fp8:
         defines += [("KV_FP8", 1), ("ATTN_STAGES", attn.FP8_STAGES)]
     if kv_dtype in attn.CP_ASYNC_DTYPES:
@@ -223,14 +229,17 @@ class DecodeStep:
     """
 
     def __init__(self, weights, inputs, hidden: torch.Tensor, rows: int, first: int, last: int,
-                 grid: int | None = None, fold_norms: bool | None = None, trace: bool | None = None):
-        """fold_norms, trace (stamp every task: `phase_times`): FOLD_NORMS, TRACE by default."""
+                 grid: int | None = None, fold_norms: bool | None = None, trace: bool | None = None,
+                 warps: int | None = None):
+        """fold_norms, trace (stamp every task: `phase_times`), warps: FOLD_NORMS, TRACE, WARPS by
+        default; grid: every CTA that fits at once (8 // warps a SM)."""
         c, w, dev = weights.config, weights.w, hidden.device
         why = supported(c, w, weights.qkv, rows)
         if why is not None:
             raise ValueError(f"the persistent decode step cannot run this model: {why}")
         self.rows, self.first, self.last = rows, first, last
-        self.grid = sm_count(dev) if grid is None else grid
+        self.warps = WARPS if warps is None else warps
+        self.grid = sm_count(dev) * (8 // self.warps) if grid is None else grid
         kv = weights.kv
         g, heads = c.num_key_value_heads, c.num_attention_heads
         self.fmt = weight_format(weights.qkv[first][0])
@@ -240,7 +249,7 @@ class DecodeStep:
         splits = {True: attention_splits(rows, c.sliding_window, g, self.grid),
                   False: attention_splits(rows, inputs.max_model_len, g, self.grid)}
         self.fold_norms = FOLD_NORMS if fold_norms is None else fold_norms
-        self.phases = step_phases(c, rows, first, last, splits, self.fold_norms)
+        self.phases = step_phases(c, rows, first, last, splits, self.fold_norms, self.warps)
         self.plan = plan_tasks(self.phases, self.grid)
 
         def zeros(*shape, dtype=torch.bfloat16):
@@ -314,13 +323,13 @@ class DecodeStep:
         self.task_start = torch.from_numpy(self.plan.task_start).to(dev)
         self.counters = zeros(self.plan.num_counters + 1, dtype=torch.int32)
         self.trace = zeros(len(self.plan.tasks), 3, dtype=torch.int64) if (TRACE if trace is None else trace) else None
-        self.kernel = _kernel(self.fmt, kernel_defines(kv_dtype))
+        self.kernel = _kernel(self.fmt, kernel_defines(kv_dtype, self.warps))
         smem_attn = attn.fp8_smem_bytes(attn.FP8_STAGES) if kv_dtype == torch.float8_e4m3fn else attn.ATTN_SMEM_BYTES
         self.shared_bytes = max(smem_attn, rows * c.n_routed_experts * 4)
 
     def launch(self, pdl: bool = False) -> None:
         """The layers, on the current stream (after the kernel that wrote hidden[0])."""
-        self.kernel.launch((self.grid,), (THREADS,),
+        self.kernel.launch((self.grid,), (32 * self.warps,),
                            [self.tasks, self.task_start, self.counters, I32(self.plan.num_counters),
                             self.step_ptrs, self.step_ints, self.trace],
                            shared_bytes=self.shared_bytes, pdl=pdl, device=self.tasks.device.index)

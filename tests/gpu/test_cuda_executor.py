@@ -251,21 +251,24 @@ def test_graphs_with_pdl_replay_the_eager_step_exactly(ckpt, first_graph_layers)
         assert (r1, p1) == (r2, p2) and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("warps", [8, 4], ids=["8-warps", "4-warps"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-kv", "e4m3-kv"])
-def test_persistent_steps_match_the_reference_and_replay_exactly(ckpt, kv_dtype, monkeypatch):
+def test_persistent_steps_match_the_reference_and_replay_exactly(ckpt, kv_dtype, warps, monkeypatch):
     """kernel_ops.PERSISTENT: 8 requests decoding together (the fused path's most rows), prompts on
     both sides of the window, against the reference; then the same steps eager and from graphs of
     1, 4 and 2 layers (three launches a step) give the same logits bit for bit: each tile is one
     CTA's in a fixed order, and the counters are back to zero after every launch; so do the steps
     with the norms folded into their readers (decode_step.FOLD_NORMS: the same norm body in each)."""
     monkeypatch.setattr(kernel_ops, "PERSISTENT", True)
+    monkeypatch.setattr(decode_step, "WARPS", warps)          # CTAs of 8 warps, one a SM; or of 4, two
     gen = torch.Generator().manual_seed(21)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (3, 600, 37, 515, 90, 1, 260, 700)]
     decode_logits, outputs, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype)
     assert "fused" in run.paths and len(decode_logits) == 8 * 5
-    steps = run.executor.ws.decode_steps
-    assert steps and all(int(step.counters.abs().sum()) == 0 for step in steps.values())
-    assert 8 in {step.rows for step in steps.values()}
+    steps = list(run.executor.ws.decode_steps.values())
+    assert steps and all(steps), "a fused step ran on the launches: decode_step.supported said no"
+    assert all(int(step.counters.abs().sum()) == 0 for step in steps) and 8 in {step.rows for step in steps}
+    assert {step.warps for step in steps} == {warps}
     check_against_reference(ckpt, prompts, decode_logits, outputs, kv_dtype=kv_dtype,
                             **({"typical": 3e-2} if kv_dtype == torch.float8_e4m3fn else {}))
     eager, out_eager, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype, use_graphs=False, pdl=False)
