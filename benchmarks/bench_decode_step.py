@@ -11,7 +11,7 @@ the launches (graphs, PERSISTENT off) and with the persistent step (graphs, on),
 measures it. Run on the GPU machine:
 
     python3 benchmarks/bench_decode_step.py --weight-format nvfp4 --batch-sizes 1,8 --contexts 1024 \
-        [--fold-norms] [--warps 4]
+        [--fold-norms] [--fuse-qk] [--warps 4]
 """
 
 from __future__ import annotations
@@ -50,11 +50,12 @@ def main() -> int:
     latency.add_arguments(p)
     p.add_argument("--fold-norms", action="store_true", help="decode_step.FOLD_NORMS: no norm operations")
     p.add_argument("--warps", type=int, default=8, choices=(4, 8), help="decode_step.WARPS: warps a CTA")
+    p.add_argument("--fuse-qk", action="store_true", help="decode_step.FUSE_QK: the Q/K norms in the attention tasks")
     p.set_defaults(executor="cuda", device="cuda", prefill_lens="", weight_format="nvfp4", batch_sizes="1,8",
                    contexts="1024", num_steps=20)
     args = p.parse_args()
     executor, _, bandwidth, num_blocks = latency.build(args)
-    decode_step.FOLD_NORMS, decode_step.WARPS = args.fold_norms, args.warps
+    decode_step.FOLD_NORMS, decode_step.WARPS, decode_step.FUSE_QK = args.fold_norms, args.warps, args.fuse_qk
     for batch, context, blocks in latency.decode_cases(args, num_blocks)[0]:
         if batch > executor.limits.fused_max_batch:
             print(f"batch {batch}: past the fused path ({executor.limits.fused_max_batch}), skipped")

@@ -12,7 +12,7 @@
 #   serve-api     c=256, e4m3, stream interval 1: one process (--api-server-count 0), then the API process (1)
 #   persistent    bench_persistent.py: a chain of GEMVs on counters in one launch against launches
 #   decode-step   the persistent decode step (kernel_ops.PERSISTENT): its GPU tests, then ab_decode at
-#                 1, 4 and 8 requests against the launches (8- and 4-warp CTAs, folded norms)
+#                 1, 4 and 8 requests against the launches (8- and 4-warp CTAs, folded norms, fused Q/K)
 #
 # Only the lines that carry figures are printed (decode steps, served throughput, TTFT / ITL, GPU
 # busy and idle, failures, what /metrics still holds after a run), after one on the machine (GPU
@@ -89,6 +89,7 @@ for part in "$@"; do
                     --rounds 2 --variant launches: --variant "persistent:flint_sched.executor.kernel_ops.PERSISTENT=True" \
                     --variant "p4warps:flint_sched.executor.kernel_ops.PERSISTENT=True,flint_sched.kernels.decode_step.WARPS=4" \
                     --variant "pfold:flint_sched.executor.kernel_ops.PERSISTENT=True,flint_sched.kernels.decode_step.FOLD_NORMS=True" \
+                    --variant "pfused:flint_sched.executor.kernel_ops.PERSISTENT=True,flint_sched.kernels.decode_step.FOLD_NORMS=True,flint_sched.kernels.decode_step.FUSE_QK=True" \
                     2>&1 | grep -E "^\||rror"
             done ;;
         *) echo "unknown part $part (tests, latency, latency-fp8, latency-bf16, serve, serve-max, serve-api, persistent, decode-step)"; exit 2 ;;

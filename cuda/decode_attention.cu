@@ -295,6 +295,12 @@ __device__ __forceinline__ bool take_ticket(u32* ticket, int arrivals, int* flag
   return *flag;
 }
 
+// Keys a split of n_keys visible keys takes (the last active split ends at the newest key).
+__device__ __forceinline__ int split_chunk(int n_keys, int num_splits, int one_split_below) {
+  const int chunk = max(ATTN_MIN_SPLIT_KEYS, cdiv_i(cdiv_i(n_keys, num_splits), ATTN_TILE) * ATTN_TILE);
+  return n_keys < one_split_below ? max(chunk, n_keys) : chunk;  // one split: active = 1
+}
+
 // One CTA (threads 0 .. ATTN_THREADS - 1): split `split` of `num_splits` of KV head g (of G) of request b.
 __device__ __forceinline__ void decode_attention_cta(int split, int g, int b, int num_splits, int G, u16* out,
                                                      const u16* q, int q_stride, const kv_t* k_cache,
@@ -315,8 +321,7 @@ __device__ __forceinline__ void decode_attention_cta(int split, int g, int b, in
   const KvPages pages(block_tables, table_stride, ring_slots, page_rows, b);
   const int L = max(0, seq_lens[b]);
   const int n_keys = window > 0 ? min(L, window) : L;
-  int chunk = max(ATTN_MIN_SPLIT_KEYS, cdiv_i(cdiv_i(n_keys, num_splits), ATTN_TILE) * ATTN_TILE);
-  if (n_keys < one_split_below) chunk = max(chunk, n_keys);  // one split: active = 1
+  const int chunk = split_chunk(n_keys, num_splits, one_split_below);
   const int active = cdiv_i(n_keys, chunk);
   if (n_keys == 0) {  // padding request: no keys, and the sink carries no value -> zeros
     pdl_wait();

@@ -24,11 +24,20 @@
 // SI_FOLD_NORMS: no norm operations; each task of an operation that reads a normed row (q/k/v, the
 // router, gate/up) first normalizes the rows itself into its CTA's slot of x (rmsnorm.cu's body,
 // so the same bits), two dependent hops a layer fewer for B x 4 KB read again per task.
+// STEP_FUSE_QK (a build of its own): no qk_norm operation; each attention task normalizes (sliding
+// layers: and rotates) its KV head's 8 query heads itself into its CTA's q slot, and the task of
+// the split that holds the new key writes that head's K/V row first (only that split reads it this
+// step). The arithmetic is qk_norm_rope_kv.cu's (norm_rope_lanes): the same bits, one dependent hop
+// a layer fewer. (ptxas spills 16-40 bytes of it at the 255 registers a thread: measure before
+// trusting it; the default build spills nothing.)
 // A non-null `trace` gets three global-timer stamps a task (before its wait, after it, after its
 // bump): benchmarks/bench_decode_step.py charges each operation with them.
-// Defines (kernels/decode_step.py): STEP_WARPS, X_BATCH (gemv_tile.cuh), KV_FP8, ATTN_STAGES, ATTN_CP_ASYNC,
+// Defines (kernels/decode_step.py): STEP_WARPS, STEP_FUSE_QK, X_BATCH (gemv_tile.cuh), KV_FP8, ATTN_STAGES, ATTN_CP_ASYNC,
 // ATTN_MIN_SPLIT_KEYS (decode_attention.cu).
 #define PERSISTENT_STEP 1
+#ifndef STEP_FUSE_QK
+#define STEP_FUSE_QK 0
+#endif
 #ifndef STEP_WARPS
 #define STEP_WARPS 8
 #endif
@@ -138,10 +147,58 @@ __device__ __noinline__ void prefetch_task(const StepTask& t, const u64* sp, con
   }
 }
 
+#if STEP_FUSE_QK
+// NOTE: rope_table's fp64 sincos in a function of its own: inlined beside the attention body it
+// added to the kernel's registers.
+__device__ __noinline__ void rope_table_apart(float* cos_s, float* sin_s, int p, const double* inv_freq) {
+  rope_table(cos_s, sin_s, p, inv_freq);
+}
+
+// STEP_FUSE_QK's part of attention task (b, g): the 8 query heads of KV head g of row b normalized
+// (and rotated, with inv_freq) into q_slot [H][128] at their heads' places; with writes_kv also the
+// K row (normalized, rotated) and the V row of head g at the row's position. Every thread (warp w:
+// heads w, w + warps, ..), then a barrier.
+__device__ __forceinline__ void attention_prologue(int b, int g, bool writes_kv, u16* q_slot, const u16* qkv,
+                                                   const u16* q_norm, const u16* k_norm, kv_t* k_cache,
+                                                   kv_t* v_cache, const KvPages& pages, int p, int H, int G,
+                                                   float eps, const double* inv_freq) {
+  __shared__ float cos_s[HEAD_DIM / 2], sin_s[HEAD_DIM / 2];
+  if (inv_freq) rope_table_apart(cos_s, sin_s, p, inv_freq);
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const u16* row = qkv + (size_t)b * (H + 2 * G) * HEAD_DIM;
+  for (int j = warp; j < GROUP + (writes_kv ? 2 : 0); j += warps) {
+    const int head = j < GROUP ? g * GROUP + j : j == GROUP ? H + g : H + G + g;  // q heads, then k, then v
+    const u16* src = row + head * HEAD_DIM + 4 * lane;
+    if (j >= GROUP) {
+      const long long at = pages.row(p) * G * HEAD_DIM + g * HEAD_DIM + 4 * lane;
+      if (j == GROUP + 1) {  // v: copied as is
+        store_kv4(v_cache + at, *reinterpret_cast<const uint2*>(src));
+        continue;
+      }
+      float x[4], w[4], y[4];
+      load_bf16x4(k_norm + 4 * lane, w);
+      load_bf16x4(src, x);
+      norm_rope_lanes(x, w, eps, inv_freq != nullptr, cos_s, sin_s, lane, y);
+      store_kv4(k_cache + at, make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3])));
+      continue;
+    }
+    float x[4], w[4], y[4];
+    load_bf16x4(q_norm + 4 * lane, w);
+    load_bf16x4(src, x);
+    norm_rope_lanes(x, w, eps, inv_freq != nullptr, cos_s, sin_s, lane, y);
+    store_bf16x4(q_slot + head * HEAD_DIM + 4 * lane, y);
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");  // the K/V row: read next by this CTA's bulk copies
+  __syncthreads();
+}
+#endif
+
 // Tile i of operation op of layer `layer`: one CTA's worth of the kernel the graph path launches.
-// x: the normed rows this CTA reads (SP_X, or its own slot of it with SI_FOLD_NORMS).
+// x: the normed rows this CTA reads (SP_X, or its own slot of it with SI_FOLD_NORMS); q: the query
+// heads attention reads (SP_Q [B][H][128], or with STEP_FUSE_QK this CTA's slot [H][128] of it).
 template <class Wt, int U>
-__device__ __forceinline__ void run_tile(int op, int layer, int i, const u64* sp, const int* si, u16* x) {
+__device__ __forceinline__ void run_tile(int op, int layer, int i, const u64* sp, const int* si, u16* x, u16* q) {
   const u64* lp = ptr<const u64>(sp, SP_LAYERS) + (size_t)layer * LP_COUNT;
   const int B = si[SI_ROWS], hidden = si[SI_HIDDEN], H = si[SI_HEADS], G = si[SI_KV_HEADS];
   const int qkv_rows = (H + 2 * G) * HEAD_DIM;
@@ -160,7 +217,7 @@ __device__ __forceinline__ void run_tile(int op, int layer, int i, const u64* sp
     case OP_QK_NORM: {
       const int blocks = cdiv_i(H + 2 * G, QKN_WARPS);
       const bool sliding = lp[LP_SLIDING] != 0;
-      qk_norm_rope_kv_cta(i / blocks, i % blocks, ptr<u16>(sp, SP_Q), ptr<kv_t>(lp, LP_K_POOL), ptr<kv_t>(lp, LP_V_POOL),
+      qk_norm_rope_kv_cta(i / blocks, i % blocks, q, ptr<kv_t>(lp, LP_K_POOL), ptr<kv_t>(lp, LP_V_POOL),
                           ptr<const u16>(sp, SP_QKV), ptr<const u16>(lp, LP_Q_NORM), ptr<const u16>(lp, LP_K_NORM),
                           ptr<const int>(sp, SP_POSITIONS), sliding ? nullptr : ptr<const int>(sp, SP_BLOCK_TABLES),
                           si[SI_TABLE_STRIDE], ptr<const int>(sp, SP_RING_SLOTS),
@@ -170,17 +227,31 @@ __device__ __forceinline__ void run_tile(int op, int layer, int i, const u64* sp
       break;
     }
     case OP_ATTENTION: {
-      if (threadIdx.x >= ATTN_THREADS) break;
       const bool sliding = lp[LP_SLIDING] != 0;
       const int splits = sliding ? si[SI_SPLITS_SLIDING] : si[SI_SPLITS_FULL];
-      const int pair = i / splits, b = pair / G, g = pair % G;
-      asm volatile("fence.proxy.async.global;" ::: "memory");  // the new K/V rows, written by qk_norm tasks
-      decode_attention_cta(i % splits, g, b, splits, G, ptr<u16>(sp, SP_ATTN), ptr<const u16>(sp, SP_Q), H * HEAD_DIM,
+      const int pair = i / splits, b = pair / G, g = pair % G, split = i % splits;
+      const int one_split = sliding ? si[SI_ONE_SPLIT_SLIDING] : si[SI_ONE_SPLIT_FULL];
+#if STEP_FUSE_QK  // this split holds the new key if it is the last one active (its keys end at L)
+      const int p = ptr<const int>(sp, SP_POSITIONS)[b], L = max(0, ptr<const int>(sp, SP_SEQ_LENS)[b]);
+      const int n_keys = sliding ? min(L, si[SI_WINDOW]) : L;
+      const bool writes_kv = p >= 0 && n_keys > 0 && split == cdiv_i(n_keys, split_chunk(n_keys, splits, one_split)) - 1;
+      const KvPages pages(sliding ? nullptr : ptr<const int>(sp, SP_BLOCK_TABLES), si[SI_TABLE_STRIDE],
+                          ptr<const int>(sp, SP_RING_SLOTS), sliding ? si[SI_RING_ROWS] : si[SI_BLOCK_SIZE], b);
+      attention_prologue(b, g, writes_kv, q, ptr<const u16>(sp, SP_QKV), ptr<const u16>(lp, LP_Q_NORM),
+                         ptr<const u16>(lp, LP_K_NORM), ptr<kv_t>(lp, LP_K_POOL), ptr<kv_t>(lp, LP_V_POOL), pages,
+                         max(p, 0), H, G, eps, sliding ? ptr<const double>(sp, SP_ROPE_INV_FREQ) : nullptr);
+      const int q_stride = 0;
+#else
+      const int q_stride = H * HEAD_DIM;
+#endif
+      if (threadIdx.x >= ATTN_THREADS) break;
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // the new K/V rows, written by other tasks
+      decode_attention_cta(split, g, b, splits, G, ptr<u16>(sp, SP_ATTN), q, q_stride,
                            ptr<const kv_t>(lp, LP_K_POOL), ptr<const kv_t>(lp, LP_V_POOL),
                            sliding ? nullptr : ptr<const int>(sp, SP_BLOCK_TABLES),
                            sliding ? 0 : si[SI_TABLE_STRIDE], ptr<const int>(sp, SP_RING_SLOTS),
                            sliding ? si[SI_RING_ROWS] : si[SI_BLOCK_SIZE], sliding ? si[SI_WINDOW] : 0,
-                           ptr<const int>(sp, SP_SEQ_LENS), sliding ? si[SI_ONE_SPLIT_SLIDING] : si[SI_ONE_SPLIT_FULL],
+                           ptr<const int>(sp, SP_SEQ_LENS), one_split,
                            ptr<const void>(lp, LP_SINKS), si[SI_SINKS_BF16], as_float(si[SI_SCALE_LOG2]),
                            ptr<u32>(sp, SP_ATTN_TICKETS), ptr<float>(sp, SP_ATTN_PARTIALS));
       break;
@@ -287,6 +358,7 @@ __device__ __forceinline__ void decode_step(const StepTask* tasks, const int* ta
   const int first = task_start[blockIdx.x], last = task_start[blockIdx.x + 1];
   const bool fold = si[SI_FOLD_NORMS] != 0;
   u16* const x = ptr<u16>(sp, SP_X) + (fold ? (size_t)blockIdx.x * si[SI_ROWS] * si[SI_HIDDEN] : 0);
+  u16* const q = ptr<u16>(sp, SP_Q) + (STEP_FUSE_QK ? (size_t)blockIdx.x * si[SI_HEADS] * HEAD_DIM : 0);
   if (threadIdx.x == 0 && first < last) prefetch_task<Wt>(tasks[first], sp, si);
   griddep_wait();  // the kernel before (the embedding: h, new block-table entries) is complete
   for (int k = first; k < last; ++k) {
@@ -310,7 +382,7 @@ __device__ __forceinline__ void decode_step(const StepTask* tasks, const int* ta
       }
     }
     for (int i = t.begin; i < t.end; ++i) {
-      run_tile<Wt, U>(t.op, t.layer, i, sp, si, x);
+      run_tile<Wt, U>(t.op, t.layer, i, sp, si, x, q);
       __syncthreads();  // the body's shared memory is free again; every write of the task is done
     }
     if (threadIdx.x == 0) {

@@ -10,7 +10,9 @@ and the step's intermediate buffers, static, so one CUDA graph replays the launc
               or dense_gate_up, dense_down (dense layers); every operation waits for the one before
 
 Rows are hidden[0] of the fused path, updated in place; the LM head stays the graph path's.
-With FOLD_NORMS the norm operations go: the tasks that read a normed row make it themselves.
+With FOLD_NORMS the norm operations go: the tasks that read a normed row make it themselves; with
+FUSE_QK the Q/K norm operation goes: the attention tasks normalize their query heads and write the
+new K/V row themselves.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ GATE_UP_ROWS = 8                 # intermediate rows a gate/up tile (gate and up
 # each, the same bits) instead of waiting on a norm operation: two dependent hops a layer fewer.
 # Prepared without a GPU (session 30): measure both (gpu_suite.sh decode-step).
 FOLD_NORMS = False
+# The attention tasks do the Q/K norms, RoPE and the K/V write (qk_norm_rope_kv.cu's arithmetic, the
+# same bits) instead of waiting on a qk_norm operation: one dependent hop a layer fewer; a build of
+# its own (STEP_FUSE_QK). Prepared without a GPU (session 30): measure both.
+FUSE_QK = False
 # Steps built while set stamp every task (DecodeStep.phase_times; benchmarks/bench_decode_step.py).
 TRACE = False
 
@@ -77,11 +83,12 @@ def cuda_enum(name: str) -> tuple[str, ...]:
 # ---- the plan -------------------------------------------------------------------------------------
 
 
-def layer_ops(config: FlintConfig, layer: int, fold_norms: bool = False) -> tuple[str, ...]:
-    """The operations of one layer, in order (fold_norms: without the norms, see FOLD_NORMS)."""
+def layer_ops(config: FlintConfig, layer: int, fold_norms: bool = False, fuse_qk: bool = False) -> tuple[str, ...]:
+    """The operations of one layer, in order (fold_norms: without the norms; fuse_qk: without the
+    Q/K norm; see FOLD_NORMS, FUSE_QK)."""
     mlp = ("ROUTER", "GATE_UP", "DOWN") if config.is_moe(layer) else ("DENSE_GATE_UP", "DENSE_DOWN")
     ops = ("NORM_IN", "QKV", "QK_NORM", "ATTENTION", "O_PROJ", "NORM_POST") + mlp
-    return tuple(op for op in ops if not (fold_norms and op.startswith("NORM")))
+    return tuple(op for op in ops if not (fold_norms and op.startswith("NORM") or fuse_qk and op == "QK_NORM"))
 
 
 @dataclass(frozen=True)
@@ -141,7 +148,7 @@ def router_splits(experts: int, hidden: int) -> int:
 
 
 def step_phases(config: FlintConfig, rows: int, first: int, last: int, splits: dict[bool, int],
-                fold_norms: bool = False, warps: int = 8) -> list:
+                fold_norms: bool = False, warps: int = 8, fuse_qk: bool = False) -> list:
     """(op, layer, tiles) of layers [first, last); splits[sliding]: attention splits a (row, KV head);
     warps: the CTA's (the Q/K norms take a head a warp)."""
     c = config
@@ -158,7 +165,7 @@ def step_phases(config: FlintConfig, rows: int, first: int, last: int, splits: d
     }
     phases = []
     for i in range(first, last):
-        for name in layer_ops(c, i, fold_norms):
+        for name in layer_ops(c, i, fold_norms, fuse_qk):
             n = rows * g * splits[c.is_sliding(i)] if name == "ATTENTION" else tiles[name]
             phases.append((OP[name], i, n))
     return phases
@@ -172,14 +179,16 @@ def _kernel(fmt: str, defines: tuple) -> Kernel:
     return compile_kernel("decode_step.cu", f"decode_step_{fmt}", dict(defines))
 
 
-def kernel_defines(kv_dtype: torch.dtype, warps: int = 8) -> tuple:
-    """Compile-time settings: the CTA's warps, the attention's by KV dtype (as kernels/attention.py
-    builds its kernel); the GEMVs load each activation next to its mma (X_BATCH 0: with 1, the BF16
-    build spilled at the 255 registers a thread of one 8-warp CTA a SM)."""
+def kernel_defines(kv_dtype: torch.dtype, warps: int = 8, fuse_qk: bool = False) -> tuple:
+    """Compile-time settings: the CTA's warps, the fused Q/K norms (FUSE_QK), the attention's by KV
+    dtype (as kernels/attention.py builds its kernel); the GEMVs load each activation next to its mma
+    (X_BATCH 0: with 1, the BF16 build spilled at the 255 registers a thread of one 8-warp CTA a SM)."""
     if warps not in (4, 8):
         raise ValueError(f"the persistent step runs CTAs of 4 or 8 warps, not {warps}")
     fp8 = kv_dtype == torch.float8_e4m3fn
     defines = [("STEP_WARPS", warps), ("X_BATCH", 0), ("ATTN_MIN_SPLIT_KEYS", attn.MIN_SPLIT_KEYS)]
+    if fuse_qk:
+        defines.append(("STEP_FUSE_QK", 1))
     if fp8:
         defines += [("KV_FP8", 1), ("ATTN_STAGES", attn.FP8_STAGES)]
     if kv_dtype in attn.CP_ASYNC_DTYPES:
@@ -230,9 +239,9 @@ class DecodeStep:
 
     def __init__(self, weights, inputs, hidden: torch.Tensor, rows: int, first: int, last: int,
                  grid: int | None = None, fold_norms: bool | None = None, trace: bool | None = None,
-                 warps: int | None = None):
-        """fold_norms, trace (stamp every task: `phase_times`), warps: FOLD_NORMS, TRACE, WARPS by
-        default; grid: every CTA that fits at once (8 // warps a SM)."""
+                 warps: int | None = None, fuse_qk: bool | None = None):
+        """fold_norms, trace (stamp every task: `phase_times`), warps, fuse_qk: FOLD_NORMS, TRACE,
+        WARPS, FUSE_QK by default; grid: every CTA that fits at once (8 // warps a SM)."""
         c, w, dev = weights.config, weights.w, hidden.device
         why = supported(c, w, weights.qkv, rows)
         if why is not None:
@@ -249,7 +258,8 @@ class DecodeStep:
         splits = {True: attention_splits(rows, c.sliding_window, g, self.grid),
                   False: attention_splits(rows, inputs.max_model_len, g, self.grid)}
         self.fold_norms = FOLD_NORMS if fold_norms is None else fold_norms
-        self.phases = step_phases(c, rows, first, last, splits, self.fold_norms, self.warps)
+        self.fuse_qk = FUSE_QK if fuse_qk is None else fuse_qk
+        self.phases = step_phases(c, rows, first, last, splits, self.fold_norms, self.warps, self.fuse_qk)
         self.plan = plan_tasks(self.phases, self.grid)
 
         def zeros(*shape, dtype=torch.bfloat16):
@@ -257,7 +267,7 @@ class DecodeStep:
         a = c.num_experts_per_tok
         self.x = zeros(self.grid if self.fold_norms else 1, rows, c.hidden_size)   # folded: a slot a CTA
         self.qkv = zeros(rows, (heads + 2 * g) * attn.HEAD_DIM)
-        self.q = zeros(rows, heads, attn.HEAD_DIM)
+        self.q = zeros(self.grid if self.fuse_qk else rows, heads, attn.HEAD_DIM)   # fused: a slot a CTA
         self.attn = zeros(rows, heads * attn.HEAD_DIM)
         self.ids = zeros(rows, a, dtype=torch.int32)
         self.route_weights = zeros(rows, a, dtype=torch.float32)
@@ -323,7 +333,7 @@ class DecodeStep:
         self.task_start = torch.from_numpy(self.plan.task_start).to(dev)
         self.counters = zeros(self.plan.num_counters + 1, dtype=torch.int32)
         self.trace = zeros(len(self.plan.tasks), 3, dtype=torch.int64) if (TRACE if trace is None else trace) else None
-        self.kernel = _kernel(self.fmt, kernel_defines(kv_dtype, self.warps))
+        self.kernel = _kernel(self.fmt, kernel_defines(kv_dtype, self.warps, self.fuse_qk))
         smem_attn = attn.fp8_smem_bytes(attn.FP8_STAGES) if kv_dtype == torch.float8_e4m3fn else attn.ATTN_SMEM_BYTES
         self.shared_bytes = max(smem_attn, rows * c.n_routed_experts * 4)
 

@@ -258,7 +258,8 @@ def test_persistent_steps_match_the_reference_and_replay_exactly(ckpt, kv_dtype,
     both sides of the window, against the reference; then the same steps eager and from graphs of
     1, 4 and 2 layers (three launches a step) give the same logits bit for bit: each tile is one
     CTA's in a fixed order, and the counters are back to zero after every launch; so do the steps
-    with the norms folded into their readers (decode_step.FOLD_NORMS: the same norm body in each)."""
+    with the norms folded into their readers (decode_step.FOLD_NORMS: the same norm body in each),
+    and with the Q/K norms, RoPE and K/V write done by the attention tasks (FUSE_QK)."""
     monkeypatch.setattr(kernel_ops, "PERSISTENT", True)
     monkeypatch.setattr(decode_step, "WARPS", warps)          # CTAs of 8 warps, one a SM; or of 4, two
     gen = torch.Generator().manual_seed(21)
@@ -275,10 +276,13 @@ def test_persistent_steps_match_the_reference_and_replay_exactly(ckpt, kv_dtype,
     split, out_split, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype, first_graph_layers=1)
     monkeypatch.setattr(decode_step, "FOLD_NORMS", True)      # the tasks normalize their rows: the same bits
     folded, out_folded, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype)
-    assert out_eager == outputs == out_split == out_folded
-    for (r1, p1, a), (r2, p2, b), (r3, p3, c), (r4, p4, d) in zip(eager, decode_logits, split, folded, strict=True):
-        assert (r1, p1) == (r2, p2) == (r3, p3) == (r4, p4)
-        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+    monkeypatch.setattr(decode_step, "FUSE_QK", True)         # and attention does the Q/K norms: the same bits
+    fused, out_fused, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype)
+    assert out_eager == outputs == out_split == out_folded == out_fused
+    for (r1, p1, a), (r2, p2, b), (r3, p3, c), (r4, p4, d), (r5, p5, e) in zip(
+            eager, decode_logits, split, folded, fused, strict=True):
+        assert (r1, p1) == (r2, p2) == (r3, p3) == (r4, p4) == (r5, p5)
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d) and torch.equal(a, e)
 
 
 def test_dense_bf16_copies_change_no_logit(ckpt, monkeypatch):
