@@ -154,7 +154,8 @@ class KernelOps:
             return None
         kv, h = self.k.kv, self.hidden[0]
         key = (self.rows, first, last, decode_step.FOLD_NORMS, decode_step.FUSE_QK, decode_step.WARPS, h.data_ptr(),
-               kv.full.data_ptr(), kv.ring.data_ptr(), self.inputs.flat.data_ptr())
+               kv.full.data_ptr(), kv.ring.data_ptr(), self.inputs.flat.data_ptr(), self.ws.attention.data_ptr(),
+               self.ws.router.data_ptr())
         step = self.ws.decode_steps.get(key)
         if step is None:       # built outside a capture (the graphs' eager first run): static tables
             fits = decode_step.supported(self.c, self.w, self.k.qkv, self.rows) is None

@@ -317,6 +317,9 @@ class DecodeStep:
             "ROPE_INV_FREQ": attn.rope_inv_freq(float(c.rope_theta), dev), "LAYERS": self.layers,
         }
         self.step_ptrs = torch.tensor([ptrs[n].data_ptr() for n in STEP_PTRS], dtype=torch.int64, device=dev)
+        # what the tables point at stays alive as long as they do (a workspace or cache replaced
+        # under a built step would otherwise be freed while its launches still read it)
+        self.referenced = (ptrs, pools, weights.w, weights.qkv)
         f32 = lambda v: int(np.float32(v).view(np.int32))  # noqa: E731 - a float's bits as an int argument
         ints = {
             "ROWS": rows, "HIDDEN": c.hidden_size, "HEADS": heads, "KV_HEADS": g,
