@@ -13,6 +13,9 @@ the model; the ops decide how each piece runs. model/reference.py stays the orac
         h = moe(i, x, residual=h)                         or linear(gate_up(x), down, residual=h)
     logits = lm_head(rms_norm(h))                         rows that sample only
 
+Ops that run a range of layers in one go (the persistent decode step, kernels/decode_step.py) say
+so through `layers`, and the loop is skipped; the model is still this loop, done inside one launch.
+
 A residual op also takes the RMSNorm that follows it (`norm`: the next input or post-attention
 norm's weight) and returns (h, rms_norm(h)), so the kernels can normalize the row they just wrote
 in the same pass; the first layer of a call and the LM head's rows normalize on their own.
