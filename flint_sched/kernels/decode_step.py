@@ -277,6 +277,8 @@ class DecodeStep:
         r_splits = router_splits(c.n_routed_experts, c.hidden_size)
         if router.numel() < r_splits * rows * c.n_routed_experts + 1:
             raise ValueError("the router workspace is too small for the persistent step")
+        if workspace.numel() < attn.TICKET_SLOTS + rows * g * max(splits.values()) * attn.PARTIAL_FLOATS:
+            raise ValueError(f"the attention workspace has no room for {max(splits.values())} splits of {rows} rows")
 
         layers = np.zeros((c.num_hidden_layers, len(LAYER_PTRS)), dtype=np.int64)
         for i in range(first, last):
