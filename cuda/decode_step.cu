@@ -10,7 +10,7 @@
 //
 // Each (layer, operation) has a counter; a task bumps its operation's counter once when done (the
 // CTA's writes, a fence, an atomic) and waits, before it starts, until the operation before it has
-// as many bumps as it has tasks (thread 0 polls with acquire loads; the CTA then passes a barrier).
+// as many bumps as it has tasks (thread 0 polls, then a fence acquires; the CTA passes a barrier).
 // While it waits its CTA has already asked L2 for the task's weights (the task before asks for the
 // next one's), which is what PDL's early weight loads did at a kernel boundary. The host builds the
 // lists (kernels/decode_step.py): each CTA's in operation order, all CTAs resident at once, so the
@@ -298,14 +298,24 @@ __device__ __forceinline__ u64 global_ns() {
   return t;
 }
 
-// Spin until *counter >= target (acquire). A wait of over STEP_WAIT_LIMIT_NS traps: a plan or
-// kernel bug (or a CTA that never became resident) ends the launch with an error, not a hung GPU.
+__device__ __forceinline__ int ld_relaxed_gpu(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Spin until *counter >= target, then acquire (a relaxed poll and one fence: an acquire load a poll
+// would also drop the SM's L1, which a second CTA on the SM may be reading from). A wait of over
+// STEP_WAIT_LIMIT_NS traps: a plan or kernel bug (or a CTA that never became resident) ends the
+// launch with an error, not a hung GPU.
 #define STEP_WAIT_LIMIT_NS 2000000000ull
 __device__ __forceinline__ void wait_for(const int* counter, int target) {
-  if (ld_acquire_gpu(counter) >= target) return;
-  const u64 start = global_ns();
-  while (ld_acquire_gpu(counter) < target)
-    if (global_ns() - start > STEP_WAIT_LIMIT_NS) __trap();
+  if (ld_relaxed_gpu(counter) < target) {
+    const u64 start = global_ns();
+    while (ld_relaxed_gpu(counter) < target)
+      if (global_ns() - start > STEP_WAIT_LIMIT_NS) __trap();
+  }
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
 // A gate/up task's CTA, its wait passed (the ids are routed), asks L2 for the rows its next task,
