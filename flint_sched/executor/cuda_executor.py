@@ -377,12 +377,15 @@ class CudaExecutor:
                 ops.append(KernelOps(self.weights, variant, rows, self.ws.hidden, self.ws.logits, self.ws.next_tokens,
                                      inputs=self.inputs))
             return forward(ops[0], self.config, first, last, self.layer_outputs)
+        # A persistent fused step is a few launches: one graph (no launch time to hide behind a first one)
+        persistent = variant == "fused" and kernel_ops.PERSISTENT
+        segments = [(0, self.config.num_hidden_layers)] if persistent else self.graphs.segments
         if self.use_graphs:
             if self.layer_outputs is not None:
                 raise RuntimeError("layer_outputs needs use_graphs=False")
-            self.graphs.run((variant, rows), segment)
+            self.graphs.run((variant, rows, persistent), segment, segments=segments)
         else:
-            for first, last in self.graphs.segments:
+            for first, last in segments:
                 segment(first, last)
         self.last_logits = self.ws.logits[:b]
         return self._choose(entries, self.ws.next_tokens[:b], graph_sampler=self.use_graphs)

@@ -68,28 +68,31 @@ class StepGraphs:
         self.graphs.clear()
         self.last_key = self._pool = None
 
-    def run(self, key: tuple, segment: Callable[[int, int], object], replay_first: bool = True) -> None:
+    def run(self, key: tuple, segment: Callable[[int, int], object], replay_first: bool = True,
+            segments: list[tuple[int, int]] | None = None) -> None:
         """Replay the key's graphs, capturing them first if new. A capture runs the step once
         eagerly (loading kernels and workspaces); `replay_first` False lets that run stand for the
-        step, for steps that must not run twice (a prompt step reads ring rows it then overwrites)."""
+        step, for steps that must not run twice (a prompt step reads ring rows it then overwrites).
+        `segments`: this key's layer ranges, if not the set's (a step of a few launches: one)."""
         graphs = self.graphs.get(key)
         self.last_key = key
         if graphs is None:
-            graphs = self.graphs[key] = self._capture(segment)
+            graphs = self.graphs[key] = self._capture(segment, segments or self.segments)
             if not replay_first:
                 return
         for graph in graphs:
             graph.replay()
 
-    def _capture(self, segment: Callable[[int, int], object]) -> list[torch.cuda.CUDAGraph]:
+    def _capture(self, segment: Callable[[int, int], object],
+                 segments: list[tuple[int, int]]) -> list[torch.cuda.CUDAGraph]:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for first, last in self.segments:
+            for first, last in segments:
                 segment(first, last)              # loads every kernel and workspace before capture
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graphs = []
-        for first, last in self.segments:
+        for first, last in segments:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 segment(first, last)
