@@ -229,6 +229,39 @@ def supported(config: FlintConfig, w: dict, qkv: dict, rows: int) -> str | None:
     return None
 
 
+def layer_table(config: FlintConfig, w: dict, qkv: dict, pools: list, first: int, last: int) -> np.ndarray:
+    """int64 [layers, LAYER_PTRS]: each layer of [first, last)'s weights, norms, sinks and KV pools
+    (pools[i - first]: its (K, V) ring or paged pool), zeros elsewhere."""
+    c = config
+    layers = np.zeros((c.num_hidden_layers, len(LAYER_PTRS)), dtype=np.int64)
+    for i in range(first, last):
+        p, row = f"model.layers.{i}.", layers[i]
+        qkv_w, (split1, split2) = qkv[i]
+        row[LP["IN_NORM"]] = w[p + "input_layernorm.weight"].data_ptr()
+        row[LP["POST_NORM"]] = w[p + "post_attention_layernorm.weight"].data_ptr()
+        row[LP["QKV"]:LP["QKV"] + 3] = _weight_ptrs(qkv_w)
+        row[LP["QKV_SPLIT1"]], row[LP["QKV_SPLIT2"]] = split1, split2
+        row[LP["Q_NORM"]] = w[p + "self_attn.q_norm.weight"].data_ptr()
+        row[LP["K_NORM"]] = w[p + "self_attn.k_norm.weight"].data_ptr()
+        row[LP["SINKS"]] = w[p + "self_attn.sinks"].data_ptr()
+        pool = pools[i - first]
+        row[LP["K_POOL"]], row[LP["V_POOL"]] = pool[0].data_ptr(), pool[1].data_ptr()
+        row[LP["SLIDING"]] = int(c.is_sliding(i))
+        row[LP["O"]:LP["O"] + 3] = _weight_ptrs(w[p + "self_attn.o_proj.weight"])
+        if c.is_moe(i):
+            row[LP["ROUTER"]] = w[p + "mlp.gate.weight"].data_ptr()
+            row[LP["ROUTER_BIAS"]] = w[p + "mlp.gate.e_score_correction_bias"].data_ptr()
+            for n in ("gate", "up", "down"):
+                row[LP[n.upper()]:LP[n.upper()] + 3] = _weight_ptrs(w[p + f"mlp.experts.{n}_proj.weight"])
+                if c.n_shared_experts:
+                    name = "SHARED_" + n.upper()
+                    row[LP[name]:LP[name] + 3] = _weight_ptrs(w[p + f"mlp.shared_experts.{n}_proj.weight"])
+        else:
+            for n in ("gate", "up", "down"):
+                row[LP[n.upper()]:LP[n.upper()] + 3] = _weight_ptrs(w[p + f"mlp.{n}_proj.weight"])
+    return layers
+
+
 class DecodeStep:
     """Layers [first, last) of a fused decode step of `rows` rows as one launch.
 
@@ -280,33 +313,7 @@ class DecodeStep:
         if workspace.numel() < attn.TICKET_SLOTS + rows * g * max(splits.values()) * attn.PARTIAL_FLOATS:
             raise ValueError(f"the attention workspace has no room for {max(splits.values())} splits of {rows} rows")
 
-        layers = np.zeros((c.num_hidden_layers, len(LAYER_PTRS)), dtype=np.int64)
-        for i in range(first, last):
-            p, row = f"model.layers.{i}.", layers[i]
-            qkv_w, (split1, split2) = weights.qkv[i]
-            row[LP["IN_NORM"]] = w[p + "input_layernorm.weight"].data_ptr()
-            row[LP["POST_NORM"]] = w[p + "post_attention_layernorm.weight"].data_ptr()
-            row[LP["QKV"]:LP["QKV"] + 3] = _weight_ptrs(qkv_w)
-            row[LP["QKV_SPLIT1"]], row[LP["QKV_SPLIT2"]] = split1, split2
-            row[LP["Q_NORM"]] = w[p + "self_attn.q_norm.weight"].data_ptr()
-            row[LP["K_NORM"]] = w[p + "self_attn.k_norm.weight"].data_ptr()
-            row[LP["SINKS"]] = w[p + "self_attn.sinks"].data_ptr()
-            pool = pools[i - first]
-            row[LP["K_POOL"]], row[LP["V_POOL"]] = pool[0].data_ptr(), pool[1].data_ptr()
-            row[LP["SLIDING"]] = int(c.is_sliding(i))
-            row[LP["O"]:LP["O"] + 3] = _weight_ptrs(w[p + "self_attn.o_proj.weight"])
-            if c.is_moe(i):
-                row[LP["ROUTER"]] = w[p + "mlp.gate.weight"].data_ptr()
-                row[LP["ROUTER_BIAS"]] = w[p + "mlp.gate.e_score_correction_bias"].data_ptr()
-                for n in ("gate", "up", "down"):
-                    row[LP[n.upper()]:LP[n.upper()] + 3] = _weight_ptrs(w[p + f"mlp.experts.{n}_proj.weight"])
-                    if c.n_shared_experts:
-                        name = "SHARED_" + n.upper()
-                        row[LP[name]:LP[name] + 3] = _weight_ptrs(w[p + f"mlp.shared_experts.{n}_proj.weight"])
-            else:
-                for n in ("gate", "up", "down"):
-                    row[LP[n.upper()]:LP[n.upper()] + 3] = _weight_ptrs(w[p + f"mlp.{n}_proj.weight"])
-        self.layers = torch.from_numpy(layers).to(dev)
+        self.layers = torch.from_numpy(layer_table(c, w, weights.qkv, pools, first, last)).to(dev)
         sinks = w[f"model.layers.{first}.self_attn.sinks"]
 
         ptrs = {
