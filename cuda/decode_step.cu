@@ -8,8 +8,8 @@
 //             -> router -> gate_up -> down (+ h)              MoE layers
 //             -> dense_gate_up -> dense_down (+ h)             dense layers
 //
-// Each (layer, operation) has a counter; a task bumps its operation's counter once when done (the
-// CTA's writes, a fence, an atomic) and waits, before it starts, until the operation before it has
+// Each (layer, operation) has a counter; a task bumps its operation's counter once when done (a
+// release add after the CTA's barrier) and waits, before it starts, until the operation before it has
 // as many bumps as it has tasks (thread 0 polls, then a fence acquires; the CTA passes a barrier).
 // While it waits its CTA has already asked L2 for the task's weights (the task before asks for the
 // next one's), which is what PDL's early weight loads did at a kernel boundary. The host builds the
@@ -28,12 +28,12 @@
 // layers: and rotates) its KV head's 8 query heads itself into its CTA's q slot, and the task of
 // the split that holds the new key writes that head's K/V row first (only that split reads it this
 // step). The arithmetic is qk_norm_rope_kv.cu's (norm_rope_lanes): the same bits, one dependent hop
-// a layer fewer. (ptxas spills 16-40 bytes of it at the 255 registers a thread: measure before
-// trusting it; the default build spills nothing.)
+// a layer fewer. (Every build sits at the 255 registers a thread; ptxas spills 0-20 bytes in some
+// and not in others as unrelated lines move: tests/test_decode_step.py bounds it.)
 // A non-null `trace` gets three global-timer stamps a task (before its wait, after it, after its
 // bump): benchmarks/bench_decode_step.py charges each operation with them.
-// Defines (kernels/decode_step.py): STEP_WARPS, STEP_FUSE_QK, X_BATCH (gemv_tile.cuh), KV_FP8, ATTN_STAGES, ATTN_CP_ASYNC,
-// ATTN_MIN_SPLIT_KEYS (decode_attention.cu).
+// Defines (kernels/decode_step.py): STEP_WARPS, STEP_FUSE_QK, X_BATCH (gemv_tile.cuh), KV_FP8,
+// ATTN_STAGES, ATTN_CP_ASYNC, ATTN_MIN_SPLIT_KEYS (decode_attention.cu).
 #define PERSISTENT_STEP 1
 #ifndef STEP_FUSE_QK
 #define STEP_FUSE_QK 0
