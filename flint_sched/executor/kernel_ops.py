@@ -64,9 +64,9 @@ GEMV_MAX_ROWS = {"nvfp4": 16, "bf16": 16}
 # off until measured (benchmarks/ab_decode.py at 1 and 8 requests).
 FOLD_NORMS = False
 
-# Fused steps run their layers as one persistent launch a graph segment (kernels/decode_step.py,
-# cuda/decode_step.cu: the kernels' bodies as tasks on counters, no kernel boundaries); the LM
-# head stays as it is. Prepared without a GPU (session 30): off until measured against the
+# Fused steps run their layers as one persistent launch (kernels/decode_step.py, cuda/decode_step.cu:
+# the kernels' bodies as tasks on counters, no kernel boundaries; the step one graph of a few
+# launches: cuda_executor._decode); the LM head stays as it is. Prepared without a GPU (session 30): off until measured against the
 # launches (benchmarks/ab_decode.py at 1 and 8 requests; the GPU tests first).
 PERSISTENT = False
 
