@@ -11,7 +11,10 @@ the launches (graphs, PERSISTENT off) and with the persistent step (graphs, on),
 measures it. Run on the GPU machine:
 
     python3 benchmarks/bench_decode_step.py --weight-format nvfp4 --batch-sizes 1,8 --contexts 1024 \
-        [--fold-norms] [--fuse-qk] [--warps 4]
+        --variants 8,8-fold-fuse,4,4-fold-fuse
+
+A variant names the CTA's warps (decode_step.WARPS), then `-fold` (FOLD_NORMS) and `-fuse`
+(FUSE_QK); all run over one model build.
 """
 
 from __future__ import annotations
@@ -45,45 +48,54 @@ def charges(steps) -> tuple[dict[str, tuple[float, float, int]], float]:
     return {op: (statistics.mean(hops[op]), statistics.mean(works[op]), len(hops[op])) for op in hops}, span
 
 
+def parse_variant(text: str) -> tuple[int, bool, bool]:
+    """WARPS[-fold][-fuse] -> (warps, fold_norms, fuse_qk)."""
+    warps, *flags = text.split("-")
+    if warps not in ("4", "8") or not set(flags) <= {"fold", "fuse"}:
+        raise SystemExit(f"bench_decode_step: variant {text!r} is not WARPS[-fold][-fuse] with WARPS 4 or 8")
+    return int(warps), "fold" in flags, "fuse" in flags
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     latency.add_arguments(p)
-    p.add_argument("--fold-norms", action="store_true", help="decode_step.FOLD_NORMS: no norm operations")
-    p.add_argument("--warps", type=int, default=8, choices=(4, 8), help="decode_step.WARPS: warps a CTA")
-    p.add_argument("--fuse-qk", action="store_true", help="decode_step.FUSE_QK: the Q/K norms in the attention tasks")
+    p.add_argument("--variants", default="8", help="comma-separated: WARPS[-fold][-fuse] (see above)")
     p.set_defaults(executor="cuda", device="cuda", prefill_lens="", weight_format="nvfp4", batch_sizes="1,8",
                    contexts="1024", num_steps=20)
     args = p.parse_args()
+    variants = [parse_variant(v) for v in args.variants.split(",") if v]
     executor, _, bandwidth, num_blocks = latency.build(args)
-    decode_step.FOLD_NORMS, decode_step.WARPS, decode_step.FUSE_QK = args.fold_norms, args.warps, args.fuse_qk
     for batch, context, blocks in latency.decode_cases(args, num_blocks)[0]:
         if batch > executor.limits.fused_max_batch:
             print(f"batch {batch}: past the fused path ({executor.limits.fused_max_batch}), skipped")
             continue
         plan = latency.decode_plan(batch, context, blocks, fused_max_batch=executor.limits.fused_max_batch)
-        kernel_ops.PERSISTENT, decode_step.TRACE = True, True
-        executor.use_graphs = False
-        executor.ws.decode_steps.clear()
-        for _ in range(3):                       # the last one's stamps are read
-            executor.execute(plan)
-        steps = [step for step in executor.ws.decode_steps.values() if step]
-        if not steps:
-            raise SystemExit("the persistent step does not take this model (decode_step.supported)")
-        table, span = charges(steps)
-        print(f"\nbatch {batch}, context {context}: persistent step {span:.0f} µs over the layers (eager, traced)")
-        print("| operation | layers | hop µs | work µs | hop + work, all layers µs |")
-        print("|---|---|---|---|---|")
-        for op, (hop, work, n) in table.items():
-            print(f"| {op} | {n} | {hop:.2f} | {work:.2f} | {n * (hop + work):.0f} |")
-        decode_step.TRACE = False
-        executor.use_graphs = True
-        executor.ws.decode_steps.clear()
-        for persistent in (False, True):
-            kernel_ops.PERSISTENT = persistent
+        kernel_ops.PERSISTENT = False
+        executor.clear_graphs()
+        r = latency.run_decode(executor, args, batch, context, bandwidth)
+        print(f"\nbatch {batch}, context {context}: launches {r.step_ms:.3f} ms a step (graphs)")
+        for name, (warps, fold, fuse) in zip(args.variants.split(","), variants, strict=True):
+            decode_step.WARPS, decode_step.FOLD_NORMS, decode_step.FUSE_QK = warps, fold, fuse
+            kernel_ops.PERSISTENT, decode_step.TRACE = True, True
+            executor.use_graphs = False
+            executor.ws.decode_steps.clear()
+            for _ in range(3):                       # the last one's stamps are read
+                executor.execute(plan)
+            steps = [step for step in executor.ws.decode_steps.values() if step]
+            if not steps:
+                raise SystemExit("the persistent step does not take this model (decode_step.supported)")
+            table, span = charges(steps)
+            decode_step.TRACE = False
+            executor.use_graphs = True
+            executor.ws.decode_steps.clear()
             executor.clear_graphs()
             r = latency.run_decode(executor, args, batch, context, bandwidth)
-            print(f"batch {batch}, context {context}: {'persistent' if persistent else 'launches'} "
-                  f"{r.step_ms:.3f} ms a step (graphs)")
+            print(f"\nbatch {batch}, context {context}, persistent {name}: {r.step_ms:.3f} ms a step (graphs); "
+                  f"the layers {span:.0f} µs (eager, traced)")
+            print("| operation | layers | hop µs | work µs | hop + work, all layers µs |")
+            print("|---|---|---|---|---|")
+            for op, (hop, work, n) in table.items():
+                print(f"| {op} | {n} | {hop:.2f} | {work:.2f} | {n * (hop + work):.0f} |")
     kernel_ops.PERSISTENT = False
     return 0
 
