@@ -244,6 +244,16 @@ def test_forward_hands_the_layer_range_to_ops_that_run_it_in_one_go():
     assert ops.calls == ["resume", ("layers", 1, 2)]
 
 
+def test_forward_keeps_each_layers_output_from_ops_that_run_layers_in_one_go():
+    """With layer_outputs, a layer a call: the persistent step's outputs can be checked layer by layer."""
+    c = preset("flint-tiny")
+    ops = _OneGo()
+    outputs = []
+    forward(ops, c, 0, 3, layer_outputs=outputs)
+    assert ops.calls == ["embed", ("layers", 0, 1), ("layers", 1, 2), ("layers", 2, 3)]
+    assert len(outputs) == 3 and all(torch.equal(o, torch.ones(2, 4)) for o in outputs)
+
+
 def test_kernel_ops_runs_layers_one_at_a_time_unless_persistent():
     assert kernel_ops.PERSISTENT is False    # prepared without a GPU: off until measured
     ops = kernel_ops.KernelOps.__new__(kernel_ops.KernelOps)

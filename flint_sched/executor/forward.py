@@ -72,6 +72,19 @@ class LayerOps(Protocol):
         """Final RMSNorm and LM head of the rows that sample: [rows, vocab]."""
 
 
+def _in_one_go(ops: LayerOps, first: int, last: int, layer_outputs: list[torch.Tensor] | None) -> torch.Tensor | None:
+    """ops.layers over [first, last), or None where the ops run layers an operation at a time. With
+    layer_outputs, a call a layer, each output kept (the per-layer checks of a persistent step)."""
+    if layer_outputs is None:
+        return ops.layers(first, last)
+    h = None
+    for i in range(first, last):
+        if (h := ops.layers(i, i + 1)) is None:
+            return None                      # the ops say so at the first layer or never
+        layer_outputs.append(h.clone())
+    return h
+
+
 def forward(ops: LayerOps, config: FlintConfig, first: int = 0, last: int | None = None,
             layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Layers [first, last) of one step: from the embedding when first == 0, through the LM head
@@ -81,7 +94,7 @@ def forward(ops: LayerOps, config: FlintConfig, first: int = 0, last: int | None
     """
     last = config.num_hidden_layers if last is None else last
     h = ops.embed() if first == 0 else ops.resume()
-    if layer_outputs is None and (done := ops.layers(first, last)) is not None:
+    if (done := _in_one_go(ops, first, last, layer_outputs)) is not None:
         return done if last < config.num_hidden_layers else ops.logits(done)
     x = ops.rms_norm(h, f"model.layers.{first}.input_layernorm.weight") if first < last else None
     for i in range(first, last):

@@ -196,11 +196,17 @@ def full_size_layers(request):
     return dummy_checkpoint(config, request.param, seed=6, device="cuda")
 
 
-def test_every_layers_output_matches_the_reference(ckpt):
+@pytest.mark.parametrize("persistent", [False, True], ids=["launches", "persistent"])
+def test_every_layers_output_matches_the_reference(ckpt, persistent, monkeypatch):
+    """Each layer's output, from the launches or from the persistent step (kernel_ops.PERSISTENT: a
+    launch a layer, so that each output can be read)."""
+    monkeypatch.setattr(kernel_ops, "PERSISTENT", persistent)
     check_layer_outputs(ckpt)
 
 
-def test_full_size_layers_match_the_reference(full_size_layers):
+@pytest.mark.parametrize("persistent", [False, True], ids=["launches", "persistent"])
+def test_full_size_layers_match_the_reference(full_size_layers, persistent, monkeypatch):
+    monkeypatch.setattr(kernel_ops, "PERSISTENT", persistent)
     check_layer_outputs(full_size_layers)
 
 
