@@ -235,15 +235,15 @@ def test_warm_up_first_takes_a_prompt_step_of_each_graphed_size_the_prompts_reac
 def test_warm_up_also_takes_a_mixed_step_of_each_size_the_hybrid_gemms_serve(monkeypatch):
     """With weights that fit the hybrid expert GEMMs, each graphed size from HYBRID_MIXED_MIN_ROWS on
     also gets a mixed step (a chunk and a decode of another request: the mixed steps' own graph)."""
-    from flint_sched.executor import cuda_executor
+    from flint_sched.executor import moe_gemms
 
-    monkeypatch.setattr(cuda_executor, "HYBRID_MIXED_MIN_ROWS", 64)
+    monkeypatch.setattr(moe_gemms, "HYBRID_MIXED_MIN_ROWS", 64)
     ex = WarmUpExecutor(max_model_len=200, num_blocks=80, prompt_graph_tokens=(16, 64, 128, 512))
     ex._hybrid_moe = True
     ex.warm_up(100)
     steps = [[(e.num_tokens, e.start_position, e.ring_slot) for e in p.scheduled_requests] for p in ex.plans[:5]]
     assert steps == [[(16, 0, 0)], [(64, 0, 0)], [(63, 0, 0), (1, 100, 1)], [(100, 0, 0)], [(99, 0, 0), (1, 100, 1)]]
-    assert cuda_executor.mixed_moe_gemms(ex.plans[2].scheduled_requests, 64, True) == "hybrid"
+    assert moe_gemms.mixed_moe_gemms(ex.plans[2].scheduled_requests, 64, True) == "hybrid"
     assert len(ex.plans) == 5 + 6
 
 
@@ -251,11 +251,11 @@ def test_warm_up_also_takes_a_mixed_step_of_each_size_the_hybrid_gemms_serve(mon
 def test_mixed_steps_choose_the_hybrid_expert_gemms(monkeypatch):
     """A prompt-variant step takes the hybrid expert GEMMs only with a prompt chunk beside a decode,
     from HYBRID_MIXED_MIN_ROWS rows on, and only where the weights fit them."""
-    from flint_sched.executor import cuda_executor
-    from flint_sched.executor.cuda_executor import _hybrid_available, mixed_moe_gemms
+    from flint_sched.executor import moe_gemms
+    from flint_sched.executor.moe_gemms import hybrid_available, mixed_moe_gemms
     from flint_sched.checkpoint.make import dummy_checkpoint
 
-    monkeypatch.setattr(cuda_executor, "HYBRID_MIXED_MIN_ROWS", 512)
+    monkeypatch.setattr(moe_gemms, "HYBRID_MIXED_MIN_ROWS", 512)
     decode, prompt = entry("d", [1], 40, [0]), entry("p", list(range(600)), 0, [0, 1])
     partial = entry("q", list(range(600)), 0, [0, 1], samples=False)
     assert mixed_moe_gemms([decode, prompt], 601, True) == "hybrid"
@@ -264,10 +264,10 @@ def test_mixed_steps_choose_the_hybrid_expert_gemms(monkeypatch):
     assert mixed_moe_gemms([prompt], 600, True) is None                  # a prompt alone
     assert mixed_moe_gemms([decode] * 600, 600, True) is None            # decodes alone
     assert mixed_moe_gemms([decode, prompt], 601, False) is None         # weights without both GEMMs
-    monkeypatch.setattr(cuda_executor, "HYBRID_MIXED_MIN_ROWS", 0)
+    monkeypatch.setattr(moe_gemms, "HYBRID_MIXED_MIN_ROWS", 0)
     assert mixed_moe_gemms([decode, prompt], 4096, True) is None         # off
     config = preset("flint-tiny")
     for fmt in ("bf16", "nvfp4"):
         weights = dummy_checkpoint(config, fmt, seed=0).weights
         expected = fmt == "nvfp4" and config.hidden_size % 512 == 0 and config.moe_intermediate_size % 512 == 0
-        assert _hybrid_available(config, weights) == expected
+        assert hybrid_available(config, weights) == expected

@@ -50,6 +50,7 @@ from flint_sched.executor.graphs import (
 from flint_sched.executor.kernel_ops import KernelOps, KernelWeights
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.limits import ExecutorLimits
+from flint_sched.executor.moe_gemms import expert_format, hybrid_available, hybrid_rows, mixed_moe_gemms
 from flint_sched.executor.prompt_logprobs import prompt_logprobs, prompt_spans
 from flint_sched.executor.prompt_logprobs import prompt_rows as logprob_rows
 from flint_sched.executor.sampled_tokens import LaunchedStep, SampledTokens, one_token_each
@@ -57,8 +58,7 @@ from flint_sched.executor.sampler import sampled_step
 from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.executor.workspace import Workspaces
 from flint_sched.kernels import attention as attn
-from flint_sched.kernels.grouped_moe import expert_gemms
-from flint_sched.kernels.linear import MAX_TOKENS, concat_rows, weight_format
+from flint_sched.kernels.linear import MAX_TOKENS, concat_rows
 from flint_sched.kernels.prefill_attention import Chunk, PrefillBuffers, prefill_metadata
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 from flint_sched.sampling_params import SamplingParams
@@ -85,12 +85,6 @@ ONE_FORWARD_MAX_CONTEXT = 32768
 # sync the split path then had (13,967 against 14,499, one machine, session 25: GPU busy 37.1 against
 # 35.8 s); the served steps are not the benchmark's (RESULTS.md). An option for serve_runs.sh's SERVE_SET.
 MIXED_SPLIT_MIN_DECODES = 1 << 30
-# Mixed steps (prompt chunks beside decodes) of at least this many rows run the hybrid expert GEMMs
-# (kernels/grouped_moe.py: experts of many rows tiled, the rest on the decode GEMMs): the decode
-# rows' experts the prompts do not touch leave the 128-row tiles. Full model, NVFP4, 1,536 tokens of
-# context (RESULTS.md, session 19): 64-256 decodes + 512-1,024 prompt rows -10 to -16 %, 256 + 7,936
-# -2.7 % (session 18); a prompt alone loses with them (+2-16 %) and keeps the tiled GEMMs. 0: never.
-HYBRID_MIXED_MIN_ROWS = 512
 
 
 def supports(config: FlintConfig) -> bool:
@@ -109,36 +103,6 @@ def prompt_rows(entries: list) -> tuple[list[int], list[int]]:
         if e.samples:
             sample_rows.append(end - 1)
     return ids, sample_rows
-
-
-def _expert_format(config: FlintConfig, w: dict) -> str | None:
-    """"nvfp4" or "bf16": the routed experts' weights (None: no MoE layer)."""
-    moe = next((i for i in range(config.num_hidden_layers) if config.is_moe(i)), None)
-    if moe is None:
-        return None
-    return weight_format(w[f"model.layers.{moe}.mlp.experts.gate_proj.weight"])
-
-
-def _hybrid_available(config: FlintConfig, w: dict) -> bool:
-    """Whether the model's experts fit both kinds of expert GEMMs (NVFP4 at the kernels' shapes)."""
-    fmt = _expert_format(config, w)
-    return fmt is not None and expert_gemms(1, fmt, config.hidden_size, config.moe_intermediate_size,
-                                            "hybrid") == "hybrid"
-
-
-def hybrid_rows(rows: int, available: bool) -> bool:
-    """Whether a mixed step of `rows` rows takes the hybrid expert GEMMs (weights allowing)."""
-    return available and 0 < HYBRID_MIXED_MIN_ROWS <= rows
-
-
-def mixed_moe_gemms(entries: list, rows: int, available: bool) -> str | None:
-    """The expert GEMMs of a prompt-variant step: "hybrid" for a mixed step (a prompt chunk beside
-    at least one decode) of at least HYBRID_MIXED_MIN_ROWS rows where the weights allow it, else
-    None (grouped_moe's choice by row count)."""
-    if not hybrid_rows(rows, available):
-        return None
-    decode = [e.num_tokens == 1 and e.samples for e in entries]
-    return "hybrid" if any(decode) and not all(decode) else None
 
 
 def _kernel_weight(w: torch.Tensor | NVFP4Tensor, device: torch.device):
@@ -174,7 +138,7 @@ class CudaExecutor:
         self.grouped_batch_sizes = grouped_batch_sizes
         max_rows = max((FUSED_MAX_BATCH, *grouped_batch_sizes))
         self.w = {name: _kernel_weight(t, self.device) for name, t in weights.items()}
-        fused = FUSED_PATH_MAX_BATCH[_expert_format(config, self.w) or "bf16"]
+        fused = FUSED_PATH_MAX_BATCH[expert_format(config, self.w) or "bf16"]
         self.limits = ExecutorLimits(fused, tuple(range(1, fused + 1)) + grouped_batch_sizes)
         qkv = {i: self._fuse_qkv(f"model.layers.{i}.self_attn.") for i in range(config.num_hidden_layers)}
         self.prompt_graph_tokens = tuple(sorted(prompt_graph_tokens)) if use_graphs else ()
@@ -185,7 +149,7 @@ class CudaExecutor:
         self._prompt_shared: tuple | None = None       # what the sizes' views are of (_prompt_buffers)
         self.weights = KernelWeights(config, self.w, qkv, kv_cache, self.ws, pdl,
                                      make_copies(self.w, qkv, self.device) if dense_copies else None)
-        self._hybrid_moe = _hybrid_available(config, self.w)
+        self._hybrid_moe = hybrid_available(config, self.w)
         # Every sampling row of a step holds a ring slot: room for one token per slot.
         self.sampled = SampledTokens(max(kv_cache.ring.shape[2], max_rows), self.device)
         self.timeline = GpuTimeline() if self.device.type == "cuda" else None   # /metrics: GPU busy and idle

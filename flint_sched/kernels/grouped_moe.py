@@ -364,7 +364,7 @@ FUSED_DECODE_CONFIGS = frozenset({"g1t2", "g2w8t4", "g1t2d4", "g2w8t4p", "g1t2d4
 # decodes + 1,024 prompt rows and 2.7 % off 256 + 7,936, but adds 16 % to a lone 1K prompt, 2 % to
 # an 8K one, and 25-65 % to decode-only steps (the tiled GEMMs' few long CTAs): it wants the step's
 # composition, which moe_grouped does not see, so the CUDA executor asks for it (gemms="hybrid")
-# for mixed steps (cuda_executor.HYBRID_MIXED_MIN_ROWS).
+# for mixed steps (executor/moe_gemms.py HYBRID_MIXED_MIN_ROWS).
 HYBRID_MIN_TOKENS = 1 << 30
 # Decode-GEMM steps of up to this many tokens whose config runs clusters (expert_decode.routes_in_cluster)
 # route inside the expert kernel (expert_decode.expert_decode_moe_routed: no moe_route launch between

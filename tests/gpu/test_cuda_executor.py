@@ -12,7 +12,7 @@ from flint_sched.checkpoint.make import dummy_checkpoint
 from flint_sched.config import flint_layer_types, preset
 from flint_sched.core.scheduler import Scheduler
 from flint_sched.core.scheduler_config import SchedulerConfig
-from flint_sched.executor import cuda_executor, dense_copies, kernel_ops
+from flint_sched.executor import dense_copies, kernel_ops, moe_gemms
 from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.dense_copies import copies_bytes
 from flint_sched.executor.graphs import PROMPT_GRAPH_TOKENS
@@ -354,9 +354,9 @@ def test_mixed_steps_on_the_hybrid_expert_gemms(ckpt, monkeypatch):
     moved by 0.11 on the small NVFP4 config, H200). Weights without the decode GEMMs (BF16,
     flint-tiny) keep the size's choice and need no graphs of their own."""
     prompts = [list(range(3, 603)), [7] * 5, list(range(50, 1050)), list(range(9, 29))]
-    monkeypatch.setattr(cuda_executor, "HYBRID_MIXED_MIN_ROWS", 0)
+    monkeypatch.setattr(moe_gemms, "HYBRID_MIXED_MIN_ROWS", 0)
     plain, _, _ = run(ckpt, prompts, 6, budget=512)
-    monkeypatch.setattr(cuda_executor, "HYBRID_MIXED_MIN_ROWS", 64)
+    monkeypatch.setattr(moe_gemms, "HYBRID_MIXED_MIN_ROWS", 64)
     eager, eager_out, _ = run(ckpt, prompts, 6, use_graphs=False, budget=512)
     graphed, graphed_out, _ = run(ckpt, prompts, 6, budget=512)
     hybrid_graphs = [k for k in run.executor.graphs.graphs if k[0] == "prompt" and k[-1] == "hybrid"]
