@@ -30,7 +30,7 @@ from flint_sched.kernels._runtime import I32, Kernel, compile_kernel
 from flint_sched.kernels._compiler import source_dir
 from flint_sched.kernels.hardware import sm_count
 from flint_sched.kernels.linear import MAX_TOKENS, weight_format
-from flint_sched.kernels.moe import MAX_ROUTER_SPLITS
+from flint_sched.kernels.moe import router_splits
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 # Warps a CTA (cuda/decode_step.cu STEP_WARPS; every body built on them): 8, one CTA a SM (decode
@@ -139,12 +139,6 @@ def attention_splits(rows: int, max_keys: int, kv_heads: int, grid: int) -> int:
     (>= MIN_SPLIT_KEYS a split), as the graph path fills its wave."""
     by_keys = max(1, -(-max_keys // attn.MIN_SPLIT_KEYS))
     return min(max(1, grid // (rows * kv_heads)), by_keys, attn.MAX_SPLITS)
-
-
-def router_splits(experts: int, hidden: int) -> int:
-    """K splits of the router's 16-row tiles: kernels/moe.py route()'s ticket kernel's choice."""
-    tiles = -(-experts // 16)
-    return max(1, min(MAX_ROUTER_SPLITS, 128 // tiles, -(-hidden // 32) // 8))
 
 
 def step_phases(config: FlintConfig, rows: int, first: int, last: int, splits: dict[bool, int],

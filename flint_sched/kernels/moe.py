@@ -95,9 +95,7 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
         return ids, weights
     if workspace is None:
         workspace = router_workspace(e, x.device, t)
-    tiles = cdiv(e, 16)
-    steps = cdiv(k, 32)
-    splits = max(1, min(MAX_ROUTER_SPLITS, 128 // tiles, steps // 8))  # >= 1 k-step per warp
+    tiles, splits = cdiv(e, 16), router_splits(e, k)
     need = splits * t * e + 1
     if workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != x.device:
         raise ValueError(f"router workspace must be fp32 with >= {need} elements on {x.device}")
@@ -108,6 +106,11 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
         [ids, weights, x, gate, bias, partial, ticket, I32(t), I32(e), I32(k), I32(top_k), F32(scaling)],
         shared_bytes=t * e * 4, pdl=pdl, device=x.device.index)
     return ids, weights
+
+
+def router_splits(num_experts: int, hidden: int) -> int:
+    """K splits of the ticket router's 16-row tiles: about 128 CTAs, >= 1 k-step of 32 a warp."""
+    return max(1, min(MAX_ROUTER_SPLITS, 128 // cdiv(num_experts, 16), cdiv(hidden, 32) // 8))
 
 
 def cluster_router_bytes(num_experts: int, hidden: int, tokens: int) -> int | None:
