@@ -82,7 +82,7 @@ for part in "$@"; do
             done ;;
         persistent) python3 benchmarks/bench_persistent.py 2>&1 | grep -E "^\||^NVFP4|rror" ;;
         decode-step)
-            timeout 300 python3 -m pytest -q -x tests/gpu/test_cuda_executor.py -k persistent 2>&1 |
+            timeout 300 python3 -m pytest -q -x tests/gpu/test_persistent_step.py tests/gpu/test_cuda_executor.py -k persistent 2>&1 |
                 grep -E "^FAILED|^ERROR|Error| in [0-9.]+s"
             for fmt in nvfp4 bf16; do
                 python3 benchmarks/ab_decode.py --weight-format $fmt --batch-sizes 1,4,8 --contexts 1024 --num-steps 20 \

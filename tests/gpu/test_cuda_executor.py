@@ -17,7 +17,7 @@ from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.dense_copies import copies_bytes
 from flint_sched.executor.graphs import PROMPT_GRAPH_TOKENS
 from flint_sched.executor.kv_cache import KVCache
-from flint_sched.kernels import decode_step, grouped_moe
+from flint_sched.kernels import grouped_moe
 from flint_sched.kernels.grouped import CUBLAS_MIN_ROWS_NVFP4
 from flint_sched.model.reference import FlintReference
 from flint_sched.sampling_params import SamplingParams
@@ -255,41 +255,6 @@ def test_graphs_with_pdl_replay_the_eager_step_exactly(ckpt, first_graph_layers)
     assert out_eager == out_graphed
     for (r1, p1, a), (r2, p2, b) in zip(eager, graphed):
         assert (r1, p1) == (r2, p2) and torch.equal(a, b)
-
-
-@pytest.mark.parametrize("kv_dtype,warps", [(torch.bfloat16, 8), (torch.float8_e4m3fn, 8), (torch.bfloat16, 4)],
-                         ids=["bf16-kv-8-warps", "e4m3-kv-8-warps", "bf16-kv-4-warps"])
-def test_persistent_steps_match_the_reference_and_replay_exactly(ckpt, kv_dtype, warps, monkeypatch):
-    """kernel_ops.PERSISTENT: 8 requests decoding together (the fused path's most rows), prompts on
-    both sides of the window, against the reference (from graphs: one a step, though the executor's
-    first_graph_layers asks for three, a persistent step being a few launches). The same steps eager
-    give the same logits bit for bit (each tile is one CTA's, in a fixed order; the counters are
-    back to zero after every launch), and so do the steps with the norms folded into their readers
-    (decode_step.FOLD_NORMS: the same norm body in each) and with the Q/K norms, RoPE and K/V write
-    done by the attention tasks (FUSE_QK)."""
-    monkeypatch.setattr(kernel_ops, "PERSISTENT", True)
-    monkeypatch.setattr(decode_step, "WARPS", warps)          # CTAs of 8 warps, one a SM; or of 4, two
-    gen = torch.Generator().manual_seed(21)
-    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (3, 600, 37, 515, 90, 1, 260, 700)]
-    decode_logits, outputs, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype)
-    assert "fused" in run.paths and len(decode_logits) == 8 * 5
-    steps = list(run.executor.ws.decode_steps.values())
-    assert steps and all(steps), "a fused step ran on the launches: decode_step.supported said no"
-    assert all(int(step.counters.abs().sum()) == 0 for step in steps) and 8 in {step.rows for step in steps}
-    assert {step.warps for step in steps} == {warps}
-    fused_graphs = [g for key, g in run.executor.graphs.graphs.items() if key[0] == "fused"]
-    assert fused_graphs and all(len(g) == 1 for g in fused_graphs)
-    check_against_reference(ckpt, prompts, decode_logits, outputs, kv_dtype=kv_dtype,
-                            **({"typical": 3e-2} if kv_dtype == torch.float8_e4m3fn else {}))
-    eager, out_eager, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype, use_graphs=False, pdl=False)
-    monkeypatch.setattr(decode_step, "FOLD_NORMS", True)      # the tasks normalize their rows: the same bits
-    folded, out_folded, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype)
-    monkeypatch.setattr(decode_step, "FUSE_QK", True)         # and attention does the Q/K norms: the same bits
-    fused, out_fused, _ = run(ckpt, prompts, 5, seqs=8, budget=4096, kv_dtype=kv_dtype)
-    assert out_eager == outputs == out_folded == out_fused
-    for (r1, p1, a), (r2, p2, b), (r4, p4, d), (r5, p5, e) in zip(eager, decode_logits, folded, fused, strict=True):
-        assert (r1, p1) == (r2, p2) == (r4, p4) == (r5, p5)
-        assert torch.equal(a, b) and torch.equal(a, d) and torch.equal(a, e)
 
 
 def test_dense_bf16_copies_change_no_logit(ckpt, monkeypatch):
