@@ -1,6 +1,6 @@
 """The engine behind a socket (engine/remote.py): an EngineClient's streams add up to what the engine
 streams in-process, aborts and bad requests behave the same, a dead engine fails the client's
-requests; and a reader behind its producer gets merged outputs (async_engine.OutputQueue)."""
+requests; and a reader behind its producer gets merged outputs (engine/output_queue.py)."""
 
 import asyncio
 import socket
@@ -10,7 +10,7 @@ import pytest
 
 from flint_sched.checkpoint.make import dummy_checkpoint
 from flint_sched.engine import EngineConfig, EngineError
-from flint_sched.engine.async_engine import OutputQueue
+from flint_sched.engine.output_queue import OutputQueue
 from flint_sched.engine.builder import build_engine, build_parts
 from flint_sched.engine.outputs import CompletionOutput, RequestOutput
 from flint_sched.engine.remote import EngineClient, EngineConnection

@@ -17,7 +17,7 @@ num_cached_tokens, queue_time_s) with choices [(index, delta_text, delta_token_i
 delta_logprobs, finish_reason, stop_reason)] and prompt_logprobs only on a request's first item,
 or (request_id, message) for a request the engine gave up on; the client rebuilds the running
 totals, so a token costs the same on the wire at any length. A stream whose reader is behind gets
-its outputs merged (async_engine.OutputQueue), so a slow API process sends fewer, larger
+its outputs merged (engine/output_queue.py), so a slow API process sends fewer, larger
 events instead of falling further behind.
 """
 
@@ -30,7 +30,8 @@ import pickle
 import struct
 from collections.abc import AsyncIterator, Sequence
 
-from flint_sched.engine.async_engine import AsyncEngine, OutputQueue, check_request, stream_outputs
+from flint_sched.engine.async_engine import AsyncEngine, check_request
+from flint_sched.engine.output_queue import OutputQueue, stream_outputs
 from flint_sched.engine.outputs import CompletionOutput, EngineError, RequestOutput
 from flint_sched.sampling_params import SamplingParams
 
