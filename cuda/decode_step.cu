@@ -28,7 +28,7 @@
 // layers: and rotates) its KV head's 8 query heads itself into its CTA's q slot, and the task of
 // the split that holds the new key writes that head's K/V row first (only that split reads it this
 // step). The arithmetic is qk_norm_rope_kv.cu's (norm_rope_lanes): the same bits, one dependent hop
-// a layer fewer. (Every build sits at the 255 registers a thread; ptxas spills 0-20 bytes in some
+// a layer fewer. (Every build sits at the 255 registers a thread; ptxas spills 0-30 bytes in some
 // and not in others as unrelated lines move: tests/test_decode_step.py bounds it.)
 // A non-null `trace` gets three global-timer stamps a task (before its wait, after it, after its
 // bump): benchmarks/bench_decode_step.py charges each operation with them.
@@ -371,12 +371,16 @@ __device__ __forceinline__ void decode_step(const StepTask* tasks, const int* ta
   u16* const q = ptr<u16>(sp, SP_Q) + (STEP_FUSE_QK ? (size_t)blockIdx.x * si[SI_HEADS] * HEAD_DIM : 0);
   if (threadIdx.x == 0 && first < last) prefetch_task<Wt>(tasks[first], sp, si);
   griddep_wait();  // the kernel before (the embedding: h, new block-table entries) is complete
+  int prefetched = first;  // thread 0: the last task whose weights were asked for
   for (int k = first; k < last; ++k) {
     const StepTask t = tasks[k];
     if (threadIdx.x == 0) {
       if (trace) trace[3 * k] = global_ns();
-      const int j = next_prefetch(tasks, k, last);  // asked again if the task before asked already: a hint
-      if (j >= 0) prefetch_task<Wt>(tasks[j], sp, si);
+      const int j = next_prefetch(tasks, k, last);
+      if (j > prefetched) {  // not asked already by the task before
+        prefetch_task<Wt>(tasks[j], sp, si);
+        prefetched = j;
+      }
       if (t.wait >= 0) wait_for(counters + t.wait, t.target);
     }
     __syncthreads();  // thread 0's acquire covers the CTA: what the waited-on tasks wrote is seen

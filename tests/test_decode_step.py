@@ -140,7 +140,7 @@ available, why = _runtime.nvrtc_available()
 def test_the_kernel_fits_its_ctas_on_a_sm(kv_dtype, warps, fuse_qk):
     """8 // warps CTAs a SM: registers within the 64 K of a SM for all of them. Spills: the kernel
     sits at the 255-register ceiling, where ptxas moves a few values of the task loop to the stack
-    in some builds and not in others as unrelated lines change (0-20 bytes, session 30); a body
+    in some builds and not in others as unrelated lines change (0-30 bytes, session 30); a body
     that did not fit would spill far more."""
     from flint_sched.kernels import _compiler
     usage = _compiler.resource_usage("decode_step.cu", dict(ds.kernel_defines(kv_dtype, warps, fuse_qk)))
