@@ -5,11 +5,14 @@ import asyncio
 import random
 
 import pytest
+import torch
 
 from flint_sched.checkpoint.make import dummy_checkpoint
 from flint_sched.engine import EngineConfig
 from flint_sched.engine.builder import build_engine, build_parts
+from flint_sched.executor import kernel_ops
 from flint_sched.executor.cuda_executor import CudaExecutor
+from flint_sched.model.reference import FlintReference
 from flint_sched.sampling_params import SamplingParams
 from gpu_checks import small_real_config
 
@@ -50,6 +53,45 @@ async def test_concurrent_requests_through_the_cuda_executor(parts):
         assert variants == {"fused", "grouped", "prompt"}, f"graphs run: {variants}"
     finally:
         await engine.shutdown()
+
+
+async def test_persistent_decode_steps_through_the_engine_match_the_reference(parts, monkeypatch):
+    """Issue 17's engine end to end: with kernel_ops.PERSISTENT, 8 greedy requests served together
+    (prompt steps, then fused steps of 8 rows down to 1, each launched before the tokens of the one
+    before are read back) get at every generated token the reference's log-probability of that
+    token (the reference fed the engine's tokens) within bf16 noise; the persistent step ran, and
+    its counters are back at zero."""
+    monkeypatch.setattr(kernel_ops, "PERSISTENT", True)
+    rng = random.Random(5)
+    requests = [([rng.randrange(4096) for _ in range(rng.randint(1, 700))],
+                 SamplingParams(temperature=0, max_tokens=rng.randint(4, 16), ignore_eos=True, logprobs=0))
+                for _ in range(8)]
+    engine = build_engine(parts)
+    engine.start()
+    try:
+        async def last(stream):
+            out = None
+            async for out in stream:
+                pass
+            return out
+
+        results = await asyncio.gather(*(last(engine.add_request(p, sp)) for p, sp in requests))
+    finally:
+        await engine.shutdown()
+    steps = [step for step in parts.executor.ws.decode_steps.values() if step]
+    assert steps and all(int(step.counters.abs().sum()) == 0 for step in steps)
+    ckpt = parts.checkpoint
+    ref = FlintReference(ckpt.config, ckpt.weights, dtype=torch.float32, device="cuda")
+    got, want = [], []
+    for (prompt, params), result in zip(requests, results, strict=True):
+        out = result.outputs[0]
+        assert len(out.token_ids) == len(out.logprobs) == params.max_tokens
+        logp = torch.log_softmax(ref.forward(prompt + out.token_ids[:-1])[len(prompt) - 1:], dim=-1).cpu()
+        want += logp[torch.arange(len(out.token_ids)), torch.tensor(out.token_ids)].tolist()
+        got += [entry.logprob for entry in out.logprobs]
+    got, want = torch.tensor(got), torch.tensor(want)
+    # the tolerance of test_cuda_executor.py's prompt-logprob check (bf16 through 7 layers)
+    assert float((got - want).norm() / want.norm()) < 2e-2, f"worst {float((got - want).abs().max()):.3f}"
 
 
 async def test_the_gpu_timeline_counts_the_served_steps(parts):
