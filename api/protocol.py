@@ -95,7 +95,7 @@ class PromptLogprob(Reply, kw_only=True):
 
 
 class ContentPart(Schema, kw_only=True):
-    """One part of a list `content`; only text parts reach the prompt."""
+    """One part of a list `content`: text parts only (the model reads text; others are refused)."""
 
     type: str
     text: str | None = None
@@ -170,6 +170,7 @@ class TokenizeRequest(Schema, kw_only=True):
     messages: list[ChatMessage] | None = None
     tools: list[ChatTool] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 

@@ -53,6 +53,8 @@ class ChatCompletionRequest(ConstraintFields, kw_only=True):
     user: str | None = None
     include_reasoning: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True         # vLLM's: open the assistant's turn after the messages
+    continue_final_message: bool = False       # vLLM's: the model goes on writing the last message
     # vLLM's extra sampling parameters
     top_k: int | None = None
     min_p: float | None = None

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from flint_sched.api.server import ServingContext
 
 MAX_TOP_LOGPROBS = 20
-_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message"})
 _REQUEST_FIELDS = ChatCompletionRequest.__struct_fields__
 
 
@@ -93,17 +93,36 @@ class PreparedChat:
 
 
 def render_messages(ctx: ServingContext, messages: list[ChatMessage], tools: list[dict] | None,
-                    template_kwargs: dict | None, add_generation_prompt: bool = True) -> str:
-    """The conversation through the chat template (request kwargs over the server's defaults)."""
+                    template_kwargs: dict | None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
+    """The conversation through the chat template (request kwargs over the server's defaults); with
+    `continue_final_message` the last message is left open for the model to go on writing."""
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message needs add_generation_prompt: false (the model continues the "
+                          "final message instead of starting a new one)", "continue_final_message")
+    check_content_parts(messages)
     kwargs = {**ctx.config.default_chat_template_kwargs, **(template_kwargs or {})}
     kwargs = {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
     try:
         return render_chat(ctx.chat_template, message_dicts(messages), tools,
-                           add_generation_prompt=add_generation_prompt, **kwargs)
+                           add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, **kwargs)
     except ValueError as error:
         raise bad_request(str(error), "messages") from error
     except RecursionError as error:
         raise bad_request("the conversation nests too deeply for the chat template", "messages") from error
+
+
+def check_content_parts(messages: list[ChatMessage]) -> None:
+    """A list `content` holds text parts, each with its text: the model reads text only, so an image
+    or audio part is refused rather than dropped unseen."""
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if part.type != "text":
+                raise bad_request(f"messages[{i}].content[{j}]: '{part.type}' parts are not supported (this model "
+                                  "reads text only)", "messages")
+            if part.text is None:
+                raise bad_request(f"messages[{i}].content[{j}]: a text part needs `text`", "messages")
 
 
 def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> PreparedChat:
@@ -125,7 +144,8 @@ def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> Prepare
         if not 0 <= request.top_logprobs <= most:
             raise bad_request(f"top_logprobs must be in [0, {most}] (--max-logprobs)", "top_logprobs")
     check_tool_call_arguments(request.messages)
-    prompt = render_messages(ctx, request.messages, policy.template_tools, request.chat_template_kwargs)
+    prompt = render_messages(ctx, request.messages, policy.template_tools, request.chat_template_kwargs,
+                             request.add_generation_prompt, request.continue_final_message)
     prompt_suffix, parser_prefix = force_call(policy, prompt)
     prompt += prompt_suffix
     thinking = ends_in_reasoning(prompt)

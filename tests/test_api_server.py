@@ -180,6 +180,25 @@ def test_tokenize_detokenize_round_trip(http):
     assert rendered == "[gMASK]<sop><|system|>You are terse.<|user|>Say hi.<|assistant|><think>"
 
 
+def test_continue_final_message_and_text_only_content(http):
+    """vLLM's `continue_final_message` (with `add_generation_prompt: false`): the prompt ends in the
+    last message's text, which the model goes on writing; both true is a 400, as is an image part
+    (the model reads text only: refused, not dropped unseen)."""
+    body = {"messages": MESSAGES + [{"role": "assistant", "content": "Hi there,"}], "add_generation_prompt": False,
+            "continue_final_message": True}
+    tokens = http.post("/tokenize", json=body).json()["tokens"]
+    rendered = http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert rendered == "[gMASK]<sop><|system|>You are terse.<|user|>Say hi.<|assistant|></think>Hi there,"
+    response = http.post("/v1/chat/completions", json={**body, "max_tokens": 3, "temperature": 0})
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == len(tokens)
+    both = http.post("/v1/chat/completions", json={**body, "add_generation_prompt": True, "max_tokens": 3})
+    assert both.status_code == 400 and error_of(both)["param"] == "continue_final_message"
+    image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    for route in ("/v1/chat/completions", "/tokenize"):
+        refused = http.post(route, json={"messages": [{"role": "user", "content": image}], "max_tokens": 3})
+        assert refused.status_code == 400 and "'image_url' parts are not supported" in error_of(refused)["message"]
+
+
 def test_openapi_document_is_valid(http):
     doc = http.get("/openapi.json").json()
     assert doc["openapi"].startswith("3.2")

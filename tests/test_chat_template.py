@@ -190,3 +190,31 @@ def test_tojson_filter_keeps_non_ascii_like_hugging_face():
     template = "{{ value | tojson }}|{{ value | tojson(separators=(',', ':')) }}|{{ value | tojson(indent=1) }}"
     rendered = render_chat(template, [], value={"城市": [1, 2]})
     assert rendered == '{"城市": [1, 2]}|{"城市":[1,2]}|{\n "城市": [\n  1,\n  2\n ]\n}'
+
+
+def test_continue_final_message_leaves_the_last_message_open():
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, the answer is"}]
+    prompt = render_chat(TEMPLATE, messages, add_generation_prompt=False, continue_final_message=True)
+    assert prompt == "[gMASK]<sop><|user|>hi<|assistant|></think>Sure, the answer is"
+    # a template that closes each turn: cut after the text, its kept trailing space too; a list
+    # content continues its last text part
+    closing = "{% for m in messages %}<s>{{ m.content if m.content is string else m.content[-1].text }}</s>{% endfor %}"
+    assert render_chat(closing, [{"role": "assistant", "content": "one two "}], add_generation_prompt=False,
+                       continue_final_message=True) == "<s>one two "
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b c"}]
+    assert render_chat(closing, [{"role": "user", "content": parts}], add_generation_prompt=False,
+                       continue_final_message=True) == "<s>b c"
+
+
+def test_continue_final_message_errors_are_value_errors():
+    messages = [{"role": "assistant", "content": "x"}]
+    with pytest.raises(ValueError, match="cannot both be true"):
+        render_chat(TEMPLATE, messages, continue_final_message=True)
+    with pytest.raises(ValueError, match="does not write"):
+        render_chat("{% for m in messages %}[turn]{% endfor %}", messages, add_generation_prompt=False,
+                    continue_final_message=True)
+    with pytest.raises(ValueError, match="no text to continue"):
+        render_chat(TEMPLATE, [{"role": "user", "content": [{"type": "image_url"}]}], add_generation_prompt=False,
+                    continue_final_message=True)
+    with pytest.raises(ValueError, match="needs a message"):
+        render_chat(TEMPLATE, [], add_generation_prompt=False, continue_final_message=True)

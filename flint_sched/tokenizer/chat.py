@@ -3,6 +3,8 @@
 Templates run in an immutable sandbox with HF's globals (`raise_exception`, `strftime_now`) and a
 `tojson` filter that keeps non-ASCII. Tool-call `arguments` given as a JSON string are parsed before
 rendering (invalid JSON becomes {}); every template failure surfaces as a ValueError.
+`continue_final_message` leaves the last message open (the model goes on writing it), as
+transformers' `apply_chat_template` does: the text ends where that message's text does.
 """
 
 import json
@@ -28,12 +30,15 @@ def render_chat(
     messages: list[dict],
     tools: list[dict] | None = None,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     **template_kwargs,
 ) -> str:
     """Renders OpenAI-style `messages` into prompt text; kwargs (e.g. `enable_thinking`) go to the template."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
     compiled = _compile(template)
     try:
-        return compiled.render(
+        text = compiled.render(
             messages=[_with_parsed_arguments(message) for message in messages],
             tools=tools,
             add_generation_prompt=add_generation_prompt,
@@ -41,6 +46,31 @@ def render_chat(
         )
     except (TemplateError, TypeError, ValueError) as error:
         raise ValueError(f"chat template failed: {error}") from error
+    return _open_final_message(text, messages) if continue_final_message else text
+
+
+def _open_final_message(text: str, messages: list[dict]) -> str:
+    """`text` cut right after the last message's own text (what a template writes after it, an
+    end-of-turn token, goes), keeping its trailing whitespace where the template kept it."""
+    if not messages:
+        raise ValueError("continue_final_message needs a message to continue")
+    final = _final_text(messages[-1].get("content"))
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the final message's text")
+    end = at + len(final.strip())
+    kept = final.lstrip()
+    return text[:at + len(kept)] if text.startswith(kept, at) else text[:end]
+
+
+def _final_text(content) -> str:
+    """The text of a message's `content` that continuing it extends (of a list: its last text part)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    for part in reversed(content):
+        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            return part["text"]
+    raise ValueError("continue_final_message: the final message has no text to continue")
 
 
 @lru_cache(maxsize=8)
