@@ -1,4 +1,5 @@
-"""The offline Python API: `LLM(...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+"""The offline Python API: `LLM(...).generate(prompts, SamplingParams(...))` and `LLM(...).chat(messages)`,
+as in vLLM."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from flint_sched.engine.builder import build_engine, build_parts
 from flint_sched.engine.config import EngineConfig
 from flint_sched.engine.outputs import RequestOutput
 from flint_sched.sampling_params import SamplingParams
+from flint_sched.tokenizer import default_chat_template, render_chat
 
 Prompt = str | Sequence[int]
+Conversation = Sequence[dict[str, Any]]
 
 
 def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -50,6 +53,22 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         return run_async(self._generate(list(prompts), params))
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of OpenAI-style messages) or a list of them, each rendered with the
+        chat template (`chat_template`, else the checkpoint's, else Flint's own) and generated as
+        `generate` does: a RequestOutput per conversation, its text as the model wrote it (reasoning
+        and tool-call tags included; the server's parsers split them)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = chat_template or self.tokenizer.chat_template or default_chat_template()
+        prompts = [render_chat(template, list(conversation), tools, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params)
 
     async def _generate(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
         engine = build_engine(self.parts, self.scheduler)

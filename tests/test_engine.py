@@ -199,6 +199,19 @@ def test_offline_llm_api(ckpt, tmp_path, monkeypatch):
     again = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     assert dataclasses.is_dataclass(outs[0])
+    # chat, as vLLM's LLM.chat: one conversation or several, through the checkpoint's chat template
+    conversation = [{"role": "user", "content": "Hello"}]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    [chat] = llm.chat(conversation, greedy)
+    rendered = llm.tokenizer.decode(chat.prompt_token_ids, skip_special_tokens=False)
+    assert rendered == "[gMASK]<sop><|user|>Hello<|assistant|><think>"
+    assert chat.outputs[0].token_ids == llm.generate(chat.prompt_token_ids, greedy)[0].outputs[0].token_ids
+    opened = conversation + [{"role": "assistant", "content": "Hi"}]
+    both = llm.chat([conversation, opened], greedy, add_generation_prompt=False, continue_final_message=True,
+                    chat_template_kwargs={"enable_thinking": False})
+    assert llm.tokenizer.decode(both[1].prompt_token_ids, skip_special_tokens=False).endswith("<|assistant|></think>Hi")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(opened, greedy, continue_final_message=True)
 
 
 def test_a_model_too_big_for_the_host_is_refused_before_anything_is_made(tmp_path, monkeypatch):

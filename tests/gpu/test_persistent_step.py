@@ -20,13 +20,12 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype,warps", [(torch.bfloat16, 8), (torch.float8_e4m3fn, 8), (torch.bfloat16, 4)],
                          ids=["bf16-kv-8-warps", "e4m3-kv-8-warps", "bf16-kv-4-warps"])
 def test_persistent_steps_match_the_reference_and_replay_exactly(ckpt, kv_dtype, warps, monkeypatch):
-    """kernel_ops.PERSISTENT: 8 requests decoding together (the fused path's most rows), then 7, .., 1
-    as they finish (a step plan each), prompts on both sides of the window, against the reference (from graphs: one a step, though the executor's
-    first_graph_layers asks for three, a persistent step being a few launches). The same steps eager
-    give the same logits bit for bit (each tile is one CTA's, in a fixed order; the counters are
-    back to zero after every launch), and so do the steps with the norms folded into their readers
-    (decode_step.FOLD_NORMS: the same norm body in each) and with the Q/K norms, RoPE and K/V write
-    done by the attention tasks (FUSE_QK)."""
+    """kernel_ops.PERSISTENT: 8 requests decoding together (the fused path's most rows), then 7, .., 1 as they
+    finish (a step plan each), prompts on both sides of the window, against the reference (from graphs: one a step,
+    though the executor's first_graph_layers asks for three, a persistent step being a few launches). The same steps
+    eager give the same logits bit for bit (each tile is one CTA's, in a fixed order; the counters are back to zero
+    after every launch), and so do the steps with the norms folded into their readers (decode_step.FOLD_NORMS: the
+    same norm body in each) and with the Q/K norms, RoPE and K/V write done by the attention tasks (FUSE_QK)."""
     monkeypatch.setattr(kernel_ops, "PERSISTENT", True)
     monkeypatch.setattr(decode_step, "WARPS", warps)          # CTAs of 8 warps, one a SM; or of 4, two
     gen = torch.Generator().manual_seed(21)
