@@ -224,6 +224,7 @@ def sampling_params(request, *, max_tokens: int, logprobs: int | None, skip_spec
         max_tokens=max_tokens,
         ignore_eos=request.ignore_eos,
         skip_special_tokens=skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
         structured_outputs=structured_outputs,
         prompt_logprobs=prompt_logprobs,
     )

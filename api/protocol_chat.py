@@ -63,6 +63,7 @@ class ChatCompletionRequest(ConstraintFields, kw_only=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
 
 
 class FunctionCallOut(Reply, kw_only=True):

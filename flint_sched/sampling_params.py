@@ -60,6 +60,7 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False     # a matched stop string (or stop token's text) stays in the text
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None
 
@@ -80,6 +81,7 @@ class SamplingParams:
             "min_tokens": _check_int("min_tokens", self.min_tokens, min_value=0),
             "ignore_eos": _check_bool("ignore_eos", self.ignore_eos),
             "skip_special_tokens": _check_bool("skip_special_tokens", self.skip_special_tokens),
+            "include_stop_str_in_output": _check_bool("include_stop_str_in_output", self.include_stop_str_in_output),
         }
         if self.seed is not None:
             _check_int("seed", self.seed)

@@ -87,6 +87,9 @@ def test_stop_and_max_tokens(client):
                                     stop=[stop], extra_body={"ignore_eos": True})
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[:text.index(stop)]
     assert cut.choices[0].model_extra["stop_reason"] == stop
+    kept = client.completions.create(model="flint-tiny", prompt="Once upon", max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[:text.index(stop) + len(stop)]
 
 
 def test_completions_prompts_echo_and_logprobs(client, http):

@@ -133,6 +133,21 @@ async def test_stop_strings_are_never_streamed_past(parts):
     choice = last.outputs[0]
     assert "".join(c.delta_text for out in deltas for c in out.outputs) == expected == choice.text
     assert choice.finish_reason == "stop" and choice.stop_reason == stop
+    # include_stop_str_in_output (vLLM's): the stop string ends the streamed text
+    kept, _ = await run_engine(parts, [(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                         stop=[stop], include_stop_str_in_output=True))])
+    deltas, last = kept[0]
+    assert "".join(c.delta_text for out in deltas for c in out.outputs) == expected + stop == last.outputs[0].text
+    # a stop token's text: left out, or kept with include_stop_str_in_output
+    ids = base[0][1].outputs[0].token_ids
+    k = ids.index(ids[5])
+    decode = parts.checkpoint.tokenizer.decode
+    for include in (False, True):
+        ended, _ = await run_engine(parts, [(p, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ids[k]],
+                                                              include_stop_str_in_output=include))])
+        choice = ended[0][1].outputs[0]
+        assert choice.token_ids == ids[:k + 1] and choice.stop_reason == ids[k]
+        assert choice.text == decode(ids[:k + include])
 
 
 async def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(parts):

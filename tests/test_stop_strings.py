@@ -37,12 +37,25 @@ def test_any_split_gives_the_text_before_the_first_stop(text, stops, cuts):
     assert out == first_completed_cut(text, stops)
 
 
-def first_completed_cut(text, stops):
-    """Generation stops as soon as a stop string is complete: cut at the earliest one then."""
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="abST", max_size=40), stops=st.lists(st.text(alphabet="abST", min_size=1, max_size=3),
+                                                                     max_size=3),
+       cuts=st.lists(st.integers(0, 40), max_size=8))
+def test_included_stop_strings_end_the_text(text, stops, cuts):
+    """include_stop_str_in_output: the text up to the end of the stop string completed first."""
+    c = StopStringChecker(stops, include=True)
+    bounds = sorted({0, len(text), *[min(x, len(text)) for x in cuts]})
+    out = "".join(c.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])) + c.flush()
+    assert out == first_completed_cut(text, stops, include=True)
+
+
+def first_completed_cut(text, stops, include=False):
+    """Generation stops as soon as a stop string is complete: cut at the earliest one then (or,
+    including it, at that end)."""
     for end in range(len(text) + 1):
         starts = [end - len(s) for s in stops if end >= len(s) and text[end - len(s):end] == s]
         if starts:
-            return text[: min(starts)]
+            return text[:end] if include else text[: min(starts)]
     return text
 
 

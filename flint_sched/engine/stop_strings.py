@@ -9,11 +9,13 @@ class StopStringChecker:
     """Fed the decoded text piece by piece; returns what is safe to emit.
 
     Held back: the longest suffix of the text that is a proper prefix of some stop string. On a
-    match (the stop string completed first), the text before it is emitted and it is dropped.
+    match (the stop string completed first), the text before it is emitted and it is dropped, or
+    with `include` (vLLM's include_stop_str_in_output) emitted too.
     """
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include: bool = False):
         self.stops = tuple(s for s in stops if s)
+        self.include = include
         self.pending = ""           # fed, not yet emitted: at most a possible start of a stop string
         self.matched: str | None = None
 
@@ -29,7 +31,7 @@ class StopStringChecker:
         hit = min(((i + len(s), i, s) for s in self.stops if (i := text.find(s)) >= 0), default=None)
         if hit is not None:
             self.matched, self.pending = hit[2], ""
-            return text[:hit[1]]
+            return text[:hit[0] if self.include else hit[1]]
         keep = held_suffix_len(text, self.stops)
         self.pending = text[len(text) - keep:]
         return text[:len(text) - keep]
