@@ -225,6 +225,8 @@ def sampling_params(request, *, max_tokens: int, logprobs: int | None, skip_spec
         ignore_eos=request.ignore_eos,
         skip_special_tokens=skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
+        allowed_token_ids=request.allowed_token_ids,
+        bad_words=tuple(request.bad_words or ()),
         structured_outputs=structured_outputs,
         prompt_logprobs=prompt_logprobs,
     )

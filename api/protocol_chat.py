@@ -64,6 +64,8 @@ class ChatCompletionRequest(ConstraintFields, kw_only=True):
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 
 class FunctionCallOut(Reply, kw_only=True):

@@ -61,6 +61,12 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False     # a matched stop string (or stop token's text) stays in the text
+    # vLLM's: every token but these is masked (None: all allowed)
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's: words never to write: the last token of a word's token sequence is masked whenever the
+    # output so far ends in the tokens before it; the engine tokenizes them into bad_words_token_ids
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None
 
@@ -77,6 +83,9 @@ class SamplingParams:
             "logit_bias": self._checked_logit_bias(),
             "stop": self._checked_stop(),
             "stop_token_ids": self._checked_stop_token_ids(),
+            "allowed_token_ids": self._checked_allowed_token_ids(),
+            "bad_words": self._checked_bad_words(),
+            "bad_words_token_ids": self._checked_bad_words_token_ids(),
             "max_tokens": _check_int("max_tokens", self.max_tokens, min_value=1),
             "min_tokens": _check_int("min_tokens", self.min_tokens, min_value=0),
             "ignore_eos": _check_bool("ignore_eos", self.ignore_eos),
@@ -145,6 +154,39 @@ class SamplingParams:
             _check_int("stop_token_ids entry", token_id, min_value=0)
         return ids
 
+    def _checked_allowed_token_ids(self) -> tuple[int, ...] | None:
+        ids = self.allowed_token_ids
+        if ids is None:
+            return None
+        if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__iter__"):
+            raise ValueError(f"allowed_token_ids must be a list of ints, got {ids!r}")
+        ids = tuple(ids)
+        if not ids:
+            raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
+        for token_id in ids:
+            _check_int("allowed_token_ids entry", token_id, min_value=0)
+        return ids
+
+    def _checked_bad_words(self) -> tuple[str, ...]:
+        words = self.bad_words
+        if isinstance(words, (str, bytes, Mapping)) or not hasattr(words, "__iter__"):
+            raise ValueError(f"bad_words must be a list of strings, got {words!r}")
+        words = tuple(words)
+        if not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError(f"bad_words must hold non-blank strings, got {self.bad_words!r}")
+        return words
+
+    def _checked_bad_words_token_ids(self) -> tuple[tuple[int, ...], ...]:
+        sequences = self.bad_words_token_ids
+        if isinstance(sequences, (str, bytes, Mapping)) or not hasattr(sequences, "__iter__"):
+            raise ValueError(f"bad_words_token_ids must be a list of token id lists, got {sequences!r}")
+        checked = []
+        for ids in sequences:
+            if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__iter__") or not tuple(ids):
+                raise ValueError(f"bad_words_token_ids entries must be non-empty lists of ints, got {ids!r}")
+            checked.append(tuple(_check_int("bad_words_token_ids entry", t, min_value=0) for t in ids))
+        return tuple(checked)
+
     @property
     def is_greedy(self) -> bool:
         """True when sampling is argmax (temperature 0, as vLLM compares: below 1e-5)."""
@@ -153,7 +195,9 @@ class SamplingParams:
 
 def reads_history(params: SamplingParams) -> bool:
     """Whether choosing a token reads the request's earlier output tokens (penalties count them,
-    min_tokens bans eos until enough are out, a grammar's mask follows them): such a request cannot sample before the previous
-    step's token is known on the host (async scheduling waits for it)."""
+    min_tokens bans eos until enough are out, a grammar's mask follows them, a bad word of several
+    tokens is banned by what came before its last): such a request cannot sample before the
+    previous step's token is known on the host (async scheduling waits for it)."""
     return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-                or params.min_tokens or params.structured_outputs is not None)
+                or params.min_tokens or params.structured_outputs is not None
+                or any(len(ids) > 1 for ids in params.bad_words_token_ids))

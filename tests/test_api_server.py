@@ -92,6 +92,21 @@ def test_stop_and_max_tokens(client):
     assert kept.choices[0].text == text[:text.index(stop) + len(stop)]
 
 
+def test_allowed_token_ids_and_bad_words_fields(http):
+    """vLLM's extra fields: allowed_token_ids (here one token, so the text is that token's repeated),
+    bad_words; an empty allowed list or a blank word is a 400 naming the field."""
+    [a] = http.post("/tokenize", json={"prompt": "a"}).json()["tokens"]
+    for route, body in (("/v1/completions", {"prompt": "Once upon"}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        ask = {**body, "max_tokens": 4, "ignore_eos": True}
+        only = http.post(route, json={**ask, "allowed_token_ids": [a]}).json()["choices"][0]
+        message = only.get("message", {})
+        assert only.get("text", message.get("reasoning") or message.get("content")) == "aaaa"
+        assert http.post(route, json={**ask, "bad_words": ["upon", "the"]}).status_code == 200
+        for field, value in (("allowed_token_ids", []), ("bad_words", [" "])):
+            refused = http.post(route, json={**ask, field: value})
+            assert refused.status_code == 400 and error_of(refused)["param"] == field
+
+
 def test_completions_prompts_echo_and_logprobs(client, http):
     ids = http.post("/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
     batch = client.completions.create(model="flint-tiny", prompt=[ids, ids], max_tokens=3, n=2, logprobs=2,

@@ -150,6 +150,32 @@ async def test_stop_strings_are_never_streamed_past(parts):
         assert choice.text == decode(ids[:k + include])
 
 
+async def test_allowed_token_ids_and_bad_words(parts):
+    """vLLM's allowed_token_ids (only those tokens come out) and bad_words (tokenized by the engine,
+    each word alone and after a space; no output ever holds a word's whole token sequence), each
+    beside a plain request in the same steps."""
+    from flint_sched.engine.async_engine import with_bad_words_tokenized
+    p = prompt(random.Random(9), 12)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    base, _ = await run_engine(parts, [(p, greedy)])
+    ids, text = base[0][1].outputs[0].token_ids, base[0][1].outputs[0].text
+    allowed = sorted(set(ids[2:5]))
+    words = [w for w in text.split() if w][:3]
+    params = [dataclasses.replace(greedy, allowed_token_ids=tuple(allowed)),
+              dataclasses.replace(greedy, temperature=1.0, seed=3, allowed_token_ids=tuple(allowed)),
+              dataclasses.replace(greedy, bad_words=tuple(words)), greedy]
+    results, _ = await run_engine(parts, [(p, sp) for sp in params])
+    outs = [last.outputs[0].token_ids for _, last in results]
+    assert set(outs[0]) <= set(allowed) and set(outs[1]) <= set(allowed) and outs[3] == ids
+    tokenizer = parts.checkpoint.tokenizer
+    sequences = with_bad_words_tokenized(params[2], tokenizer).bad_words_token_ids
+    assert {tuple(tokenizer.encode(w)) for w in words} | {tuple(tokenizer.encode(" " + w)) for w in words} == set(
+        sequences)
+    holds = lambda out, seq: any(tuple(out[i:i + len(seq)]) == seq for i in range(len(out)))  # noqa: E731
+    assert any(holds(ids, seq) for seq in sequences)          # the plain output writes one of them
+    assert not any(holds(outs[2], seq) for seq in sequences), outs[2]
+
+
 async def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(parts):
     engine = build_engine(parts)
     real = engine.executor

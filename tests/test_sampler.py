@@ -29,6 +29,27 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert sample_one(logits, entry(p, output=[2, 2]), eos_token_ids={1}, generator=None)[0] == 1
 
 
+def test_allowed_token_ids_and_bad_words():
+    """allowed_token_ids masks every other token (a hard mask: the bans after it yield when they
+    would leave nothing, as a grammar's does); a bad word's last token is banned where the output
+    ends in the tokens before it, a one-token word always. Logprobs read the unmasked logits."""
+    from flint_sched.executor.graph_sampler import plain
+    logits = torch.tensor([0.0, 9.0, 1.0, 8.0, 2.0])
+    allowed = SamplingParams(temperature=0, allowed_token_ids=(2, 4), logprobs=0)
+    token, lp = sample_one(logits, entry(allowed), (), None)
+    assert token == 4 and lp.logprob == pytest.approx(float(torch.log_softmax(logits, 0)[4]))
+    hot = SamplingParams(temperature=5.0, allowed_token_ids=(2, 4))
+    assert all(sample_one(logits, entry(hot), (), None)[0] in (2, 4) for _ in range(20))   # never another
+    only_eos = SamplingParams(temperature=0, allowed_token_ids=(3,), min_tokens=2)     # 3 is eos and allowed alone
+    assert sample_one(logits, entry(only_eos), {3}, None)[0] == 3
+    words = SamplingParams(temperature=0, bad_words_token_ids=((1,), (0, 2, 3)))
+    assert sample_one(logits, entry(words, output=[4]), (), None)[0] == 3          # 1 always banned
+    assert sample_one(logits, entry(words, output=[4, 0, 2]), (), None)[0] == 4    # ...0 2 -> 3 banned too
+    assert sample_one(logits, entry(words, output=[0, 2, 4]), (), None)[0] == 3
+    assert not plain(entry(SamplingParams(allowed_token_ids=(2,)))) and not plain(entry(words))
+    assert plain(entry(SamplingParams()))
+
+
 def test_penalties_by_hand():
     logits = torch.tensor([2.0, -2.0, 1.0, 1.0])
     p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)

@@ -30,6 +30,9 @@ def test_values_are_normalized():
     assert params.stop == ("###",) and params.stop_token_ids == (3, 4)
     assert params.logit_bias == {5: -100.0, 7: 2.5} and params.logit_bias is not bias
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    lists = SamplingParams(allowed_token_ids=[3, 1], bad_words=["no"], bad_words_token_ids=[[4, 5], [6]])
+    assert lists.allowed_token_ids == (3, 1) and lists.bad_words == ("no",)
+    assert lists.bad_words_token_ids == ((4, 5), (6,)) and SamplingParams().allowed_token_ids is None
 
 
 @pytest.mark.parametrize(
@@ -76,6 +79,11 @@ REJECTED = [
     ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", None), ("max_tokens", 2.0),
     ("ignore_eos", 1), ("ignore_eos", "yes"), ("ignore_eos", None),
     ("skip_special_tokens", 0), ("skip_special_tokens", "false"),
+    ("include_stop_str_in_output", 1), ("include_stop_str_in_output", None),
+    ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", [1.0]), ("allowed_token_ids", "12"),
+    ("bad_words", "word"), ("bad_words", [""]), ("bad_words", ["  "]), ("bad_words", [3]), ("bad_words", None),
+    ("bad_words_token_ids", [[]]), ("bad_words_token_ids", [[-1]]), ("bad_words_token_ids", [3]),
+    ("bad_words_token_ids", "ab"),
 ]
 
 

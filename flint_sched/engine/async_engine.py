@@ -73,13 +73,27 @@ def check_request(prompt_ids: list[int], p: SamplingParams, vocab_size: int, max
             f"this model's maximum context length is {max_model_len} tokens, but "
             f"{len(prompt_ids) + p.max_tokens} were requested ({len(prompt_ids)} in the prompt, "
             f"{p.max_tokens} for the completion)")
-    for name, ids in (("logit_bias", p.logit_bias), ("stop_token_ids", p.stop_token_ids)):
+    bad_words = [t for ids in p.bad_words_token_ids for t in ids]
+    for name, ids in (("logit_bias", p.logit_bias), ("stop_token_ids", p.stop_token_ids),
+                      ("allowed_token_ids", p.allowed_token_ids or ()), ("bad_words_token_ids", bad_words)):
         bad = [t for t in ids if not 0 <= int(t) < vocab_size]
         if bad:
             raise ValueError(f"{name} names token id {bad[0]}, outside the vocabulary (0..{vocab_size - 1})")
     if p.structured_outputs is not None:
         # ValueError for an invalid grammar; the server compiled it off the loop already (a cache hit)
         grammar_compiler.compile(p.structured_outputs)
+
+
+def with_bad_words_tokenized(p: SamplingParams, tokenizer) -> SamplingParams:
+    """`p` with its bad_words' token sequences added to bad_words_token_ids: each word as it starts
+    a text and after a space (its two spellings in running text), as vLLM tokenizes them."""
+    if not p.bad_words:
+        return p
+    sequences = dict.fromkeys(p.bad_words_token_ids)
+    for word in p.bad_words:
+        for spelling in (word.lstrip(), " " + word.lstrip()):
+            sequences.setdefault(tuple(tokenizer.encode(spelling)))
+    return dataclasses.replace(p, bad_words_token_ids=tuple(ids for ids in sequences if ids))
 
 
 class StepTimeoutError(EngineError):
@@ -203,6 +217,7 @@ class AsyncEngine:
     def _admit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None, queue) -> _Request:
         if not self.is_running:
             raise EngineError(f"the engine is not running ({self.dead_error or 'not started'})")
+        params = with_bad_words_tokenized(params, self.tokenizer)
         check_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.grammar_compiler)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:

@@ -22,11 +22,12 @@ GUMBEL_MAX = True
 
 
 def plain(entry) -> bool:
-    """Token choice from the logits as they are: no edits first (grammar mask, bans, bias, penalties), no
-    logprobs."""
+    """Token choice from the logits as they are: no edits first (grammar mask, allowed ids, bans, bias,
+    penalties), no logprobs."""
     p = entry.sampling_params
     return not (p.structured_outputs is not None or p.logit_bias or p.min_tokens > len(entry.output_token_ids)
-                or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logprobs is not None)
+                or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logprobs is not None
+                or p.allowed_token_ids is not None or p.bad_words_token_ids)
 
 
 class GraphSampler:

@@ -1,10 +1,12 @@
 """Token choice from one step's logits, for the whole batch at once, in vLLM's order.
 
-    grammar mask -> min_tokens mask -> logit_bias -> repetition / frequency / presence penalties
-    -> (greedy: argmax) -> temperature -> top_k -> top_p -> min_p -> draw
+    grammar mask -> allowed_token_ids -> bad words -> min_tokens mask -> logit_bias
+    -> repetition / frequency / presence penalties -> (greedy: argmax) -> temperature -> top_k
+    -> top_p -> min_p -> draw
 The grammar mask (structured outputs, executor/grammar_masks.py) comes first, as in vLLM, so
-logprobs see it too; a constrained row that the later edits leave without any token (min_tokens
-banning the stop token its finished grammar needs) keeps its grammar-masked logits.
+logprobs see it too. The grammar and allowed_token_ids are hard masks; a row that the bans after
+them (bad words, min_tokens) leave without any token keeps the hard-masked logits (a finished
+grammar's only token is the stop token min_tokens bans).
 Every transformation runs on the [B, V] logits as a few batched tensor operations (on the GPU when
 the logits are there); the host reads back only the chosen ids (and logprobs, if asked for), in
 one transfer. Logprobs come from the raw logits. A seeded request draws from a generator seeded by
@@ -38,14 +40,44 @@ def _index_put(logits: torch.Tensor, rows: list[int], cols: list[int], values, a
         logits.index_put_(_index(logits, rows, cols), values, accumulate=accumulate)
 
 
-def edit_logits(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_token_ids: Collection[int]) -> None:
-    """In place, per row: min_tokens bans (EOS and stop ids), logit_bias, then the penalties.
-    Each kind is one scatter over the batch, built from the host-side token lists."""
+def allow_only(logits: torch.Tensor, entries: Sequence[ScheduledRequest]) -> torch.Tensor:
+    """logits, or a copy where the rows of requests with allowed_token_ids keep only those tokens."""
+    rows = [row for row, e in enumerate(entries) if e.sampling_params.allowed_token_ids is not None]
+    if not rows:
+        return logits
+    keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
+    at, ids = [], []
+    for n, row in enumerate(rows):
+        allowed = entries[row].sampling_params.allowed_token_ids
+        at.extend([n] * len(allowed)), ids.extend(allowed)
+    keep[_index(logits, at, ids)] = True
+    index = torch.tensor(rows, device=logits.device)
+    out = logits.clone()
+    out[index] = out[index].masked_fill(~keep, float("-inf"))
+    return out
+
+
+def bad_word_bans(e: ScheduledRequest) -> set[int]:
+    """The last token of each bad word whose other tokens end the output so far (vLLM's bad_words)."""
+    out, banned = e.output_token_ids, set()
+    for ids in e.sampling_params.bad_words_token_ids:
+        n = len(ids) - 1
+        if n == 0 or (len(out) >= n and tuple(out[len(out) - n:]) == ids[:n]):
+            banned.add(ids[-1])
+    return banned
+
+
+def edit_logits(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_token_ids: Collection[int]) -> list[int]:
+    """In place, per row: bad-word and min_tokens bans (EOS and stop ids), logit_bias, then the
+    penalties. Each kind is one scatter over the batch, built from the host-side token lists.
+    Returns the rows that got bans."""
     ban, bias, rep, freq = ([], []), ([], [], []), ([], [], []), ([], [], [])
     for row, e in enumerate(entries):
         p = e.sampling_params
+        banned = bad_word_bans(e) if p.bad_words_token_ids else set()
         if len(e.output_token_ids) < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        if banned:
             ban[0].extend([row] * len(banned))
             ban[1].extend(sorted(banned))
         for token, value in p.logit_bias.items():
@@ -64,6 +96,7 @@ def edit_logits(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_t
         values, penalty = logits[index], torch.tensor(rep[2], dtype=logits.dtype, device=logits.device)
         logits.index_put_(index, torch.where(values > 0, values / penalty, values * penalty))
     _index_put(logits, *freq, accumulate=True)
+    return sorted(set(ban[0]))
 
 
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -115,16 +148,15 @@ def sample_batch(logits: torch.Tensor, entries: Sequence[ScheduledRequest], eos_
             raise RuntimeError("a request has structured outputs, but this executor has no grammar masks")
         filled = grammars.fill(entries)     # host work first: the device may still be running the step
         logits = grammars.mask(logits, filled)
-    raw = logits
-    logits = logits.clone()
-    edit_logits(logits, entries, eos_token_ids)
-    banned = [row for row in (filled[0] if filled else ())
-              if len(entries[row].output_token_ids) < entries[row].sampling_params.min_tokens]
-    if banned:                       # min_tokens may have banned the only tokens the grammar allows
+    raw = logits                     # logprobs read these
+    masked = allow_only(logits, entries)
+    logits = masked.clone()
+    banned = edit_logits(logits, entries, eos_token_ids)
+    if banned:                       # the bans may have taken the only tokens the hard masks leave
         index = torch.tensor(banned, device=logits.device)
         edited = logits[index]
         dead = torch.isneginf(edited).all(dim=-1, keepdim=True)
-        logits[index] = torch.where(dead, raw[index], edited)
+        logits[index] = torch.where(dead, masked[index], edited)
     chosen = torch.argmax(logits, dim=-1)
     sampled = [row for row, e in enumerate(entries) if not e.sampling_params.is_greedy]
     seeded = [row for row in sampled if entries[row].sampling_params.seed is not None]
