@@ -240,6 +240,21 @@ class Kernel:
                f"{self.name}: dynamic shared memory of {shared_bytes} bytes", KernelLaunchError)
         self._dynamic_shared[device] = shared_bytes
 
+    def resident_blocks(self, block_threads: int, shared_bytes: int = 0, device: int | None = None) -> int:
+        """How many CTAs of `block_threads` threads and `shared_bytes` of dynamic shared memory a SM
+        holds at once (the driver's occupancy), the carveout set to favour shared memory: what a
+        kernel whose CTAs wait on each other must know before it launches."""
+        device = torch.cuda.current_device() if device is None else device
+        function = self.load(device)
+        if shared_bytes:
+            self._allow_dynamic_shared(device, function, shared_bytes)
+        driver = _driver()
+        carveout = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        _check(driver.cuFuncSetAttribute(function, carveout, 100), f"{self.name}: shared memory carveout",
+               KernelLaunchError)
+        return int(_check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, block_threads, shared_bytes),
+                          f"{self.name}: occupancy", KernelLaunchError))
+
     def _stream(self, handle: int):
         stream = self._streams.get(handle)
         if stream is None:

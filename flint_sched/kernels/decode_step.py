@@ -31,6 +31,7 @@ from flint_sched.kernels._compiler import source_dir
 from flint_sched.kernels.hardware import sm_count
 from flint_sched.kernels.linear import MAX_TOKENS, weight_format
 from flint_sched.kernels.moe import router_splits
+from flint_sched.kernels.norm import MAX_VEC_PER_THREAD
 from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 # Warps a CTA (cuda/decode_step.cu STEP_WARPS; every body built on them): 8, one CTA a SM (decode
@@ -43,6 +44,8 @@ GATE_UP_ROWS = 8                 # intermediate rows a gate/up tile (gate and up
 # each, the same bits) instead of waiting on a norm operation: two dependent hops a layer fewer.
 # Prepared without a GPU (session 30): measure both (gpu_suite.sh decode-step).
 FOLD_NORMS = False
+# The router selection's bound in the build (cuda/topk.cuh's default; the graph path builds 1024 too)
+ROUTER_MAX_EXPERTS = 256
 # The attention tasks do the Q/K norms, RoPE and the K/V write (qk_norm_rope_kv.cu's arithmetic, the
 # same bits) instead of waiting on a qk_norm operation: one dependent hop a layer fewer; a build of
 # its own (STEP_FUSE_QK). Prepared without a GPU (session 30): measure both.
@@ -196,10 +199,12 @@ def _weight_ptrs(w) -> list[int]:
     return [w.data_ptr(), 0, 0]
 
 
-def supported(config: FlintConfig, w: dict, qkv: dict, rows: int) -> str | None:
+def supported(config: FlintConfig, w: dict, qkv: dict, rows: int, warps: int | None = None) -> str | None:
     """Why the persistent step cannot run this model at `rows` rows, or None: every GEMV weight of
     one format (the kernel is built per format), <= 8 rows (one mma column group), the small MoE's
-    pair limit, the attention kernels' head shape."""
+    pair limit, the attention kernels' head shape, the build's router and norm bounds (CTAs of
+    `warps` warps, default WARPS)."""
+    warps = WARPS if warps is None else warps
     if not 1 <= rows <= MAX_TOKENS:
         return f"rows {rows} outside 1..{MAX_TOKENS}"
     c = config
@@ -207,6 +212,10 @@ def supported(config: FlintConfig, w: dict, qkv: dict, rows: int) -> str | None:
         return "head_dim 128 and 8 query heads per KV head only"
     if rows * c.num_experts_per_tok > 64:
         return "rows x top_k > 64"
+    if c.n_routed_experts > ROUTER_MAX_EXPERTS:     # the build's router selection (cuda/topk.cuh)
+        return f"more than {ROUTER_MAX_EXPERTS} routed experts"
+    if c.hidden_size % 8 or c.hidden_size > 8 * MAX_VEC_PER_THREAD * 32 * warps:
+        return f"hidden size {c.hidden_size}: the norm body holds 8 x {MAX_VEC_PER_THREAD} values a thread"
     names = [qkv[i][0] for i in range(c.num_hidden_layers)]
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -268,24 +277,36 @@ class DecodeStep:
                  grid: int | None = None, fold_norms: bool | None = None, trace: bool | None = None,
                  warps: int | None = None, fuse_qk: bool | None = None):
         """fold_norms, trace (stamp every task: `phase_times`), warps, fuse_qk: FOLD_NORMS, TRACE,
-        WARPS, FUSE_QK by default; grid: every CTA that fits at once (8 // warps a SM)."""
+        WARPS, FUSE_QK by default; grid: every CTA that fits at once (8 // warps a SM, fewer if the
+        driver's occupancy says so)."""
         c, w, dev = weights.config, weights.w, hidden.device
-        why = supported(c, w, weights.qkv, rows)
+        why = supported(c, w, weights.qkv, rows, WARPS if warps is None else warps)
         if why is not None:
             raise ValueError(f"the persistent decode step cannot run this model: {why}")
         self.rows, self.first, self.last = rows, first, last
         self.warps = WARPS if warps is None else warps
-        self.grid = sm_count(dev) * (8 // self.warps) if grid is None else grid
         kv = weights.kv
         g, heads = c.num_key_value_heads, c.num_attention_heads
         self.fmt = weight_format(weights.qkv[first][0])
         pools = [kv.ring[kv.ring_index[i]] if c.is_sliding(i) else kv.full[kv.full_index[i]]
                  for i in range(first, last)]
         kv_dtype = pools[0].dtype
+        self.fuse_qk = FUSE_QK if fuse_qk is None else fuse_qk
+        self.kernel = _kernel(self.fmt, kernel_defines(kv_dtype, self.warps, self.fuse_qk))
+        smem_attn = attn.fp8_smem_bytes(attn.FP8_STAGES) if kv_dtype == torch.float8_e4m3fn else attn.ATTN_SMEM_BYTES
+        self.shared_bytes = max(smem_attn, rows * c.n_routed_experts * 4)
+        if grid is None:       # every CTA resident at once (they wait on each other): as many as fit
+            per_sm = 8 // self.warps
+            if dev.type == "cuda":
+                per_sm = min(per_sm, self.kernel.resident_blocks(32 * self.warps, self.shared_bytes, dev.index))
+                if per_sm < 1:
+                    raise ValueError(f"the persistent step's CTA ({self.warps} warps, {self.shared_bytes} B of "
+                                     "dynamic shared memory) does not fit a SM")
+            grid = sm_count(dev) * per_sm
+        self.grid = grid
         splits = {True: attention_splits(rows, c.sliding_window, g, self.grid),
                   False: attention_splits(rows, inputs.max_model_len, g, self.grid)}
         self.fold_norms = FOLD_NORMS if fold_norms is None else fold_norms
-        self.fuse_qk = FUSE_QK if fuse_qk is None else fuse_qk
         self.phases = step_phases(c, rows, first, last, splits, self.fold_norms, self.warps, self.fuse_qk)
         self.plan = plan_tasks(self.phases, self.grid)
 
@@ -339,9 +360,6 @@ class DecodeStep:
         self.task_start = torch.from_numpy(self.plan.task_start).to(dev)
         self.counters = zeros(self.plan.num_counters + 1, dtype=torch.int32)
         self.trace = zeros(len(self.plan.tasks), 3, dtype=torch.int64) if (TRACE if trace is None else trace) else None
-        self.kernel = _kernel(self.fmt, kernel_defines(kv_dtype, self.warps, self.fuse_qk))
-        smem_attn = attn.fp8_smem_bytes(attn.FP8_STAGES) if kv_dtype == torch.float8_e4m3fn else attn.ATTN_SMEM_BYTES
-        self.shared_bytes = max(smem_attn, rows * c.n_routed_experts * 4)
 
     def launch(self, pdl: bool = False) -> None:
         """The layers, on the current stream (after the kernel that wrote hidden[0])."""
