@@ -212,18 +212,33 @@ def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("b", [1, 5, 8, 16])
 def test_a_folded_norm_matches_the_norm_then_the_gemv(fmt, b):
-    """linear(x, W, norm_weight=w) = linear(rms_norm(x, w), W) within bf16 tolerance (the product x * w
-    is rounded instead of x * inv_rms * w), with q/k/v's row splits (NVFP4) and a residual."""
+    """linear(x, W, norm_weight=w) against rms_norm(x, w) @ W^T in fp64 (the same weights), as close as
+    the norm's own launch then the GEMV are, with q/k/v's row splits (NVFP4) and a residual. The two
+    round differently (x * w to bf16, against x * inv_rms * w), so each is held to the fp64 truth, not
+    to the other: on the H200 (session 31) both sit at 2.2-2.4e-3 relative RMS error, and compared to
+    each other they differ by up to 3e-2 of a typical output."""
     n, k, eps = 5120, 2048, 1e-6
     if fmt == "nvfp4":                                  # q/k/v: three weights, each its tensor scale
-        w, splits = concat_rows([nvfp4_weight(rows, k, 11 + i) for i, rows in enumerate((4096, 512, 512))])
+        parts = [nvfp4_weight(rows, k, 11 + i) for i, rows in enumerate((4096, 512, 512))]
+        w, splits = concat_rows(parts)
+        w64 = torch.cat([t.dequantize(torch.float32) for t in parts]).double()
     else:
         w, splits = bf16_weight(n, k, 11), ()
+        w64 = w.double()
     x = (3 * torch.randn(b, k, device="cuda", generator=gen(12))).bfloat16()
     nw = (1 + 0.3 * torch.randn(k, device="cuda", generator=gen(13))).bfloat16()
     residual = torch.randn(b, n, device="cuda", generator=gen(14)).bfloat16()
+    x64 = x.double()
+    normed64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * nw.double()
     for res in (None, residual):
-        want = linear(rms_norm_ref(x, nw, eps), w, residual=res, row_splits=splits)
-        got = linear(x, w, residual=res, row_splits=splits, norm_weight=nw, norm_eps=eps,
-                     out=poisoned(b, n))
-        assert_close_bf16(got, want, f"{fmt} b={b} residual={res is not None}")
+        truth = normed64 @ w64.t() + (0 if res is None else res.double())
+        want = linear(rms_norm_ref(x, nw, eps), w, residual=res, row_splits=splits).double()
+        got = linear(x, w, residual=res, row_splits=splits, norm_weight=nw, norm_eps=eps, out=poisoned(b, n))
+        assert not got.isnan().any(), "an output was not written"
+        scale = (truth - (0 if res is None else res.double())).pow(2).mean().sqrt()
+        err_got = float((got.double() - truth).pow(2).mean().sqrt() / scale)
+        err_want = float((want - truth).pow(2).mean().sqrt() / scale)
+        worst = float((got.double() - truth).abs().max() / scale)
+        what = f"{fmt} b={b} residual={res is not None}: folded {err_got:.2e}, two launches {err_want:.2e}"
+        assert err_got < 1.25 * err_want + 1e-4 and err_got < 5e-3, what
+        assert worst < 2 * float((want - truth).abs().max() / scale) + 1e-2, f"{what}, worst {worst:.2e}"
