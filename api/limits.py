@@ -68,3 +68,17 @@ def check_text_fits(text: str, chars_per_token: int, max_model_len: int, param: 
     if at_least >= max_model_len:
         raise bad_request(f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
                           f"at least {at_least} ({len(text)} characters)", param)
+
+
+def kept_prompt_tokens(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: None keeps the whole prompt; k >= 1 keeps its last k tokens
+    (left truncation); -1 keeps the last max_model_len. 400 for anything else."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return None
+    if k == -1:
+        return max_model_len
+    if not 1 <= k <= max_model_len:
+        raise bad_request(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] (the maximum context "
+                          f"length), got {k}", "truncate_prompt_tokens")
+    return k

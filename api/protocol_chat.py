@@ -66,6 +66,7 @@ class ChatCompletionRequest(ConstraintFields, kw_only=True):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
 
 
 class FunctionCallOut(Reply, kw_only=True):

@@ -43,6 +43,7 @@ class CompletionRequest(ConstraintFields, kw_only=True):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
 
 
 class CompletionLogprobs(Reply, kw_only=True):

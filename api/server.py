@@ -162,10 +162,13 @@ class ServingContext:
     def __post_init__(self) -> None:
         self.chars_per_token = max_chars_per_token(self.state.tokenizer)
 
-    def encode(self, text: str, param: str | None = None) -> list[int]:
-        """Prompt text to ids (off the loop): refused unread when it surely cannot fit the context."""
-        check_text_fits(text, self.chars_per_token, self.max_model_len, param)
-        return self.tokenizer.encode(text)          # off the GIL, so the loop keeps routing
+    def encode(self, text: str, param: str | None = None, keep_last: int | None = None) -> list[int]:
+        """Prompt text to ids (off the loop): refused unread when it surely cannot fit the context;
+        keep_last (truncate_prompt_tokens): only its last that many ids, however long the text."""
+        if keep_last is None:
+            check_text_fits(text, self.chars_per_token, self.max_model_len, param)
+        ids = self.tokenizer.encode(text)           # off the GIL, so the loop keeps routing
+        return ids if keep_last is None else ids[-keep_last:]
 
     async def off_loop(self, fn: Callable, *args):
         """fn(*args) on a prepare thread: anything that grows with the request's size goes here."""
@@ -345,6 +348,7 @@ def build_app(engine_state: EngineState, server_config: ServerConfig, lifecycle:
         Route("/tokenize", _post(tokenize), methods=["POST"]),
         Route("/detokenize", _post(detokenize), methods=["POST"]),
         Route("/health", _get(health), methods=["GET"]),
+        Route("/ping", _get(health), methods=["GET", "POST"]),        # vLLM's (SageMaker's) alias of /health
         Route("/metrics", _get_async(metrics), methods=["GET"]),
         Route("/reset_prefix_cache", _get(reset_prefix_cache), methods=["POST"]),
         Route("/version", _get(version), methods=["GET"]),

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from flint_sched.api.errors import bad_request, from_value_error
-from flint_sched.api.limits import check_tool_call_arguments
+from flint_sched.api.limits import check_tool_call_arguments, kept_prompt_tokens
 from flint_sched.api.parsers import OutputDelta, OutputParser, make_output_parser
 from flint_sched.api.protocol import (
     ChatMessage,
@@ -149,7 +149,7 @@ def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> Prepare
     prompt_suffix, parser_prefix = force_call(policy, prompt)
     prompt += prompt_suffix
     thinking = ends_in_reasoning(prompt)
-    prompt_ids = ctx.encode(prompt, "messages")
+    prompt_ids = ctx.encode(prompt, "messages", kept_prompt_tokens(request.truncate_prompt_tokens, ctx.max_model_len))
     constraint = output_constraint(ctx, request, policy, thinking)
     reasoning_parser = ctx.config.reasoning_parser
     # NOTE: the parsers read GLM's tags, which are special tokens in our vocabulary: keep them in the text

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from flint_sched.api.errors import bad_request, from_value_error
-from flint_sched.api.limits import MAX_CHOICES_PER_REQUEST, too_long
+from flint_sched.api.limits import MAX_CHOICES_PER_REQUEST, kept_prompt_tokens, too_long
 from flint_sched.api.protocol import (
     MIN_LOGPROB,
     clamp_logprob,
@@ -105,11 +105,14 @@ def prepare_prompts(ctx: ServingContext, request: CompletionRequest) -> list[Pre
     prompt_logprobs = request.prompt_logprobs
     if request.echo and request.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
+    keep = kept_prompt_tokens(request.truncate_prompt_tokens, ctx.max_model_len)
     prepared = []
     for prompt in prompts:
+        if not isinstance(prompt, str) and keep is not None:
+            prompt = prompt[-keep:]
         if not isinstance(prompt, str) and len(prompt) >= ctx.max_model_len:
             raise too_long(len(prompt), ctx.max_model_len, "prompt")
-        ids = ctx.encode(prompt, "prompt") if isinstance(prompt, str) else prompt
+        ids = ctx.encode(prompt, "prompt", keep) if isinstance(prompt, str) else prompt
         text = prompt if isinstance(prompt, str) else (ctx.tokenizer.decode(ids) if request.echo else "")
         try:
             params = sampling_params(request, max_tokens=ctx.max_tokens(request.max_tokens, len(ids)),

@@ -107,6 +107,26 @@ def test_allowed_token_ids_and_bad_words_fields(http):
             assert refused.status_code == 400 and error_of(refused)["param"] == field
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end_and_ping_answers(http):
+    """vLLM's truncate_prompt_tokens: the last k tokens of a token, text or chat prompt (a text past
+    the context is then served, not refused unread); out of range is a 400. /ping: /health's alias."""
+    ids = list(range(100, 160))
+    ask = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    cut = http.post("/v1/completions", json={**ask, "prompt": ids, "truncate_prompt_tokens": 10}).json()
+    alone = http.post("/v1/completions", json={**ask, "prompt": ids[-10:]}).json()
+    assert cut["usage"]["prompt_tokens"] == 10 and cut["choices"][0]["text"] == alone["choices"][0]["text"]
+    long_text = "word " * 6000                      # past the 2,048-token context
+    assert http.post("/v1/completions", json={**ask, "prompt": long_text}).status_code == 400
+    kept = http.post("/v1/completions", json={**ask, "prompt": long_text, "truncate_prompt_tokens": 2000}).json()
+    assert kept["usage"]["prompt_tokens"] == 2000
+    chat = http.post("/v1/chat/completions", json={**ask, "messages": MESSAGES, "truncate_prompt_tokens": 5}).json()
+    assert chat["usage"]["prompt_tokens"] == 5
+    for k in (0, -2, 4096):
+        refused = http.post("/v1/completions", json={**ask, "prompt": ids, "truncate_prompt_tokens": k})
+        assert refused.status_code == 400 and error_of(refused)["param"] == "truncate_prompt_tokens"
+    assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+
+
 def test_completions_prompts_echo_and_logprobs(client, http):
     ids = http.post("/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
     batch = client.completions.create(model="flint-tiny", prompt=[ids, ids], max_tokens=3, n=2, logprobs=2,

@@ -322,3 +322,13 @@ def test_stream_metrics_match_prometheus_clients_own():
     for family in (PREFIX + "inter_token_latency_seconds", PREFIX + "generation_tokens"):
         expected = samples(generate_latest(theirs), family)
         assert expected and samples(ours.exposition(), family) == expected, family
+
+
+def test_kept_prompt_tokens_reads_truncate_prompt_tokens_as_vllm_does():
+    from flint_sched.api.errors import APIError
+    from flint_sched.api.limits import kept_prompt_tokens
+    assert kept_prompt_tokens(None, 2048) is None and kept_prompt_tokens(-1, 2048) == 2048
+    assert kept_prompt_tokens(1, 2048) == 1 and kept_prompt_tokens(2048, 2048) == 2048
+    for k in (0, -2, 2049):
+        with pytest.raises(APIError, match="truncate_prompt_tokens"):
+            kept_prompt_tokens(k, 2048)
