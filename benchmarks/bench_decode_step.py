@@ -13,8 +13,8 @@ measures it. Run on the GPU machine:
     python3 benchmarks/bench_decode_step.py --weight-format nvfp4 --batch-sizes 1,8 --contexts 1024 \
         --variants 8,8-fold-fuse,4,4-fold-fuse
 
-A variant names the CTA's warps (decode_step.WARPS), then `-fold` (FOLD_NORMS) and `-fuse`
-(FUSE_QK); all run over one model build.
+A variant names the CTA's warps (decode_step.WARPS), then `-fold` (FOLD_NORMS), `-fuse`
+(FUSE_QK) and `-early` (EARLY_WEIGHTS); all run over one model build.
 """
 
 from __future__ import annotations
@@ -48,18 +48,18 @@ def charges(steps) -> tuple[dict[str, tuple[float, float, int]], float]:
     return {op: (statistics.mean(hops[op]), statistics.mean(works[op]), len(hops[op])) for op in hops}, span
 
 
-def parse_variant(text: str) -> tuple[int, bool, bool]:
-    """WARPS[-fold][-fuse] -> (warps, fold_norms, fuse_qk)."""
+def parse_variant(text: str) -> tuple[int, bool, bool, bool]:
+    """WARPS[-fold][-fuse][-early] -> (warps, fold_norms, fuse_qk, early_weights)."""
     warps, *flags = text.split("-")
-    if warps not in ("4", "8") or not set(flags) <= {"fold", "fuse"}:
-        raise SystemExit(f"bench_decode_step: variant {text!r} is not WARPS[-fold][-fuse] with WARPS 4 or 8")
-    return int(warps), "fold" in flags, "fuse" in flags
+    if warps not in ("4", "8") or not set(flags) <= {"fold", "fuse", "early"}:
+        raise SystemExit(f"bench_decode_step: variant {text!r} is not WARPS[-fold][-fuse][-early] with WARPS 4 or 8")
+    return int(warps), "fold" in flags, "fuse" in flags, "early" in flags
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     latency.add_arguments(p)
-    p.add_argument("--variants", default="8", help="comma-separated: WARPS[-fold][-fuse] (see above)")
+    p.add_argument("--variants", default="8", help="comma-separated: WARPS[-fold][-fuse][-early] (see above)")
     p.set_defaults(executor="cuda", device="cuda", prefill_lens="", weight_format="nvfp4", batch_sizes="1,8",
                    contexts="1024", num_steps=20)
     args = p.parse_args()
@@ -74,8 +74,9 @@ def main() -> int:
         executor.clear_graphs()
         r = latency.run_decode(executor, args, batch, context, bandwidth)
         print(f"\nbatch {batch}, context {context}: launches {r.step_ms:.3f} ms a step (graphs)")
-        for name, (warps, fold, fuse) in zip(args.variants.split(","), variants, strict=True):
+        for name, (warps, fold, fuse, early) in zip(args.variants.split(","), variants, strict=True):
             decode_step.WARPS, decode_step.FOLD_NORMS, decode_step.FUSE_QK = warps, fold, fuse
+            decode_step.EARLY_WEIGHTS = early
             kernel_ops.PERSISTENT, decode_step.TRACE = True, True
             executor.use_graphs = False
             executor.ws.decode_steps.clear()

@@ -177,9 +177,11 @@ __device__ __forceinline__ T block_exclusive_sum(T mine, T* warp_total, T& total
 // serialization. `pdl_wait` must precede every read of the previous kernel's outputs and every
 // write to memory the previous kernel may still read; the memory clobber keeps the compiler from
 // hoisting such accesses above it.
-// PERSISTENT_STEP (cuda/decode_step.cu): the kernels' bodies run as tasks of one launch, each
-// started only once what it reads is complete (the task loop waits on counters), so inside them
-// both are no-ops; the launch itself waits once, before its first task.
+// PERSISTENT_STEP (cuda/decode_step.cu): the kernels' bodies run as tasks of one launch, the
+// launch itself waiting once, before its first task. A task waits on the counter of the operation
+// before it: in its loop, before the body (then `pdl_wait` is a no-op), or, when the step defers
+// it (SI_EARLY_WEIGHTS), where the body calls `pdl_wait` (`step_wait`: its first weights are then
+// in flight during the wait, as at a kernel boundary).
 
 #ifndef PERSISTENT_STEP
 #define PERSISTENT_STEP 0
@@ -188,7 +190,8 @@ __device__ __forceinline__ T block_exclusive_sum(T mine, T* warp_total, T& total
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 #if PERSISTENT_STEP
-__device__ __forceinline__ void pdl_wait() {}
+__device__ __forceinline__ void step_wait();  // cuda/decode_step.cu
+__device__ __forceinline__ void pdl_wait() { step_wait(); }
 #else
 __device__ __forceinline__ void pdl_wait() { griddep_wait(); }
 #endif

@@ -72,7 +72,7 @@ enum StepInt {  // the step's sizes (floats as their bits)
   SI_ROWS, SI_HIDDEN, SI_HEADS, SI_KV_HEADS, SI_MOE_I, SI_DENSE_I, SI_EXPERTS, SI_TOP_K, SI_ROUTER_SPLITS,
   SI_SPLITS_SLIDING, SI_SPLITS_FULL, SI_ONE_SPLIT_SLIDING, SI_ONE_SPLIT_FULL, SI_TABLE_STRIDE, SI_BLOCK_SIZE,
   SI_RING_ROWS, SI_WINDOW, SI_SINKS_BF16, SI_HAS_SHARED, SI_EPS, SI_SCALING, SI_SCALE_LOG2, SI_FOLD_NORMS,
-  SI_COUNT,
+  SI_EARLY_WEIGHTS, SI_COUNT,
 };
 
 enum LayerPtr {  // per layer; a weight is 3 entries: NVFP4 (codes, scales, tensor scale), bf16 (w, 0, 0)
@@ -318,6 +318,37 @@ __device__ __forceinline__ void wait_for(const int* counter, int target) {
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
+// The wait a task defers into its body (SI_EARLY_WEIGHTS): set by thread 0 before the task's
+// barrier, read by `step_wait` (common.cuh's `pdl_wait` in this build) wherever the body calls it,
+// after its weights' first loads. The first active lane of each calling warp polls and fences;
+// its warp follows. Null: nothing to wait for (waited in the loop, or already by an earlier tile).
+__shared__ const int* step_wait_counter;
+__shared__ int step_wait_target;
+__shared__ u64* step_wait_stamp;  // the trace's "waited" stamp of the task, or null
+
+__device__ __forceinline__ void step_wait() {
+  const int* counter = step_wait_counter;
+  if (counter == nullptr) return;
+  const unsigned active = __activemask();
+  if ((threadIdx.x & 31) == __ffs(active) - 1) {
+    wait_for(counter, step_wait_target);
+    u64* stamp = step_wait_stamp;
+    if (stamp && threadIdx.x < 32) *stamp = global_ns();
+  }
+  __syncwarp(active);
+}
+
+// Whether task op's body may wait where it calls pdl_wait: everything it touches before that is
+// weights, shared memory, or the step's inputs and earlier steps' K/V. Not expert down: it reads the
+// routed ids before its wait (a kernel boundary after gate/up's wait makes that safe there, a CTA's
+// previous task here need not be gate/up); not gate/up (its body waits before anything, and the
+// loop's prefetch_down reads the ids); not a task that first normalizes its rows (SI_FOLD_NORMS) or
+// writes K/V (STEP_FUSE_QK attention).
+__device__ __forceinline__ bool defers_wait(int op, bool folded) {
+  if (folded || op == OP_DOWN || op == OP_GATE_UP) return false;  // gate/up: waits first thing anyway
+  return !(STEP_FUSE_QK && op == OP_ATTENTION);
+}
+
 // A gate/up task's CTA, its wait passed (the ids are routed), asks L2 for the rows its next task,
 // a down task, reads of each chosen expert and the shared one: warp 0, a lane a (row, slot) pair.
 template <class Wt>
@@ -371,9 +402,12 @@ __device__ __forceinline__ void decode_step(const StepTask* tasks, const int* ta
   u16* const q = ptr<u16>(sp, SP_Q) + (STEP_FUSE_QK ? (size_t)blockIdx.x * si[SI_HEADS] * HEAD_DIM : 0);
   if (threadIdx.x == 0 && first < last) prefetch_task<Wt>(tasks[first], sp, si);
   griddep_wait();  // the kernel before (the embedding: h, new block-table entries) is complete
+  const bool early = si[SI_EARLY_WEIGHTS] != 0;
   int prefetched = first;  // thread 0: the last task whose weights were asked for
   for (int k = first; k < last; ++k) {
     const StepTask t = tasks[k];
+    const u16* norm = fold ? folded_norm(t.op, ptr<const u64>(sp, SP_LAYERS) + (size_t)t.layer * LP_COUNT) : nullptr;
+    const bool deferred = early && t.wait >= 0 && defers_wait(t.op, norm != nullptr);
     if (threadIdx.x == 0) {
       if (trace) trace[3 * k] = global_ns();
       const int j = next_prefetch(tasks, k, last);
@@ -381,13 +415,15 @@ __device__ __forceinline__ void decode_step(const StepTask* tasks, const int* ta
         prefetch_task<Wt>(tasks[j], sp, si);
         prefetched = j;
       }
-      if (t.wait >= 0) wait_for(counters + t.wait, t.target);
+      step_wait_counter = deferred ? counters + t.wait : nullptr;
+      step_wait_target = t.target;
+      step_wait_stamp = deferred && trace ? trace + 3 * k + 1 : nullptr;
+      if (t.wait >= 0 && !deferred) wait_for(counters + t.wait, t.target);
     }
     __syncthreads();  // thread 0's acquire covers the CTA: what the waited-on tasks wrote is seen
-    if (trace && threadIdx.x == 0) trace[3 * k + 1] = global_ns();
+    if (trace && threadIdx.x == 0 && !deferred) trace[3 * k + 1] = global_ns();
     if (t.op == OP_GATE_UP && k + 1 < last && threadIdx.x < 32 && tasks[k + 1].op == OP_DOWN)
       prefetch_down<Wt>(tasks[k + 1], sp, si);
-    const u16* norm = fold ? folded_norm(t.op, ptr<const u64>(sp, SP_LAYERS) + (size_t)t.layer * LP_COUNT) : nullptr;
     if (norm) {
       for (int b = 0; b < si[SI_ROWS]; ++b) {
         add_norm_row<u16>(b, si[SI_ROWS], x, nullptr, ptr<const u16>(sp, SP_H), nullptr, norm, si[SI_HIDDEN],
@@ -398,6 +434,9 @@ __device__ __forceinline__ void decode_step(const StepTask* tasks, const int* ta
     for (int i = t.begin; i < t.end; ++i) {
       run_tile<Wt, U>(t.op, t.layer, i, sp, si, x, q);
       __syncthreads();  // the body's shared memory is free again; every write of the task is done
+      // the first tile waited: the others need not (a warp that still reads the old pointer waits
+      // on a count already reached; the next task's is set after the barrier of its last tile)
+      if (threadIdx.x == 0) step_wait_counter = nullptr;
     }
     if (threadIdx.x == 0) {
       // release: the CTA's writes (ordered before by the barrier) are seen by whoever acquires the count

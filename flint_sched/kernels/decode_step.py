@@ -50,6 +50,11 @@ ROUTER_MAX_EXPERTS = 256
 # same bits) instead of waiting on a qk_norm operation: one dependent hop a layer fewer; a build of
 # its own (STEP_FUSE_QK). Prepared without a GPU (session 30): measure both.
 FUSE_QK = False
+# A task's wait where its body calls pdl_wait, after its first weight loads (as at a kernel boundary
+# with PDL), instead of before the body: not for expert down and gate/up, nor for a task that first
+# normalizes its rows or writes K/V (cuda/decode_step.cu defers_wait). Session 31: the launched
+# kernels' first weights arrive during the wait, the persistent step's only after it. Same bits.
+EARLY_WEIGHTS = False
 # Steps built while set stamp every task (DecodeStep.phase_times; benchmarks/bench_decode_step.py).
 TRACE = False
 
@@ -61,7 +66,8 @@ STEP_PTRS = ("H", "X", "QKV", "Q", "ATTN", "ROUTER_PARTIAL", "ROUTER_TICKET", "I
              "ROPE_INV_FREQ", "LAYERS")
 STEP_INTS = ("ROWS", "HIDDEN", "HEADS", "KV_HEADS", "MOE_I", "DENSE_I", "EXPERTS", "TOP_K", "ROUTER_SPLITS",
              "SPLITS_SLIDING", "SPLITS_FULL", "ONE_SPLIT_SLIDING", "ONE_SPLIT_FULL", "TABLE_STRIDE", "BLOCK_SIZE",
-             "RING_ROWS", "WINDOW", "SINKS_BF16", "HAS_SHARED", "EPS", "SCALING", "SCALE_LOG2", "FOLD_NORMS")
+             "RING_ROWS", "WINDOW", "SINKS_BF16", "HAS_SHARED", "EPS", "SCALING", "SCALE_LOG2", "FOLD_NORMS",
+             "EARLY_WEIGHTS")
 _WEIGHTS = ("QKV", "O", "GATE", "UP", "DOWN", "SHARED_GATE", "SHARED_UP", "SHARED_DOWN")
 LAYER_PTRS = ("IN_NORM", "POST_NORM", "QKV", "QKV_1", "QKV_2", "Q_NORM", "K_NORM", "SINKS", "K_POOL", "V_POOL",
               "O", "O_1", "O_2", "ROUTER", "ROUTER_BIAS", "GATE", "GATE_1", "GATE_2", "UP", "UP_1", "UP_2",
@@ -275,10 +281,10 @@ class DecodeStep:
 
     def __init__(self, weights, inputs, hidden: torch.Tensor, rows: int, first: int, last: int,
                  grid: int | None = None, fold_norms: bool | None = None, trace: bool | None = None,
-                 warps: int | None = None, fuse_qk: bool | None = None):
-        """fold_norms, trace (stamp every task: `phase_times`), warps, fuse_qk: FOLD_NORMS, TRACE,
-        WARPS, FUSE_QK by default; grid: every CTA that fits at once (8 // warps a SM, fewer if the
-        driver's occupancy says so)."""
+                 warps: int | None = None, fuse_qk: bool | None = None, early_weights: bool | None = None):
+        """fold_norms, trace (stamp every task: `phase_times`), warps, fuse_qk, early_weights: FOLD_NORMS,
+        TRACE, WARPS, FUSE_QK, EARLY_WEIGHTS by default; grid: every CTA that fits at once (8 // warps a SM,
+        fewer if the driver's occupancy says so)."""
         c, w, dev = weights.config, weights.w, hidden.device
         why = supported(c, w, weights.qkv, rows, WARPS if warps is None else warps)
         if why is not None:
@@ -307,6 +313,7 @@ class DecodeStep:
         splits = {True: attention_splits(rows, c.sliding_window, g, self.grid),
                   False: attention_splits(rows, inputs.max_model_len, g, self.grid)}
         self.fold_norms = FOLD_NORMS if fold_norms is None else fold_norms
+        self.early_weights = EARLY_WEIGHTS if early_weights is None else early_weights
         self.phases = step_phases(c, rows, first, last, splits, self.fold_norms, self.warps, self.fuse_qk)
         self.plan = plan_tasks(self.phases, self.grid)
 
@@ -354,6 +361,7 @@ class DecodeStep:
             "SINKS_BF16": int(sinks.dtype == torch.bfloat16), "HAS_SHARED": int(bool(c.n_shared_experts)),
             "EPS": f32(c.rms_norm_eps), "SCALING": f32(c.routed_scaling_factor),
             "SCALE_LOG2": f32(attn.LOG2E / np.sqrt(attn.HEAD_DIM)), "FOLD_NORMS": int(self.fold_norms),
+            "EARLY_WEIGHTS": int(self.early_weights),
         }
         self.step_ints = torch.tensor([ints[n] for n in STEP_INTS], dtype=torch.int32, device=dev)
         self.tasks = torch.from_numpy(self.plan.tasks).to(dev)

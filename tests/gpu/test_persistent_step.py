@@ -25,7 +25,8 @@ def test_persistent_steps_match_the_reference_and_replay_exactly(ckpt, kv_dtype,
     though the executor's first_graph_layers asks for three, a persistent step being a few launches). The same steps
     eager give the same logits bit for bit (each tile is one CTA's, in a fixed order; the counters are back to zero
     after every launch), and so do the steps with the norms folded into their readers (decode_step.FOLD_NORMS: the
-    same norm body in each) and with the Q/K norms, RoPE and K/V write done by the attention tasks (FUSE_QK)."""
+    same norm body in each), with the Q/K norms, RoPE and K/V write done by the attention tasks (FUSE_QK), and
+    with the waits where the bodies call pdl_wait (EARLY_WEIGHTS)."""
     monkeypatch.setattr(kernel_ops, "PERSISTENT", True)
     monkeypatch.setattr(decode_step, "WARPS", warps)          # CTAs of 8 warps, one a SM; or of 4, two
     gen = torch.Generator().manual_seed(21)
@@ -48,10 +49,16 @@ def test_persistent_steps_match_the_reference_and_replay_exactly(ckpt, kv_dtype,
     folded, out_folded, _ = run(ckpt, prompts, limits, seqs=8, budget=4096, kv_dtype=kv_dtype)
     monkeypatch.setattr(decode_step, "FUSE_QK", True)         # and attention does the Q/K norms: the same bits
     fused, out_fused, _ = run(ckpt, prompts, limits, seqs=8, budget=4096, kv_dtype=kv_dtype)
-    assert out_eager == outputs == out_folded == out_fused
-    for (r1, p1, a), (r2, p2, b), (r4, p4, d), (r5, p5, e) in zip(eager, decode_logits, folded, fused, strict=True):
-        assert (r1, p1) == (r2, p2) == (r4, p4) == (r5, p5)
-        assert torch.equal(a, b) and torch.equal(a, d) and torch.equal(a, e)
+    monkeypatch.setattr(decode_step, "FUSE_QK", False)        # the waits where the bodies' pdl_wait is,
+    monkeypatch.setattr(decode_step, "FOLD_NORMS", False)     # in every operation but the MoE's
+    monkeypatch.setattr(decode_step, "EARLY_WEIGHTS", True)
+    early, out_early, _ = run(ckpt, prompts, limits, seqs=8, budget=4096, kv_dtype=kv_dtype)
+    assert all(step.early_weights for step in run.executor.ws.decode_steps.values())
+    assert out_eager == outputs == out_folded == out_fused == out_early
+    for (r1, p1, a), (r2, p2, b), (r4, p4, d), (r5, p5, e), (r6, p6, f) in zip(eager, decode_logits, folded, fused,
+                                                                              early, strict=True):
+        assert (r1, p1) == (r2, p2) == (r4, p4) == (r5, p5) == (r6, p6)
+        assert torch.equal(a, b) and torch.equal(a, d) and torch.equal(a, e) and torch.equal(a, f)
 
 
 LONG = 100_000
