@@ -11,8 +11,9 @@
 #   serve-max     c=256 with the flags for throughput: e4m3 cache, 32K-token budget, stream interval 4
 #   serve-api     c=256, e4m3, stream interval 1: one process (--api-server-count 0), then the API process (1)
 #   persistent    bench_persistent.py: a chain of GEMVs on counters in one launch against launches
-#   decode-step   the persistent decode step (kernel_ops.PERSISTENT): its GPU tests, then ab_decode at
-#                 1, 4 and 8 requests against the launches (8- and 4-warp CTAs, folded norms, fused Q/K)
+#   decode-step   the persistent decode step (kernel_ops.PERSISTENT): its GPU tests, then its
+#                 per-operation charges (bench_decode_step.py) and ab_decode at 1 and 4 requests
+#                 against the launches (8- and 4-warp CTAs, folded norms, fused Q/K, early weights)
 #
 # Only the lines that carry figures are printed (decode steps, served throughput, TTFT / ITL, GPU
 # busy and idle, failures, what /metrics still holds after a run), after one on the machine (GPU
@@ -84,12 +85,14 @@ for part in "$@"; do
         decode-step)
             timeout 300 python3 -m pytest -q -x tests/gpu/test_persistent_step.py tests/gpu/test_cuda_executor.py -k persistent 2>&1 |
                 grep -E "^FAILED|^ERROR|Error| in [0-9.]+s"
+            python3 benchmarks/bench_decode_step.py --weight-format nvfp4 --batch-sizes 1 --contexts 1024 \
+                --variants 8,8-early,4-early,8-fold-fuse-early 2>&1 | grep -vE "^making"
+            P=flint_sched.executor.kernel_ops.PERSISTENT=True D=flint_sched.kernels.decode_step
             for fmt in nvfp4 bf16; do
-                python3 benchmarks/ab_decode.py --weight-format $fmt --batch-sizes 1,4,8 --contexts 1024 --num-steps 20 \
-                    --rounds 2 --variant launches: --variant "persistent:flint_sched.executor.kernel_ops.PERSISTENT=True" \
-                    --variant "p4warps:flint_sched.executor.kernel_ops.PERSISTENT=True,flint_sched.kernels.decode_step.WARPS=4" \
-                    --variant "pfold:flint_sched.executor.kernel_ops.PERSISTENT=True,flint_sched.kernels.decode_step.FOLD_NORMS=True" \
-                    --variant "pfused:flint_sched.executor.kernel_ops.PERSISTENT=True,flint_sched.kernels.decode_step.FOLD_NORMS=True,flint_sched.kernels.decode_step.FUSE_QK=True" \
+                python3 benchmarks/ab_decode.py --weight-format $fmt --batch-sizes 1,4 --contexts 1024 --num-steps 20 \
+                    --rounds 2 --variant launches: --variant "persistent:$P" --variant "pearly:$P,$D.EARLY_WEIGHTS=True" \
+                    --variant "p4early:$P,$D.WARPS=4,$D.EARLY_WEIGHTS=True" \
+                    --variant "pfused:$P,$D.FOLD_NORMS=True,$D.FUSE_QK=True,$D.EARLY_WEIGHTS=True" \
                     2>&1 | grep -E "^\||rror"
             done ;;
         *) echo "unknown part $part (tests, latency, latency-fp8, latency-bf16, serve, serve-max, serve-api, persistent, decode-step)"; exit 2 ;;
