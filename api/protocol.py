@@ -232,6 +232,20 @@ def sampling_params(request, *, max_tokens: int, logprobs: int | None, skip_spec
     )
 
 
+class TokenIdNames:
+    """Stands in for the tokenizer where logprobs name their tokens, with vLLM's
+    return_tokens_as_token_ids: "token_id:N" (a token whose bytes are not text alone stays identifiable)."""
+
+    @staticmethod
+    def decode(token_ids) -> str:
+        return "".join(f"token_id:{token_id}" for token_id in token_ids)
+
+
+def logprob_names(tokenizer, request):
+    """What names the tokens of a request's logprobs: the tokenizer, or TokenIdNames."""
+    return TokenIdNames if request.return_tokens_as_token_ids else tokenizer
+
+
 def token_text(tokenizer, token_id: int) -> tuple[str, list[int]]:
     """A token as logprobs show it: its text (special tokens included) and that text's UTF-8 bytes."""
     text = tokenizer.decode([token_id])

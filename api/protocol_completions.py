@@ -44,6 +44,7 @@ class CompletionRequest(ConstraintFields, kw_only=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
+    return_tokens_as_token_ids: bool = False   # vLLM's: logprobs name tokens "token_id:N"
 
 
 class CompletionLogprobs(Reply, kw_only=True):

@@ -24,6 +24,7 @@ from flint_sched.api.parsers import OutputDelta, OutputParser, make_output_parse
 from flint_sched.api.protocol import (
     ChatMessage,
     clamp_logprob,
+    logprob_names,
     message_dicts,
     prompt_logprobs_json,
     sampling_params,
@@ -212,7 +213,8 @@ def full_choice(ctx: ServingContext, prepared: PreparedChat, out: CompletionOutp
              for c in parsed.tool_calls]
     reasoning = parsed.reasoning if prepared.request.include_reasoning else None
     message = ChatResponseMessage(role="assistant", content=parsed.content, reasoning=reasoning, tool_calls=calls)
-    logprobs = chat_logprobs(ctx.tokenizer, out.logprobs) if out.logprobs is not None else None
+    names = logprob_names(ctx.tokenizer, prepared.request)
+    logprobs = chat_logprobs(names, out.logprobs) if out.logprobs is not None else None
     return ChatChoice(index=out.index, message=message, logprobs=logprobs,
                       finish_reason=prepared.policy.finish_reason(out.finish_reason, bool(calls)),
                       stop_reason=out.stop_reason)
@@ -263,7 +265,7 @@ class StreamedChoice:
 async def chat_events(ctx: ServingContext, prepared: PreparedChat, stream) -> AsyncIterator[bytes]:
     """The SSE events of a streamed chat completion."""
     n = prepared.request.n
-    choices = [StreamedChoice(prepared, ctx.tokenizer) for _ in range(n)]
+    choices = [StreamedChoice(prepared, logprob_names(ctx.tokenizer, prepared.request)) for _ in range(n)]
     for index in range(n):
         yield prepared.chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
     num_tokens = [0] * n

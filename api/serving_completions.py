@@ -24,6 +24,7 @@ from flint_sched.api.limits import MAX_CHOICES_PER_REQUEST, kept_prompt_tokens, 
 from flint_sched.api.protocol import (
     MIN_LOGPROB,
     clamp_logprob,
+    logprob_names,
     prompt_logprobs_json,
     sampling_params,
     token_text,
@@ -160,11 +161,11 @@ def echoed_logprobs(tokenizer, prompt_ids: list[int], entries: list[TokenLogprob
 
 def full_choice(ctx: ServingContext, index: int, prompt: PreparedPrompt, request: CompletionRequest,
                 final: RequestOutput, out: CompletionOutput) -> CompletionChoice:
-    logprobs = None
+    logprobs, names = None, logprob_names(ctx.tokenizer, request)
     if request.echo and out.logprobs is not None and final.prompt_logprobs is not None:
-        logprobs = echoed_logprobs(ctx.tokenizer, prompt.token_ids, final.prompt_logprobs, out)
+        logprobs = echoed_logprobs(names, prompt.token_ids, final.prompt_logprobs, out)
     elif out.logprobs is not None:
-        logprobs, _ = completion_logprobs(ctx.tokenizer, out.logprobs, 0)
+        logprobs, _ = completion_logprobs(names, out.logprobs, 0)
     prompt_logprobs = None
     if request.prompt_logprobs is not None and final.prompt_logprobs is not None:
         prompt_logprobs = prompt_logprobs_json(ctx.tokenizer, final.prompt_logprobs)
@@ -197,6 +198,7 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
     finished = [False] * len(offsets)
     # echo + logprobs: a choice's echo waits for its first output, which has the prompt logprobs
     scored_echo = s.request.echo and s.request.logprobs is not None
+    names = logprob_names(s.ctx.tokenizer, s.request)
     echoed = [not s.request.echo] * len(offsets)
     if s.request.echo and not scored_echo:
         for index in range(len(offsets)):
@@ -218,15 +220,13 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
                 if not echoed[index] and out.prompt_logprobs is not None:
                     echoed[index] = True
                     prompt = s.prompts[prompt_index]
-                    logprobs, offsets[index] = prompt_token_logprobs(s.ctx.tokenizer, prompt.token_ids,
-                                                                     out.prompt_logprobs)
+                    logprobs, offsets[index] = prompt_token_logprobs(names, prompt.token_ids, out.prompt_logprobs)
                     yield s.chunk([CompletionChoice(index=index, text=prompt.text, logprobs=logprobs,
                                                     finish_reason=None)])
                 finished[index] = output.finished
                 logprobs = None
                 if output.delta_logprobs:
-                    logprobs, offsets[index] = completion_logprobs(s.ctx.tokenizer, output.delta_logprobs,
-                                                                   offsets[index])
+                    logprobs, offsets[index] = completion_logprobs(names, output.delta_logprobs, offsets[index])
                 if output.delta_text or output.finished or logprobs is not None:
                     yield s.chunk([CompletionChoice(index=index, text=output.delta_text, logprobs=logprobs,
                                                     finish_reason=output.finish_reason,

@@ -127,6 +127,26 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end_and_ping_answers(http):
     assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(http):
+    """vLLM's return_tokens_as_token_ids: every token of the logprobs (the echoed prompt's, the
+    output's, the alternatives) as "token_id:N", chat and completions, streamed or not."""
+    ids = list(range(100, 111))
+    ask = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_tokens_as_token_ids": True}
+    done = http.post("/v1/completions", json={**ask, "prompt": ids, "echo": True, "logprobs": 2}).json()
+    logprobs = done["choices"][0]["logprobs"]
+    assert logprobs["tokens"][:len(ids)] == [f"token_id:{i}" for i in ids] and len(logprobs["tokens"]) == len(ids) + 3
+    named = lambda token: token.startswith("token_id:") and token[9:].isdigit()  # noqa: E731
+    assert all(map(named, logprobs["tokens"])) and all(named(t) for top in logprobs["top_logprobs"][1:] for t in top)
+    chat = http.post("/v1/chat/completions", json={**ask, "messages": MESSAGES, "logprobs": True, "top_logprobs": 2})
+    for entry in chat.json()["choices"][0]["logprobs"]["content"]:
+        assert named(entry["token"]) and entry["bytes"] == list(entry["token"].encode())
+        assert all(named(top["token"]) for top in entry["top_logprobs"])
+    streamed = http.post("/v1/chat/completions", json={**ask, "messages": MESSAGES, "logprobs": True, "stream": True})
+    tokens = [e["token"] for event in sse_events(streamed.text) for c in event.get("choices", [])
+              for e in (c.get("logprobs") or {}).get("content") or []]
+    assert len(tokens) == 3 and all(map(named, tokens))
+
+
 def test_completions_prompts_echo_and_logprobs(client, http):
     ids = http.post("/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
     batch = client.completions.create(model="flint-tiny", prompt=[ids, ids], max_tokens=3, n=2, logprobs=2,
