@@ -55,6 +55,12 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
 
 class StreamOptions(Schema, kw_only=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False       # vLLM's: with include_usage, every chunk carries its usage
+
+
+def continuous_usage(options: StreamOptions | None) -> bool:
+    """Whether every chunk of a stream carries its choice's usage so far (vLLM's continuous_usage_stats)."""
+    return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 class ResponseFormat(Schema, kw_only=True):

@@ -24,6 +24,7 @@ from flint_sched.api.parsers import OutputDelta, OutputParser, make_output_parse
 from flint_sched.api.protocol import (
     ChatMessage,
     clamp_logprob,
+    continuous_usage,
     logprob_names,
     message_dicts,
     prompt_logprobs_json,
@@ -266,8 +267,11 @@ async def chat_events(ctx: ServingContext, prepared: PreparedChat, stream) -> As
     """The SSE events of a streamed chat completion."""
     n = prepared.request.n
     choices = [StreamedChoice(prepared, logprob_names(ctx.tokenizer, prepared.request)) for _ in range(n)]
+    num_prompt = len(prepared.prompt_token_ids)
+    running = continuous_usage(prepared.request.stream_options)
     for index in range(n):
-        yield prepared.chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        yield prepared.chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
+                             usage(num_prompt, 0) if running else None)
     num_tokens = [0] * n
     num_cached_tokens = 0
     try:
@@ -279,7 +283,8 @@ async def chat_events(ctx: ServingContext, prepared: PreparedChat, stream) -> As
                     continue
                 choice = choices[output.index].step(output)
                 if choice is not None:
-                    yield prepared.chunk([choice])
+                    yield prepared.chunk([choice], usage(num_prompt, num_tokens[output.index], num_cached_tokens)
+                                         if running else None)
     except EngineError as error:
         yield sse_error(engine_failed(error))
         yield SSE_DONE

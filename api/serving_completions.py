@@ -24,6 +24,7 @@ from flint_sched.api.limits import MAX_CHOICES_PER_REQUEST, kept_prompt_tokens, 
 from flint_sched.api.protocol import (
     MIN_LOGPROB,
     clamp_logprob,
+    continuous_usage,
     logprob_names,
     prompt_logprobs_json,
     sampling_params,
@@ -199,6 +200,7 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
     # echo + logprobs: a choice's echo waits for its first output, which has the prompt logprobs
     scored_echo = s.request.echo and s.request.logprobs is not None
     names = logprob_names(s.ctx.tokenizer, s.request)
+    running = continuous_usage(s.request.stream_options)
     echoed = [not s.request.echo] * len(offsets)
     if s.request.echo and not scored_echo:
         for index in range(len(offsets)):
@@ -228,9 +230,11 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
                 if output.delta_logprobs:
                     logprobs, offsets[index] = completion_logprobs(names, output.delta_logprobs, offsets[index])
                 if output.delta_text or output.finished or logprobs is not None:
+                    so_far = usage(len(s.prompts[prompt_index].token_ids), num_tokens[index],
+                                   num_cached_tokens[prompt_index]) if running else None
                     yield s.chunk([CompletionChoice(index=index, text=output.delta_text, logprobs=logprobs,
                                                     finish_reason=output.finish_reason,
-                                                    stop_reason=output.stop_reason)])
+                                                    stop_reason=output.stop_reason)], so_far)
     except EngineError as error:
         yield sse_error(engine_failed(error))
         yield SSE_DONE

@@ -147,6 +147,24 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(http):
     assert len(tokens) == 3 and all(map(named, tokens))
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(http):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk carries its
+    choice's usage so far; the last chunk's totals; without include_usage nothing changes."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    ask = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": options}
+    for route, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "Once"})):
+        events = sse_events(http.post(route, json={**ask, **body}).text)
+        assert events and all("usage" in event for event in events), route
+        counts = [event["usage"]["completion_tokens"] for event in events if event["choices"]]
+        assert counts == sorted(counts) and counts[-1] == 4 and events[-1]["usage"]["completion_tokens"] == 4
+        prompt = {event["usage"]["prompt_tokens"] for event in events}
+        assert len(prompt) == 1 and all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"]
+                                        + e["usage"]["completion_tokens"] for e in events)
+        alone = {"stream_options": {"continuous_usage_stats": True}}
+        plain = sse_events(http.post(route, json={**ask, **body, **alone}).text)
+        assert not any("usage" in event and event["usage"] for event in plain), route
+
+
 def test_completions_prompts_echo_and_logprobs(client, http):
     ids = http.post("/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
     batch = client.completions.create(model="flint-tiny", prompt=[ids, ids], max_tokens=3, n=2, logprobs=2,
