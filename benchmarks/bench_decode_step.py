@@ -14,7 +14,8 @@ measures it. Run on the GPU machine:
         --variants 8,8-fold-fuse,4,4-fold-fuse
 
 A variant names the CTA's warps (decode_step.WARPS), then `-fold` (FOLD_NORMS), `-fuse`
-(FUSE_QK) and `-early` (EARLY_WEIGHTS); all run over one model build.
+(FUSE_QK), `-early` (EARLY_WEIGHTS) and `-sN` (decode_step.SMS: the CTAs on N SMs only, a probe of
+how much of an operation's work is its tiles run one after another); all over one model build.
 """
 
 from __future__ import annotations
@@ -48,18 +49,19 @@ def charges(steps) -> tuple[dict[str, tuple[float, float, int]], float]:
     return {op: (statistics.mean(hops[op]), statistics.mean(works[op]), len(hops[op])) for op in hops}, span
 
 
-def parse_variant(text: str) -> tuple[int, bool, bool, bool]:
-    """WARPS[-fold][-fuse][-early] -> (warps, fold_norms, fuse_qk, early_weights)."""
+def parse_variant(text: str) -> tuple[int, bool, bool, bool, int | None]:
+    """WARPS[-fold][-fuse][-early][-sN] -> (warps, fold_norms, fuse_qk, early_weights, SMs or None)."""
     warps, *flags = text.split("-")
-    if warps not in ("4", "8") or not set(flags) <= {"fold", "fuse", "early"}:
-        raise SystemExit(f"bench_decode_step: variant {text!r} is not WARPS[-fold][-fuse][-early] with WARPS 4 or 8")
-    return int(warps), "fold" in flags, "fuse" in flags, "early" in flags
+    sms = [f for f in flags if f[:1] == "s" and f[1:].isdigit() and int(f[1:]) > 0]
+    if warps not in ("4", "8") or not set(flags) - set(sms) <= {"fold", "fuse", "early"} or len(sms) > 1:
+        raise SystemExit(f"bench_decode_step: variant {text!r} is not WARPS[-fold][-fuse][-early][-sN], WARPS 4 or 8")
+    return int(warps), "fold" in flags, "fuse" in flags, "early" in flags, int(sms[0][1:]) if sms else None
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     latency.add_arguments(p)
-    p.add_argument("--variants", default="8", help="comma-separated: WARPS[-fold][-fuse][-early] (see above)")
+    p.add_argument("--variants", default="8", help="comma-separated: WARPS[-fold][-fuse][-early][-sN] (see above)")
     p.set_defaults(executor="cuda", device="cuda", prefill_lens="", weight_format="nvfp4", batch_sizes="1,8",
                    contexts="1024", num_steps=20)
     args = p.parse_args()
@@ -74,9 +76,9 @@ def main() -> int:
         executor.clear_graphs()
         r = latency.run_decode(executor, args, batch, context, bandwidth)
         print(f"\nbatch {batch}, context {context}: launches {r.step_ms:.3f} ms a step (graphs)")
-        for name, (warps, fold, fuse, early) in zip(args.variants.split(","), variants, strict=True):
+        for name, (warps, fold, fuse, early, sms) in zip(args.variants.split(","), variants, strict=True):
             decode_step.WARPS, decode_step.FOLD_NORMS, decode_step.FUSE_QK = warps, fold, fuse
-            decode_step.EARLY_WEIGHTS = early
+            decode_step.EARLY_WEIGHTS, decode_step.SMS = early, sms
             kernel_ops.PERSISTENT, decode_step.TRACE = True, True
             executor.use_graphs = False
             executor.ws.decode_steps.clear()
@@ -97,7 +99,7 @@ def main() -> int:
             print("|---|---|---|---|---|")
             for op, (hop, work, n) in table.items():
                 print(f"| {op} | {n} | {hop:.2f} | {work:.2f} | {n * (hop + work):.0f} |")
-    kernel_ops.PERSISTENT = False
+    kernel_ops.PERSISTENT, decode_step.SMS = False, None
     return 0
 
 

@@ -253,3 +253,15 @@ def test_decode_moe_trace_needs_a_gpu(monkeypatch):
         monkeypatch.setattr("sys.argv", ["decode_moe_trace", "--tokens", "16"])
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             decode_moe_trace.main()
+
+
+def test_bench_decode_step_parses_variants():
+    """benchmarks/bench_decode_step.py: WARPS[-fold][-fuse][-early][-sN], a clear message otherwise."""
+    from flint_sched.benchmarks.bench_decode_step import parse_variant
+
+    assert parse_variant("8") == (8, False, False, False, None)
+    assert parse_variant("4-fold-fuse-early-s66") == (4, True, True, True, 66)
+    assert parse_variant("8-early") == (8, False, False, True, None)
+    for bad in ("6", "8-s0", "8-x", "8-s1-s2", "8-sx"):
+        with pytest.raises(SystemExit, match="not WARPS"):
+            parse_variant(bad)

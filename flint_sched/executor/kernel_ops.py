@@ -154,7 +154,7 @@ class KernelOps:
             return None
         kv, h = self.k.kv, self.hidden[0]
         key = (self.rows, first, last, decode_step.FOLD_NORMS, decode_step.FUSE_QK, decode_step.WARPS,
-               decode_step.EARLY_WEIGHTS, h.data_ptr(),
+               decode_step.EARLY_WEIGHTS, decode_step.SMS, h.data_ptr(),
                kv.full.data_ptr(), kv.ring.data_ptr(), self.inputs.flat.data_ptr(), self.ws.attention.data_ptr(),
                self.ws.router.data_ptr())
         step = self.ws.decode_steps.get(key)

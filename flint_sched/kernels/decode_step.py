@@ -57,6 +57,9 @@ FUSE_QK = False
 EARLY_WEIGHTS = False
 # Steps built while set stamp every task (DecodeStep.phase_times; benchmarks/bench_decode_step.py).
 TRACE = False
+# The SMs a step's CTAs occupy (None: all). A probe (bench_decode_step.py's -sN): with half the SMs,
+# an operation whose tiles run one after another on a CTA takes twice its time.
+SMS = None
 
 # The enums of cuda/decode_step.cu, in order (tests/test_decode_step.py reads them from the source).
 OPS = ("NORM_IN", "QKV", "QK_NORM", "ATTENTION", "O_PROJ", "NORM_POST", "ROUTER", "GATE_UP", "DOWN",
@@ -308,7 +311,7 @@ class DecodeStep:
                 if per_sm < 1:
                     raise ValueError(f"the persistent step's CTA ({self.warps} warps, {self.shared_bytes} B of "
                                      "dynamic shared memory) does not fit a SM")
-            grid = sm_count(dev) * per_sm
+            grid = (sm_count(dev) if SMS is None else min(SMS, sm_count(dev))) * per_sm
         self.grid = grid
         splits = {True: attention_splits(rows, c.sliding_window, g, self.grid),
                   False: attention_splits(rows, inputs.max_model_len, g, self.grid)}
