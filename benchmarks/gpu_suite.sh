@@ -86,7 +86,7 @@ for part in "$@"; do
             timeout 300 python3 -m pytest -q -x tests/gpu/test_persistent_step.py tests/gpu/test_cuda_executor.py -k persistent 2>&1 |
                 grep -E "^FAILED|^ERROR|Error| in [0-9.]+s"
             python3 benchmarks/bench_decode_step.py --weight-format nvfp4 --batch-sizes 1 --contexts 1024 \
-                --variants 8,8-early,4-early,8-fold-fuse-early 2>&1 | grep -vE "^making"
+                --variants 8,8-early,8-s66,4-early,8-fold-fuse-early 2>&1 | grep -vE "^making"
             P=flint_sched.executor.kernel_ops.PERSISTENT=True D=flint_sched.kernels.decode_step
             for fmt in nvfp4 bf16; do
                 python3 benchmarks/ab_decode.py --weight-format $fmt --batch-sizes 1,4 --contexts 1024 --num-steps 20 \
