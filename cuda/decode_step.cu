@@ -148,50 +148,7 @@ __device__ __noinline__ void prefetch_task(const StepTask& t, const u64* sp, con
 }
 
 #if STEP_FUSE_QK
-// NOTE: rope_table's fp64 sincos in a function of its own: inlined beside the attention body it
-// added to the kernel's registers.
-__device__ __noinline__ void rope_table_apart(float* cos_s, float* sin_s, int p, const double* inv_freq) {
-  rope_table(cos_s, sin_s, p, inv_freq);
-}
-
-// STEP_FUSE_QK's part of attention task (b, g): the 8 query heads of KV head g of row b normalized
-// (and rotated, with inv_freq) into q_slot [H][128] at their heads' places; with writes_kv also the
-// K row (normalized, rotated) and the V row of head g at the row's position. Every thread (warp w:
-// heads w, w + warps, ..), then a barrier.
-__device__ __forceinline__ void attention_prologue(int b, int g, bool writes_kv, u16* q_slot, const u16* qkv,
-                                                   const u16* q_norm, const u16* k_norm, kv_t* k_cache,
-                                                   kv_t* v_cache, const KvPages& pages, int p, int H, int G,
-                                                   float eps, const double* inv_freq) {
-  __shared__ float cos_s[HEAD_DIM / 2], sin_s[HEAD_DIM / 2];
-  if (inv_freq) rope_table_apart(cos_s, sin_s, p, inv_freq);
-  __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  const u16* row = qkv + (size_t)b * (H + 2 * G) * HEAD_DIM;
-  for (int j = warp; j < GROUP + (writes_kv ? 2 : 0); j += warps) {
-    const int head = j < GROUP ? g * GROUP + j : j == GROUP ? H + g : H + G + g;  // q heads, then k, then v
-    const u16* src = row + head * HEAD_DIM + 4 * lane;
-    if (j >= GROUP) {
-      const long long at = pages.row(p) * G * HEAD_DIM + g * HEAD_DIM + 4 * lane;
-      if (j == GROUP + 1) {  // v: copied as is
-        store_kv4(v_cache + at, *reinterpret_cast<const uint2*>(src));
-        continue;
-      }
-      float x[4], w[4], y[4];
-      load_bf16x4(k_norm + 4 * lane, w);
-      load_bf16x4(src, x);
-      norm_rope_lanes(x, w, eps, inv_freq != nullptr, cos_s, sin_s, lane, y);
-      store_kv4(k_cache + at, make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3])));
-      continue;
-    }
-    float x[4], w[4], y[4];
-    load_bf16x4(q_norm + 4 * lane, w);
-    load_bf16x4(src, x);
-    norm_rope_lanes(x, w, eps, inv_freq != nullptr, cos_s, sin_s, lane, y);
-    store_bf16x4(q_slot + head * HEAD_DIM + 4 * lane, y);
-  }
-  asm volatile("fence.proxy.async.global;" ::: "memory");  // the K/V row: read next by this CTA's bulk copies
-  __syncthreads();
-}
+#include "attention_prologue.cuh"
 #endif
 
 // Tile i of operation op of layer `layer`: one CTA's worth of the kernel the graph path launches.
@@ -231,10 +188,9 @@ __device__ __forceinline__ void run_tile(int op, int layer, int i, const u64* sp
       const int splits = sliding ? si[SI_SPLITS_SLIDING] : si[SI_SPLITS_FULL];
       const int pair = i / splits, b = pair / G, g = pair % G, split = i % splits;
       const int one_split = sliding ? si[SI_ONE_SPLIT_SLIDING] : si[SI_ONE_SPLIT_FULL];
-#if STEP_FUSE_QK  // this split holds the new key if it is the last one active (its keys end at L)
+#if STEP_FUSE_QK  // the split holding the new key writes it
       const int p = ptr<const int>(sp, SP_POSITIONS)[b], L = max(0, ptr<const int>(sp, SP_SEQ_LENS)[b]);
-      const int n_keys = sliding ? min(L, si[SI_WINDOW]) : L;
-      const bool writes_kv = p >= 0 && n_keys > 0 && split == cdiv_i(n_keys, split_chunk(n_keys, splits, one_split)) - 1;
+      const bool writes_kv = fused_qk_writes_kv(split, splits, one_split, p, L, sliding ? si[SI_WINDOW] : 0);
       const KvPages pages(sliding ? nullptr : ptr<const int>(sp, SP_BLOCK_TABLES), si[SI_TABLE_STRIDE],
                           ptr<const int>(sp, SP_RING_SLOTS), sliding ? si[SI_RING_ROWS] : si[SI_BLOCK_SIZE], b);
       attention_prologue(b, g, writes_kv, q, ptr<const u16>(sp, SP_QKV), ptr<const u16>(lp, LP_Q_NORM),

@@ -8,6 +8,16 @@
 
 __device__ __forceinline__ float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
+// A lane's four bf16 values as floats, and back.
+__device__ __forceinline__ void load_bf16x4(const u16* p, float (&x)[4]) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  x[0] = bf16x2_lo(v.x), x[1] = bf16x2_hi(v.x), x[2] = bf16x2_lo(v.y), x[3] = bf16x2_hi(v.y);
+}
+
+__device__ __forceinline__ void store_bf16x4(u16* p, const float (&x)[4]) {
+  *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
+}
+
 // Four bf16 values (a lane's dims 4l .. 4l+3) into a cache row: as they are, or as e4m3 (KV_FP8).
 __device__ __forceinline__ void store_kv4(kv_t* dst, uint2 v) {
 #if KV_FP8

@@ -14,15 +14,6 @@
 #define QKN_WARPS 8  // a define: cuda/decode_step.cu builds it on its CTA's warps
 #endif
 
-__device__ __forceinline__ void load_bf16x4(const u16* p, float (&x)[4]) {
-  const uint2 v = *reinterpret_cast<const uint2*>(p);
-  x[0] = bf16x2_lo(v.x), x[1] = bf16x2_hi(v.x), x[2] = bf16x2_lo(v.y), x[3] = bf16x2_hi(v.y);
-}
-
-__device__ __forceinline__ void store_bf16x4(u16* p, const float (&x)[4]) {
-  *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
-}
-
 // One CTA: request b, heads head_block * QKN_WARPS .. + QKN_WARPS - 1.
 __device__ __forceinline__ void qk_norm_rope_kv_cta(int b, int head_block, u16* q_out, kv_t* k_cache, kv_t* v_cache,
                                                     const u16* qkv, const u16* q_norm_weight, const u16* k_norm_weight,

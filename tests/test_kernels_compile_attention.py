@@ -7,7 +7,8 @@ from flint_sched.kernels import _runtime, attention
 available, why = _runtime.nvrtc_available()
 needs_nvrtc = pytest.mark.skipif(not available, reason=f"NVRTC cannot be imported: {why}")
 
-ENTRY_POINTS = [("qk_norm_rope_kv.cu", "qk_norm_rope_kv_bf16"), ("decode_attention.cu", "decode_attention_bf16")]
+ENTRY_POINTS = [("qk_norm_rope_kv.cu", "qk_norm_rope_kv_bf16"), ("decode_attention.cu", "decode_attention_bf16"),
+                ("decode_attention_qk.cu", "decode_attention_qk_bf16")]
 
 
 
@@ -20,7 +21,7 @@ def test_compiles_for_sm90a(source, entry, private_cache):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("source", ["qk_norm_rope_kv.cu", "decode_attention.cu"])
+@pytest.mark.parametrize("source", ["qk_norm_rope_kv.cu", "decode_attention.cu", "decode_attention_qk.cu"])
 def test_fp8_kv_variants_compile(source, private_cache):
     """KV_FP8: the e4m3 cache's writes and reads (attention.kv_defines)."""
     assert _runtime.compile_only(source, {"KV_FP8": 1}, arch="sm_90a")[:4] == b"\x7fELF"
@@ -35,11 +36,12 @@ def test_attention_pipeline_variants_compile(defines, private_cache):
 
 @needs_nvrtc
 @pytest.mark.parametrize("defines", [{}, {"ATTN_CP_ASYNC": 1, "KV_FP8": 1, "ATTN_STAGES": attention.FP8_STAGES}])
-def test_default_builds_fit_ctas_per_sm(defines):
+@pytest.mark.parametrize("source,entry", ENTRY_POINTS[1:])
+def test_default_builds_fit_ctas_per_sm(defines, source, entry):
     """decode_splits sizes a wave as CTAS_PER_SM CTAs an SM: their registers (allocated per warp in
-    units of 256) must fit the 64 K of an SM, without spills."""
-    usage = _runtime.resource_usage("decode_attention.cu", {"ATTN_MIN_SPLIT_KEYS": attention.MIN_SPLIT_KEYS, **defines})
-    use = usage["decode_attention_bf16"]
+    units of 256) must fit the 64 K of an SM, without spills (the Q/K-norm variant's too)."""
+    usage = _runtime.resource_usage(source, {"ATTN_MIN_SPLIT_KEYS": attention.MIN_SPLIT_KEYS, **defines})
+    use = usage[entry]
     per_warp = -(-use.registers * 32 // 256) * 256
     assert attention.CTAS_PER_SM * (attention.ATTN_THREADS // 32) * per_warp <= 64 * 1024, use
     assert use.spill_store_bytes == 0 and use.spill_load_bytes == 0, use
@@ -92,3 +94,12 @@ def test_workspace_fits_every_split_choice(max_batch):
 
 def test_importing_needs_no_gpu():
     assert callable(attention.decode_attention_full) and callable(attention.qk_norm_rope_kv_sliding)
+
+
+def test_q_slots_hold_every_fused_grid():
+    """attention.q_slots_elements: a slot of H heads for every CTA of any batch up to the fused path's
+    8 rows, at Flint's longest context (a few MB, not the 8 x 128 splits a bound by MAX_SPLITS would take)."""
+    n = attention.q_slots_elements(8, 262_144, 4)
+    for b in range(1, 9):
+        assert n >= b * 4 * attention.decode_splits(b, 262_144, 4) * 32 * attention.HEAD_DIM
+    assert n * 2 < 16 * 2**20, n

@@ -31,7 +31,7 @@ from flint_sched.kernels import decode_step
 from flint_sched.kernels.embedding import embed_tokens
 from flint_sched.kernels.grouped import grouped_gate_up, grouped_linear
 from flint_sched.kernels.grouped_moe import moe_grouped
-from flint_sched.kernels.linear import gate_up_silu, linear, weight_format
+from flint_sched.kernels.linear import MAX_TOKENS, gate_up_silu, linear, weight_format
 from flint_sched.kernels.moe import moe_down, moe_gate_up, route
 from flint_sched.kernels.norm import rms_norm
 from flint_sched.kernels.prefill_attention import (
@@ -69,6 +69,11 @@ FOLD_NORMS = False
 # launches: cuda_executor._decode); the LM head stays as it is. Prepared without a GPU (session 30): off until measured against the
 # launches (benchmarks/ab_decode.py at 1 and 8 requests; the GPU tests first).
 PERSISTENT = False
+# Fused steps: the attention kernel does the Q/K norms, RoPE and K/V write of its KV head itself
+# (kernels/attention.py QKNorm, cuda/decode_attention_qk.cu; the persistent step's FUSE_QK prologue):
+# one launch and one dependent hop a layer fewer, the same bits. Prepared without a GPU (session
+# 31): off until measured (benchmarks/ab_decode.py at 1 and 4 requests).
+FUSE_QK_ATTENTION = False
 
 # Prompt steps: their leading one-row entries (the decodes beside the chunks of a mixed step) attend
 # on the decode kernel, the chunks on the prefill kernel (PrefillMetadata.decodes). In the prefill
@@ -200,6 +205,11 @@ class KernelOps:
             pools = () if sliding else tuple(kv.full[kv.full_index[i]])
             return prefill_qk_norm_rope(qkv, self.w[p + "q_norm.weight"], self.w[p + "k_norm.weight"], self.prefill,
                                         c.rms_norm_eps, c.rope_theta if sliding else None, *pools, pdl=self.pdl)
+        if FUSE_QK_ATTENTION and self.variant == "fused":
+            return attn.QKNorm(qkv, self.w[p + "q_norm.weight"], self.w[p + "k_norm.weight"],
+                               self.inputs.positions[:self.rows], c.rms_norm_eps,
+                               c.rope_theta if c.is_sliding(i) else None,
+                               self.ws.q_slots(MAX_TOKENS, self.inputs.max_model_len))
         inp, q = self.inputs, torch.empty(self.rows, c.num_attention_heads, c.head_dim, dtype=torch.bfloat16,
                                           device=qkv.device)
         b = self.rows
@@ -218,7 +228,7 @@ class KernelOps:
         if self.variant == "prompt":
             return self._prefill_attention(i, q)
         inp, sinks = self.inputs, self.w[f"model.layers.{i}.self_attn.sinks"]
-        out = torch.empty_like(q)
+        out = torch.empty(b, c.num_attention_heads, c.head_dim, dtype=torch.bfloat16, device=self.hidden.device)
         if c.is_sliding(i):
             ring = self.k.kv.ring[self.k.kv.ring_index[i]]
             attn.decode_attention_sliding(q, ring[0], ring[1], inp.ring_slots[:b], inp.seq_lens[:b], sinks,

@@ -40,6 +40,16 @@ class Workspaces:
         # Persistent decode steps (kernel_ops.PERSISTENT) by (rows, layers, buffers): their task lists
         # and pointer tables, read by every replay of the graphs that launch them.
         self.decode_steps: dict[tuple, object] = {}
+        self._q_slots: torch.Tensor | None = None
+
+    def q_slots(self, max_rows: int, max_keys: int) -> torch.Tensor:
+        """The attention CTAs' q slots (kernel_ops.FUSE_QK_ATTENTION) for fused steps of up to max_rows
+        rows over up to max_keys keys: made on first use (a graph's eager first run) and kept, since
+        graphs hold its address."""
+        if self._q_slots is None:
+            n = attn.q_slots_elements(max_rows, max_keys, self.config.num_key_value_heads)
+            self._q_slots = torch.empty(n, dtype=torch.bfloat16, device=self.hidden.device)
+        return self._q_slots
 
     def routing_for(self, rows: int):
         """The grouped MoE's routing workspace for `rows` tokens: the static one of the decode graphs,

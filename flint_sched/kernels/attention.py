@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -207,10 +208,11 @@ def _norm_rope_kv(qkv, q_norm_weight, k_norm_weight, positions, k_pool, v_pool, 
 # ---- split-KV attention ------------------------------------------------------------------------
 
 
-def decode_attention_full(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                          seq_lens: torch.Tensor, sinks: torch.Tensor, workspace: torch.Tensor, max_seq_len: int,
-                          out: torch.Tensor | None = None, num_splits: int | None = None,
-                          softmax_scale: float | None = None, pdl: bool = False) -> torch.Tensor:
+def decode_attention_full(q: torch.Tensor | QKNorm, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, sinks: torch.Tensor,
+                          workspace: torch.Tensor, max_seq_len: int, out: torch.Tensor | None = None,
+                          num_splits: int | None = None, softmax_scale: float | None = None,
+                          pdl: bool = False) -> torch.Tensor:
     """out [B, H, 128] = attention of q over keys 0 .. seq_lens[b]-1 read through block_tables.
 
     q [B, H, 128] bf16: contiguous, or a view whose rows are further apart (`_check_q`: a prompt
@@ -218,36 +220,71 @@ def decode_attention_full(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
     seq_lens int32 [B] on the device (0: padding, output zeros), each <= max_seq_len, the host
     bound that picks the splits. sinks [H] bf16 or fp32. workspace: `attention_workspace`.
+    q a QKNorm: its rows normalized (and the K/V written) by the attention kernel itself (default
+    splits and scale only).
     """
-    b = _check_tables(block_tables, q)
+    fused = isinstance(q, QKNorm)
+    b = _check_tables(block_tables, q.qkv if fused else q)
     if not 1 <= max_seq_len <= block_tables.shape[1] * k_cache.shape[1]:
         raise ValueError(f"max_seq_len {max_seq_len} must be in 1..max_blocks * block_size")
-    return _attention(q, k_cache, v_cache, block_tables, block_tables.shape[1], None, 0, seq_lens, sinks,
-                      workspace, max_seq_len, out, num_splits, softmax_scale, pdl, b)
+    return _attention(None if fused else q, k_cache, v_cache, block_tables, block_tables.shape[1], None, 0, seq_lens,
+                      sinks, workspace, max_seq_len, out, num_splits, softmax_scale, pdl, b, q if fused else None)
 
 
-def decode_attention_sliding(q: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor, ring_slots: torch.Tensor,
+def decode_attention_sliding(q: torch.Tensor | QKNorm, k_ring: torch.Tensor, v_ring: torch.Tensor,
+                             ring_slots: torch.Tensor,
                              seq_lens: torch.Tensor, sinks: torch.Tensor, workspace: torch.Tensor,
                              out: torch.Tensor | None = None, num_splits: int | None = None,
                              softmax_scale: float | None = None, pdl: bool = False,
                              window: int | None = None) -> torch.Tensor:
     """out = attention over the last min(seq_lens[b], window) positions; position p at ring row
-    p % ring rows (window: the model's, at most the ring's rows; default the ring's rows)."""
-    b = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else -1
-    if not isinstance(q, torch.Tensor):
+    p % ring rows (window: the model's, at most the ring's rows; default the ring's rows). q: as
+    decode_attention_full's."""
+    fused = isinstance(q, QKNorm)
+    x = q.qkv if fused else q
+    if not isinstance(x, torch.Tensor):
         raise ValueError("q must be a CUDA tensor [B, H, 128]")
-    check_tensor(ring_slots, "ring_slots", torch.int32, (b,), q.device, 4)
+    b = x.shape[0] if x.dim() == (2 if fused else 3) else -1
+    check_tensor(ring_slots, "ring_slots", torch.int32, (b,), x.device, 4)
     window = k_ring.shape[1] if window is None else window
     if not 1 <= window <= k_ring.shape[1]:
         raise ValueError(f"window {window} must be in 1..{k_ring.shape[1]} (the ring's rows)")
-    return _attention(q, k_ring, v_ring, None, 0, ring_slots, window, seq_lens, sinks, workspace, window, out,
-                      num_splits, softmax_scale, pdl, b)
+    return _attention(None if fused else q, k_ring, v_ring, None, 0, ring_slots, window, seq_lens, sinks, workspace,
+                      window, out, num_splits, softmax_scale, pdl, b, q if fused else None)
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """The Q/K norm operation done by the attention kernel (cuda/decode_attention_qk.cu) instead of
+    `qk_norm_rope_kv_*` before it: the q/k/v rows [B, (H + 2G) * 128], the norm weights, positions
+    (< 0: padding, nothing written), eps, rope_theta (sliding layers; None: full layers) and the
+    CTAs' q slots (`q_slots_elements`). The same bits as the two launches."""
+
+    qkv: torch.Tensor
+    q_norm_weight: torch.Tensor
+    k_norm_weight: torch.Tensor
+    positions: torch.Tensor
+    eps: float
+    rope_theta: float | None
+    q_slots: torch.Tensor
+
+
+def q_slots_elements(max_batch: int, max_keys: int, kv_heads: int) -> int:
+    """bf16 elements of QKNorm.q_slots for batches up to max_batch over up to max_keys keys: a slot of
+    H heads per CTA (one CTA a split of a (request, KV head))."""
+    return max(b * kv_heads * decode_splits(b, max_keys, kv_heads) for b in range(1, max_batch + 1)) * (
+        GROUP * kv_heads * HEAD_DIM)
 
 
 def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window, seq_lens, sinks, workspace,
-               max_keys, out, num_splits, softmax_scale, pdl, b) -> torch.Tensor:
+               max_keys, out, num_splits, softmax_scale, pdl, b, qk: QKNorm | None = None) -> torch.Tensor:
     g = _check_pools(k_pool, v_pool)
     h = GROUP * g
+    if qk is not None:
+        if num_splits is not None or softmax_scale is not None:
+            raise ValueError("the Q/K norm inside attention takes the default splits and scale")
+        return _attention_qk(qk, k_pool, v_pool, block_tables, table_stride, ring_slots, window, seq_lens, sinks,
+                             workspace, max_keys, out, pdl, g)
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or not q.is_cuda:
         raise ValueError("q must be a CUDA tensor [B, H, 128]")
     if not 1 <= b <= MAX_BATCH:
@@ -281,6 +318,49 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
         [out, q, I32(q_stride), k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]),
          I32(window), seq_lens, I32(one_below), sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E),
          workspace, workspace[TICKET_SLOTS:]],
+        shared_bytes=fp8_smem_bytes(FP8_STAGES) if fp8 else ATTN_SMEM_BYTES, pdl=pdl, device=dev.index)
+    return out
+
+
+def _attention_qk(qk: QKNorm, k_pool, v_pool, block_tables, table_stride, ring_slots, window, seq_lens, sinks,
+                  workspace, max_keys, out, pdl, g) -> torch.Tensor:
+    """`_attention` with the Q/K norm operation inside: checks, then decode_attention_qk_bf16."""
+    h, qkv = GROUP * g, qk.qkv
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 2 or not qkv.is_cuda:
+        raise ValueError("qkv must be a CUDA tensor [B, (H + 2G) * 128]")
+    b, dev = qkv.shape[0], qkv.device
+    if not 1 <= b <= MAX_BATCH:
+        raise ValueError(f"batch {b} outside 1..{MAX_BATCH}")
+    check_tensor(qkv, "qkv", torch.bfloat16, (b, (h + 2 * g) * HEAD_DIM), dev)
+    check_tensor(qk.q_norm_weight, "q_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
+    check_tensor(qk.k_norm_weight, "k_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
+    check_tensor(qk.positions, "positions", torch.int32, (b,), dev, 4)
+    check_tensor(seq_lens, "seq_lens", torch.int32, (b,), dev, 4)
+    check_tensor(sinks, "sinks", sinks.dtype, (h,), dev, 4)
+    if sinks.dtype not in (torch.bfloat16, torch.float32) or k_pool.device != dev:
+        raise ValueError("sinks must be bf16 or fp32, and the KV pools on the q/k/v rows' device")
+    if qk.rope_theta is not None and not qk.rope_theta > 0:
+        raise ValueError(f"rope_theta must be positive, got {qk.rope_theta}")
+    splits = decode_splits(b, max_keys, g)
+    one_below = one_split_below(b, splits, g)
+    if workspace.dtype != torch.float32 or workspace.numel() < TICKET_SLOTS + b * g * splits * PARTIAL_FLOATS:
+        raise ValueError("the attention workspace is too small (attention_workspace)")
+    slots = qk.q_slots
+    if slots.dtype != torch.bfloat16 or not slots.is_contiguous() or slots.numel() < b * g * splits * h * HEAD_DIM:
+        raise ValueError(f"q_slots must be contiguous bf16 with >= {b * g * splits * h * HEAD_DIM} elements")
+    out = torch.empty(b, h, HEAD_DIM, dtype=torch.bfloat16, device=dev) if out is None else out
+    check_tensor(out, "out", torch.bfloat16, (b, h, HEAD_DIM), dev)
+    fp8 = k_pool.dtype == torch.float8_e4m3fn
+    stages = (("ATTN_STAGES", FP8_STAGES),) if fp8 else ()
+    cp_async = (("ATTN_CP_ASYNC", 1),) if k_pool.dtype in CP_ASYNC_DTYPES else ()
+    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *cp_async, *kv_defines(k_pool), *stages)
+    inv_freq = None if qk.rope_theta is None else rope_inv_freq(float(qk.rope_theta), dev)
+    _kernel("decode_attention_qk.cu", "decode_attention_qk_bf16", defines).launch(
+        (splits, g, b), (ATTN_THREADS,),
+        [out, slots, qkv, qk.q_norm_weight, qk.k_norm_weight, qk.positions, inv_freq, F32(qk.eps), k_pool, v_pool,
+         block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window), seq_lens, I32(one_below),
+         sinks, I32(sinks.dtype == torch.bfloat16), F32(LOG2E / math.sqrt(HEAD_DIM)), workspace,
+         workspace[TICKET_SLOTS:]],
         shared_bytes=fp8_smem_bytes(FP8_STAGES) if fp8 else ATTN_SMEM_BYTES, pdl=pdl, device=dev.index)
     return out
 
