@@ -309,17 +309,23 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
         out = torch.empty(b, h, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     check_tensor(out, "out", torch.bfloat16, (b, h, HEAD_DIM), dev)
     scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else softmax_scale
-    fp8 = k_pool.dtype == torch.float8_e4m3fn
-    stages = (("ATTN_STAGES", FP8_STAGES),) if fp8 else ()
-    cp_async = (("ATTN_CP_ASYNC", 1),) if k_pool.dtype in CP_ASYNC_DTYPES else ()
-    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *cp_async, *kv_defines(k_pool), *stages)
+    defines, shared_bytes = _attention_build(k_pool)
     _kernel("decode_attention.cu", "decode_attention_bf16", defines).launch(
         (splits, g, b), (ATTN_THREADS,),
         [out, q, I32(q_stride), k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]),
          I32(window), seq_lens, I32(one_below), sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E),
          workspace, workspace[TICKET_SLOTS:]],
-        shared_bytes=fp8_smem_bytes(FP8_STAGES) if fp8 else ATTN_SMEM_BYTES, pdl=pdl, device=dev.index)
+        shared_bytes=shared_bytes, pdl=pdl, device=dev.index)
     return out
+
+
+def _attention_build(k_pool: torch.Tensor) -> tuple[tuple, int]:
+    """The attention kernel's defines and dynamic shared memory for this KV pool's element type."""
+    fp8 = k_pool.dtype == torch.float8_e4m3fn
+    stages = (("ATTN_STAGES", FP8_STAGES),) if fp8 else ()
+    cp_async = (("ATTN_CP_ASYNC", 1),) if k_pool.dtype in CP_ASYNC_DTYPES else ()
+    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *cp_async, *kv_defines(k_pool), *stages)
+    return defines, fp8_smem_bytes(FP8_STAGES) if fp8 else ATTN_SMEM_BYTES
 
 
 def _attention_qk(qk: QKNorm, k_pool, v_pool, block_tables, table_stride, ring_slots, window, seq_lens, sinks,
@@ -350,10 +356,7 @@ def _attention_qk(qk: QKNorm, k_pool, v_pool, block_tables, table_stride, ring_s
         raise ValueError(f"q_slots must be contiguous bf16 with >= {b * g * splits * h * HEAD_DIM} elements")
     out = torch.empty(b, h, HEAD_DIM, dtype=torch.bfloat16, device=dev) if out is None else out
     check_tensor(out, "out", torch.bfloat16, (b, h, HEAD_DIM), dev)
-    fp8 = k_pool.dtype == torch.float8_e4m3fn
-    stages = (("ATTN_STAGES", FP8_STAGES),) if fp8 else ()
-    cp_async = (("ATTN_CP_ASYNC", 1),) if k_pool.dtype in CP_ASYNC_DTYPES else ()
-    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *cp_async, *kv_defines(k_pool), *stages)
+    defines, shared_bytes = _attention_build(k_pool)
     inv_freq = None if qk.rope_theta is None else rope_inv_freq(float(qk.rope_theta), dev)
     _kernel("decode_attention_qk.cu", "decode_attention_qk_bf16", defines).launch(
         (splits, g, b), (ATTN_THREADS,),
@@ -361,7 +364,7 @@ def _attention_qk(qk: QKNorm, k_pool, v_pool, block_tables, table_stride, ring_s
          block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window), seq_lens, I32(one_below),
          sinks, I32(sinks.dtype == torch.bfloat16), F32(LOG2E / math.sqrt(HEAD_DIM)), workspace,
          workspace[TICKET_SLOTS:]],
-        shared_bytes=fp8_smem_bytes(FP8_STAGES) if fp8 else ATTN_SMEM_BYTES, pdl=pdl, device=dev.index)
+        shared_bytes=shared_bytes, pdl=pdl, device=dev.index)
     return out
 
 
