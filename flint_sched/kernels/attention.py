@@ -187,10 +187,7 @@ def _norm_rope_kv(qkv, q_norm_weight, k_norm_weight, positions, k_pool, v_pool, 
     if not 1 <= b <= MAX_BATCH:
         raise ValueError(f"batch {b} outside 1..{MAX_BATCH}")
     dev = qkv.device
-    check_tensor(qkv, "qkv", torch.bfloat16, (b, (h + 2 * g) * HEAD_DIM), dev)
-    check_tensor(q_norm_weight, "q_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
-    check_tensor(k_norm_weight, "k_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
-    check_tensor(positions, "positions", torch.int32, (b,), dev, 4)
+    _check_qkv(qkv, q_norm_weight, k_norm_weight, positions, b, g, dev)
     if k_pool.device != dev:
         raise ValueError(f"KV pools are on {k_pool.device}, expected {dev}")
     if q_out is None:
@@ -278,19 +275,24 @@ def q_slots_elements(max_batch: int, max_keys: int, kv_heads: int) -> int:
 
 def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window, seq_lens, sinks, workspace,
                max_keys, out, num_splits, softmax_scale, pdl, b, qk: QKNorm | None = None) -> torch.Tensor:
+    """The split-KV attention launch; with `qk`, the kernel that does the Q/K norm operation first."""
     g = _check_pools(k_pool, v_pool)
     h = GROUP * g
-    if qk is not None:
-        if num_splits is not None or softmax_scale is not None:
-            raise ValueError("the Q/K norm inside attention takes the default splits and scale")
-        return _attention_qk(qk, k_pool, v_pool, block_tables, table_stride, ring_slots, window, seq_lens, sinks,
-                             workspace, max_keys, out, pdl, g)
-    if not isinstance(q, torch.Tensor) or q.dim() != 3 or not q.is_cuda:
-        raise ValueError("q must be a CUDA tensor [B, H, 128]")
+    x = q if qk is None else qk.qkv
+    if not isinstance(x, torch.Tensor) or x.dim() != (3 if qk is None else 2) or not x.is_cuda:
+        raise ValueError("q must be a CUDA tensor [B, H, 128]" if qk is None else
+                         "qkv must be a CUDA tensor [B, (H + 2G) * 128]")
     if not 1 <= b <= MAX_BATCH:
         raise ValueError(f"batch {b} outside 1..{MAX_BATCH}")
-    dev = q.device
-    q_stride = _check_q(q, b, h)
+    dev = x.device
+    if qk is None:
+        q_stride = _check_q(q, b, h)
+    else:
+        if num_splits is not None or softmax_scale is not None:
+            raise ValueError("the Q/K norm inside attention takes the default splits and scale")
+        _check_qkv(qk.qkv, qk.q_norm_weight, qk.k_norm_weight, qk.positions, b, g, dev)
+        if qk.rope_theta is not None and not qk.rope_theta > 0:
+            raise ValueError(f"rope_theta must be positive, got {qk.rope_theta}")
     check_tensor(seq_lens, "seq_lens", torch.int32, (b,), dev, 4)
     if sinks.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"sinks must be bf16 or fp32, got {sinks.dtype}")
@@ -309,66 +311,37 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
         out = torch.empty(b, h, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     check_tensor(out, "out", torch.bfloat16, (b, h, HEAD_DIM), dev)
     scale = 1.0 / math.sqrt(HEAD_DIM) if softmax_scale is None else softmax_scale
-    defines, shared_bytes = _attention_build(k_pool)
-    _kernel("decode_attention.cu", "decode_attention_bf16", defines).launch(
-        (splits, g, b), (ATTN_THREADS,),
-        [out, q, I32(q_stride), k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]),
-         I32(window), seq_lens, I32(one_below), sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E),
-         workspace, workspace[TICKET_SLOTS:]],
-        shared_bytes=shared_bytes, pdl=pdl, device=dev.index)
-    return out
-
-
-def _attention_build(k_pool: torch.Tensor) -> tuple[tuple, int]:
-    """The attention kernel's defines and dynamic shared memory for this KV pool's element type."""
     fp8 = k_pool.dtype == torch.float8_e4m3fn
     stages = (("ATTN_STAGES", FP8_STAGES),) if fp8 else ()
     cp_async = (("ATTN_CP_ASYNC", 1),) if k_pool.dtype in CP_ASYNC_DTYPES else ()
     defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *cp_async, *kv_defines(k_pool), *stages)
-    return defines, fp8_smem_bytes(FP8_STAGES) if fp8 else ATTN_SMEM_BYTES
-
-
-def _attention_qk(qk: QKNorm, k_pool, v_pool, block_tables, table_stride, ring_slots, window, seq_lens, sinks,
-                  workspace, max_keys, out, pdl, g) -> torch.Tensor:
-    """`_attention` with the Q/K norm operation inside: checks, then decode_attention_qk_bf16."""
-    h, qkv = GROUP * g, qk.qkv
-    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 2 or not qkv.is_cuda:
-        raise ValueError("qkv must be a CUDA tensor [B, (H + 2G) * 128]")
-    b, dev = qkv.shape[0], qkv.device
-    if not 1 <= b <= MAX_BATCH:
-        raise ValueError(f"batch {b} outside 1..{MAX_BATCH}")
-    check_tensor(qkv, "qkv", torch.bfloat16, (b, (h + 2 * g) * HEAD_DIM), dev)
-    check_tensor(qk.q_norm_weight, "q_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
-    check_tensor(qk.k_norm_weight, "k_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
-    check_tensor(qk.positions, "positions", torch.int32, (b,), dev, 4)
-    check_tensor(seq_lens, "seq_lens", torch.int32, (b,), dev, 4)
-    check_tensor(sinks, "sinks", sinks.dtype, (h,), dev, 4)
-    if sinks.dtype not in (torch.bfloat16, torch.float32) or k_pool.device != dev:
-        raise ValueError("sinks must be bf16 or fp32, and the KV pools on the q/k/v rows' device")
-    if qk.rope_theta is not None and not qk.rope_theta > 0:
-        raise ValueError(f"rope_theta must be positive, got {qk.rope_theta}")
-    splits = decode_splits(b, max_keys, g)
-    one_below = one_split_below(b, splits, g)
-    if workspace.dtype != torch.float32 or workspace.numel() < TICKET_SLOTS + b * g * splits * PARTIAL_FLOATS:
-        raise ValueError("the attention workspace is too small (attention_workspace)")
-    slots = qk.q_slots
-    if slots.dtype != torch.bfloat16 or not slots.is_contiguous() or slots.numel() < b * g * splits * h * HEAD_DIM:
-        raise ValueError(f"q_slots must be contiguous bf16 with >= {b * g * splits * h * HEAD_DIM} elements")
-    out = torch.empty(b, h, HEAD_DIM, dtype=torch.bfloat16, device=dev) if out is None else out
-    check_tensor(out, "out", torch.bfloat16, (b, h, HEAD_DIM), dev)
-    defines, shared_bytes = _attention_build(k_pool)
-    inv_freq = None if qk.rope_theta is None else rope_inv_freq(float(qk.rope_theta), dev)
-    _kernel("decode_attention_qk.cu", "decode_attention_qk_bf16", defines).launch(
-        (splits, g, b), (ATTN_THREADS,),
-        [out, slots, qkv, qk.q_norm_weight, qk.k_norm_weight, qk.positions, inv_freq, F32(qk.eps), k_pool, v_pool,
-         block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window), seq_lens, I32(one_below),
-         sinks, I32(sinks.dtype == torch.bfloat16), F32(LOG2E / math.sqrt(HEAD_DIM)), workspace,
-         workspace[TICKET_SLOTS:]],
-        shared_bytes=shared_bytes, pdl=pdl, device=dev.index)
+    attend = [k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window),
+              seq_lens, I32(one_below), sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E), workspace,
+              workspace[TICKET_SLOTS:]]
+    if qk is None:
+        source, name, args = "decode_attention.cu", "decode_attention_bf16", [out, q, I32(q_stride), *attend]
+    else:
+        slots = qk.q_slots
+        if slots.dtype != torch.bfloat16 or not slots.is_contiguous() or slots.numel() < b * g * splits * h * HEAD_DIM:
+            raise ValueError(f"q_slots must be contiguous bf16 with >= {b * g * splits * h * HEAD_DIM} elements")
+        inv_freq = None if qk.rope_theta is None else rope_inv_freq(float(qk.rope_theta), dev)
+        source, name = "decode_attention_qk.cu", "decode_attention_qk_bf16"
+        args = [out, slots, qk.qkv, qk.q_norm_weight, qk.k_norm_weight, qk.positions, inv_freq, F32(qk.eps), *attend]
+    _kernel(source, name, defines).launch((splits, g, b), (ATTN_THREADS,), args,
+                                          shared_bytes=fp8_smem_bytes(FP8_STAGES) if fp8 else ATTN_SMEM_BYTES,
+                                          pdl=pdl, device=dev.index)
     return out
 
 
 # ---- checks ------------------------------------------------------------------------------------
+
+
+def _check_qkv(qkv, q_norm_weight, k_norm_weight, positions, b: int, g: int, dev: torch.device) -> None:
+    """The Q/K norm operation's inputs: q/k/v rows [b, (8g + 2g) * 128], norm weights [128], positions [b]."""
+    check_tensor(qkv, "qkv", torch.bfloat16, (b, (GROUP * g + 2 * g) * HEAD_DIM), dev)
+    check_tensor(q_norm_weight, "q_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
+    check_tensor(k_norm_weight, "k_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
+    check_tensor(positions, "positions", torch.int32, (b,), dev, 4)
 
 
 def _check_q(q: torch.Tensor, b: int, h: int) -> int:
