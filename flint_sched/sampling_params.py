@@ -33,6 +33,16 @@ def _check_float(name: str, value: object) -> float:
     return float(value)
 
 
+def _check_token_ids(name: str, ids: object) -> tuple[int, ...]:
+    """A list of token ids (each an int >= 0) as a tuple; ValueError naming `name` otherwise."""
+    if ids is None or isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"{name} must be a list of ints, got {ids!r}")
+    ids = tuple(ids)
+    for token_id in ids:
+        _check_int(f"{name} entry", token_id, min_value=0)
+    return ids
+
+
 def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {value!r}")
@@ -146,25 +156,14 @@ class SamplingParams:
         return stop
 
     def _checked_stop_token_ids(self) -> tuple[int, ...]:
-        ids = self.stop_token_ids
-        if ids is None or isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__iter__"):
-            raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
-        ids = tuple(ids)
-        for token_id in ids:
-            _check_int("stop_token_ids entry", token_id, min_value=0)
-        return ids
+        return _check_token_ids("stop_token_ids", self.stop_token_ids)
 
     def _checked_allowed_token_ids(self) -> tuple[int, ...] | None:
-        ids = self.allowed_token_ids
-        if ids is None:
+        if self.allowed_token_ids is None:
             return None
-        if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__iter__"):
-            raise ValueError(f"allowed_token_ids must be a list of ints, got {ids!r}")
-        ids = tuple(ids)
+        ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids)
         if not ids:
             raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
-        for token_id in ids:
-            _check_int("allowed_token_ids entry", token_id, min_value=0)
         return ids
 
     def _checked_bad_words(self) -> tuple[str, ...]:
@@ -180,12 +179,10 @@ class SamplingParams:
         sequences = self.bad_words_token_ids
         if isinstance(sequences, (str, bytes, Mapping)) or not hasattr(sequences, "__iter__"):
             raise ValueError(f"bad_words_token_ids must be a list of token id lists, got {sequences!r}")
-        checked = []
-        for ids in sequences:
-            if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__iter__") or not tuple(ids):
-                raise ValueError(f"bad_words_token_ids entries must be non-empty lists of ints, got {ids!r}")
-            checked.append(tuple(_check_int("bad_words_token_ids entry", t, min_value=0) for t in ids))
-        return tuple(checked)
+        checked = tuple(_check_token_ids("bad_words_token_ids", ids) for ids in sequences)
+        if not all(checked):
+            raise ValueError(f"bad_words_token_ids entries must be non-empty lists of ints, got {sequences!r}")
+        return checked
 
     @property
     def is_greedy(self) -> bool:

@@ -16,7 +16,6 @@ class ChoiceState:
         self.output = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.stops = StopStringChecker(params.stop, include=params.include_stop_str_in_output)
-        self.include_stop = params.include_stop_str_in_output
         self.stop_token_ids = set(params.stop_token_ids)
         self.unsent = 0          # tokens applied since the last published output (a stream interval holds them)
         self.published = False   # any output of this choice published yet
@@ -41,7 +40,7 @@ class ChoiceState:
         out = self.output
         new_ids = step.new_token_ids
         # a stop token ends the text but is not part of it (it stays in token_ids), unless asked for
-        text_ids = new_ids[:-1] if step.finish_reason == "stop" and not self.include_stop else new_ids
+        text_ids = new_ids[:-1] if step.finish_reason == "stop" and not self.stops.include else new_ids
         new_text = "".join(self.detokenizer.push(t) for t in text_ids)
         if step.finish_reason is not None:
             new_text += self.detokenizer.flush()
