@@ -26,6 +26,17 @@ def parts():
                                     max_model_len=2048), progress=False, checkpoint=ckpt)
 
 
+async def serve(engine, requests):
+    """The last output of each (prompt, params) request, all added at once to a started engine."""
+    async def last(stream):
+        out = None
+        async for out in stream:
+            pass
+        return out
+
+    return await asyncio.gather(*(last(engine.add_request(p, sp)) for p, sp in requests))
+
+
 async def test_concurrent_requests_through_the_cuda_executor(parts):
     assert isinstance(parts.executor, CudaExecutor)
     rng = random.Random(0)
@@ -38,13 +49,7 @@ async def test_concurrent_requests_through_the_cuda_executor(parts):
                                     presence_penalty=rng.choice([0.0, 0.5]), seed=n)
             requests.append(([rng.randrange(4096) for _ in range(rng.randint(1, 700))], params))
 
-        async def last(stream):
-            out = None
-            async for out in stream:
-                pass
-            return out
-
-        results = await asyncio.gather(*(last(engine.add_request(p, sp)) for p, sp in requests))
+        results = await serve(engine, requests)
         for (_, params), result in zip(requests, results):
             assert len(result.outputs[0].token_ids) == params.max_tokens
         allocator = engine.scheduler.kv_allocator
@@ -69,13 +74,7 @@ async def test_persistent_decode_steps_through_the_engine_match_the_reference(pa
     engine = build_engine(parts)
     engine.start()
     try:
-        async def last(stream):
-            out = None
-            async for out in stream:
-                pass
-            return out
-
-        results = await asyncio.gather(*(last(engine.add_request(p, sp)) for p, sp in requests))
+        results = await serve(engine, requests)
     finally:
         await engine.shutdown()
     steps = [step for step in parts.executor.ws.decode_steps.values() if step]
@@ -133,14 +132,8 @@ async def test_json_schemas_hold_through_the_cuda_executor(parts):
     engine = build_engine(parts)
     engine.start()
     try:
-        async def last(stream):
-            out = None
-            async for out in stream:
-                pass
-            return out
-
         requests = [([7 + n, 11, 13], constrained if n % 2 else plain) for n in range(40)]
-        results = await asyncio.gather(*(last(engine.add_request(p, sp)) for p, sp in requests))
+        results = await serve(engine, requests)
         for (_, params), result in zip(requests, results):
             if params is constrained:
                 assert result.outputs[0].finish_reason == "stop"
