@@ -55,12 +55,11 @@ def _open_final_message(text: str, messages: list[dict]) -> str:
     if not messages:
         raise ValueError("continue_final_message needs a message to continue")
     final = _final_text(messages[-1].get("content"))
-    at = text.rfind(final.strip())
+    stripped, kept = final.strip(), final.lstrip()
+    at = text.rfind(stripped)
     if at < 0:
         raise ValueError("continue_final_message: the chat template does not write the final message's text")
-    end = at + len(final.strip())
-    kept = final.lstrip()
-    return text[:at + len(kept)] if text.startswith(kept, at) else text[:end]
+    return text[:at + len(kept if text.startswith(kept, at) else stripped)]
 
 
 def _final_text(content) -> str:
