@@ -8,6 +8,8 @@
 // shared memory; after it, x goes to shared memory, the logits come from mma.sync, and each CTA
 // writes its sigmoid scores into CTA 0's shared memory (distributed shared memory); one cluster
 // barrier later CTA 0 selects. No global round trips between the partial sums and the selection.
+// router_topk_cluster_norm: the same from the unnormalized rows, which it normalizes first (with
+// rmsnorm.cu's bits) and writes out for the experts: the norm before the MoE without a launch.
 //
 // router_topk (any E <= ROUTER_MAX_EXPERTS): grid (E/16 row tiles, K splits); each CTA writes fp32
 // partial logits to `partial` [splits][T][E]; the last CTA to take a ticket sums them in split
@@ -16,6 +18,7 @@
 #include "async_copy.cuh"
 #include "gemv_tile.cuh"
 #include "topk.cuh"
+#include "norm.cuh"
 
 #ifndef ROUTER_WARPS
 #define ROUTER_WARPS 8  // a define: cuda/decode_step.cu builds it on its CTA's warps
@@ -94,12 +97,61 @@ __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
   return v;
 }
 
+// The rows in x_smem ([T][pitch], raw) become rms_norm(x, norm_weight) in place, with rmsnorm.cu's
+// arithmetic in its order (a thread's vectors v = threadIdx.x + i * 256 summed with norm_unpack, then
+// warp_sum, then the warps in order: the bits of `rms_norm`'s launch, whose CTA has 256 threads, or
+// fewer whose missing warps add exact zeros here). CTA `rank` also writes vectors v % RC_CTAS == rank
+// of each row to `normed` (the experts' input).
+__device__ __forceinline__ void router_norm_rows(unsigned char* x_smem, int pitch, const uint4 (&wv)[NORM_MAX_VEC],
+                                                 u16* normed, u32 rank, int T, int K, float eps) {
+  __shared__ float part[8][RC_WARPS];
+  const int num_vec = K / 8, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int b = 0; b < T; ++b) {
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NORM_MAX_VEC; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      if (v >= num_vec) break;
+      const uint4 xv = *reinterpret_cast<const uint4*>(x_smem + b * pitch + 16 * v);
+      const u32 w[4] = {xv.x, xv.y, xv.z, xv.w};
+      float s[8];
+      sum_sq = norm_unpack(s, w, sum_sq);
+    }
+    sum_sq = warp_sum(sum_sq);
+    if (lane == 0) part[b][warp] = sum_sq;
+  }
+  __syncthreads();
+  for (int b = 0; b < T; ++b) {
+    float total = 0.0f;
+    for (int w = 0; w < RC_WARPS; ++w) total += part[b][w];
+    const float inv = rsqrtf(total / K + eps);
+#pragma unroll
+    for (int i = 0; i < NORM_MAX_VEC; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      if (v >= num_vec) break;
+      uint4* at = reinterpret_cast<uint4*>(x_smem + b * pitch + 16 * v);
+      const uint4 xv = *at;
+      const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w}, ww[4] = {wv[i].x, wv[i].y, wv[i].z, wv[i].w};
+      u32 o[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        o[j] = pack_bf16x2(bf16x2_lo(xw[j]) * inv * bf16x2_lo(ww[j]), bf16x2_hi(xw[j]) * inv * bf16x2_hi(ww[j]));
+      *at = make_uint4(o[0], o[1], o[2], o[3]);
+      if (v % RC_CTAS == (int)rank) *reinterpret_cast<uint4*>(normed + (size_t)b * K + 8 * v) = *at;
+    }
+  }
+  __syncthreads();
+}
+
 // Dynamic shared memory, rows `pitch` = 2K + 16 bytes apart (the pad puts the 8 rows of every
 // ldmatrix, and the 8 token rows of the B fragments, in distinct banks):
 //   gate rows [tiles * 16][pitch] | x [T][pitch] | scores [T][E] fp32 (CTA 0's are the ones used) | bias [E]
-extern "C" __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32)
-router_topk_cluster(int* ids, float* weights, const u16* x, const u16* gate, const float* bias, int T, int E,
-                    int K, int A, float scaling) {
+// NORM: x is the residual stream h; the router reads rms_norm(h, norm_weight), which it also
+// writes to `normed` (router_norm_rows): the post-attention norm's launch folded in.
+template <bool NORM>
+__device__ __forceinline__ void router_cluster(int* ids, float* weights, const u16* x, const u16* gate,
+                                               const float* bias, int T, int E, int K, int A, float scaling,
+                                               const u16* norm_weight, u16* normed, float eps) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ u64 bar;
   __shared__ float red[RC_WARPS * 4 * 32];
@@ -130,6 +182,8 @@ router_topk_cluster(int* ids, float* weights, const u16* x, const u16* gate, con
   if (rank == 0)
     for (int e = threadIdx.x; e < E; e += blockDim.x) bias_smem[e] = bias[e];
   cluster_arrive_relaxed();  // every CTA has started: waited on before writing into CTA 0
+  uint4 wv[NORM_MAX_VEC];
+  if constexpr (NORM) norm_weight_load(wv, norm_weight, K / 8);
 
   pdl_wait();
   for (int i = threadIdx.x; i < T * (K / 8); i += blockDim.x) {
@@ -137,6 +191,7 @@ router_topk_cluster(int* ids, float* weights, const u16* x, const u16* gate, con
     *reinterpret_cast<uint4*>(x_smem + b * pitch + 16 * c) = ld_act_v4(x + (size_t)b * K + 8 * c);
   }
   __syncthreads();
+  if constexpr (NORM) router_norm_rows(x_smem, pitch, wv, normed, rank, T, K, eps);
   mbarrier_wait_parity(bar_addr, 0);
 
   // Warp -> (tile, k range); D[16 rows][8 tokens] += W . x^T on tensor cores.
@@ -173,4 +228,16 @@ router_topk_cluster(int* ids, float* weights, const u16* x, const u16* gate, con
   if (rank != 0) return;
   for (int tok = warp; tok < T; tok += RC_WARPS)
     router_select(ids + tok * A, weights + tok * A, scores + tok * E, bias_smem, E, A, scaling);
+}
+
+extern "C" __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32)
+router_topk_cluster(int* ids, float* weights, const u16* x, const u16* gate, const float* bias, int T, int E,
+                    int K, int A, float scaling) {
+  router_cluster<false>(ids, weights, x, gate, bias, T, E, K, A, scaling, nullptr, nullptr, 0.0f);
+}
+
+extern "C" __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32)
+router_topk_cluster_norm(int* ids, float* weights, const u16* x, const u16* gate, const float* bias, int T, int E,
+                         int K, int A, float scaling, const u16* norm_weight, u16* normed, float eps) {
+  router_cluster<true>(ids, weights, x, gate, bias, T, E, K, A, scaling, norm_weight, normed, eps);
 }

@@ -1,6 +1,7 @@
-"""kernel_ops.FOLD_NORMS on the CPU: the fused path's forward over recording stand-ins for the kernels,
-counting which RMSNorms launch and which GEMVs take a norm's weight (the kernels themselves are
-checked on the GPU: tests/gpu/test_kernel_linear.py, test_cuda_executor.py)."""
+"""kernel_ops.FOLD_NORMS and ROUTER_NORMS on the CPU: the fused path's forward over recording stand-ins
+for the kernels, counting which RMSNorms launch and which GEMVs and routers take a norm's weight (the
+kernels themselves are checked on the GPU: tests/gpu/test_kernel_linear.py, test_kernel_moe.py,
+test_cuda_executor.py)."""
 
 from types import SimpleNamespace
 
@@ -31,8 +32,13 @@ def stand_ins(monkeypatch, calls):
     monkeypatch.setattr(kernel_ops, "linear", lambda x, w, out, pdl, norm_weight=None, **kw: record(
         ("linear", w.shape[0], norm_weight is not None), out))
     monkeypatch.setattr(kernel_ops, "gate_up_silu", lambda x, g, u, out, pdl: out)
-    monkeypatch.setattr(kernel_ops, "route", lambda x, *a, **kw: (torch.zeros(x.shape[0], 4, dtype=torch.int32),
-                                                                torch.zeros(x.shape[0], 4)))
+    def route(x, *a, norm_weight=None, normed=None, **kw):
+        if norm_weight is not None:
+            calls.append("route+norm")
+            assert normed.shape == x.shape and normed.data_ptr() != x.data_ptr()
+        return torch.zeros(x.shape[0], 4, dtype=torch.int32), torch.zeros(x.shape[0], 4)
+
+    monkeypatch.setattr(kernel_ops, "route", route)
     monkeypatch.setattr(kernel_ops, "moe_gate_up", lambda x, ids, *w, out, pdl: out)
     monkeypatch.setattr(kernel_ops, "moe_down", lambda hidden, ids, weights, *w, residual, out, pdl: out)
     monkeypatch.setattr(kernel_ops, "greedy", lambda logits, out, **kw: out)
@@ -59,19 +65,21 @@ def fused_forward(config, rows=2):
     return forward(ops, c)
 
 
-@pytest.mark.parametrize("fold", [False, True])
-def test_folded_norms_leave_only_the_norms_before_the_moe_and_dense_mlps(monkeypatch, fold):
+@pytest.mark.parametrize("fold,router", [(False, False), (True, False), (False, True), (True, True)])
+def test_folded_norms_leave_only_the_norms_the_kernels_cannot_take(monkeypatch, fold, router):
     config = preset("flint-tiny")
     calls = []
     stand_ins(monkeypatch, calls)
     monkeypatch.setattr(kernel_ops, "FOLD_NORMS", fold)
+    monkeypatch.setattr(kernel_ops, "ROUTER_NORMS", router)
     logits = fused_forward(config)
     assert logits.shape == (2, config.vocab_size)
     layers, qkv_rows = config.num_hidden_layers, config.q_size + 2 * config.kv_size
-    norms = calls.count("norm")
-    folded = [c for c in calls if c != "norm" and c[2]]
-    if fold:   # every post-attention norm launches; the input norms and the final one go into GEMVs
-        assert norms == layers
-        assert folded == [("linear", qkv_rows, True)] * layers + [("linear", config.vocab_size, True)]
-    else:      # input norm a layer, post-attention norm a layer, the final norm
-        assert norms == 2 * layers + 1 and folded == []
+    moe_layers = sum(config.is_moe(i) for i in range(layers))
+    assert 0 < moe_layers < layers
+    # input norm a layer and the final one: into the GEMVs (fold); the MoE layers' post-attention
+    # norms: into the router (router); the dense layers' post-attention norms always launch
+    assert calls.count("norm") == (0 if fold else layers + 1) + (layers - moe_layers if router else layers)
+    assert calls.count("route+norm") == (moe_layers if router else 0)
+    folded = [c for c in calls if isinstance(c, tuple) and c[2]]
+    assert folded == ([("linear", qkv_rows, True)] * layers + [("linear", config.vocab_size, True)] if fold else [])

@@ -32,7 +32,7 @@ from flint_sched.kernels.embedding import embed_tokens
 from flint_sched.kernels.grouped import grouped_gate_up, grouped_linear
 from flint_sched.kernels.grouped_moe import moe_grouped
 from flint_sched.kernels.linear import MAX_TOKENS, gate_up_silu, linear, weight_format
-from flint_sched.kernels.moe import moe_down, moe_gate_up, route
+from flint_sched.kernels.moe import moe_down, moe_gate_up, route, router_normalizes
 from flint_sched.kernels.norm import rms_norm
 from flint_sched.kernels.prefill_attention import (
     PrefillMetadata,
@@ -64,6 +64,12 @@ GEMV_MAX_ROWS = {"nvfp4": 16, "bf16": 16}
 # off until measured (benchmarks/ab_decode.py at 1 and 8 requests).
 FOLD_NORMS = False
 
+# Fused steps: the norm before the MoE is done by the cluster router (kernels/moe.py `route(...,
+# norm_weight=)`), which reads the row unnormalized, normalizes it with the norm kernel's bits and
+# writes it out for the experts: a launch and a dependent hop less an MoE layer, the same bits.
+# Prepared without a GPU (session 32): off until measured (benchmarks/ab_decode.py at 1 and 4).
+ROUTER_NORMS = False
+
 # Fused steps run their layers as one persistent launch (kernels/decode_step.py, cuda/decode_step.cu:
 # the kernels' bodies as tasks on counters, no kernel boundaries; the step one graph of a few
 # launches: cuda_executor._decode); the LM head stays as it is. Prepared without a GPU (session 30): off until measured against the
@@ -86,8 +92,9 @@ DECODES_APART = True
 
 @dataclass(frozen=True)
 class Unnormed:
-    """rms_norm(h, weight) not computed yet (FOLD_NORMS): the GEMV that reads it normalizes on the fly,
-    any other reader has it computed first (`KernelOps._normed`)."""
+    """rms_norm(h, weight) not computed yet (FOLD_NORMS, ROUTER_NORMS): a GEMV (FOLD_NORMS) or the
+    router (ROUTER_NORMS) that reads it normalizes on the fly, any other reader has it computed first
+    (`KernelOps._normed`)."""
 
     h: torch.Tensor
     weight: str
@@ -173,7 +180,7 @@ class KernelOps:
         return h
 
     def rms_norm(self, x: torch.Tensor, weight: str) -> torch.Tensor | Unnormed:
-        if FOLD_NORMS and self.variant == "fused":
+        if (FOLD_NORMS or ROUTER_NORMS) and self.variant == "fused":
             return Unnormed(x, weight)
         return rms_norm(x, self.w[weight], self.eps, out=torch.empty_like(x), pdl=self.pdl)
 
@@ -184,10 +191,10 @@ class KernelOps:
         return x
 
     def _gemv_linear(self, x: torch.Tensor | Unnormed, weight, **kw) -> torch.Tensor:
-        """`linear` of x, folding the norm of an Unnormed into it."""
-        if isinstance(x, Unnormed):
+        """`linear` of x, folding the norm of an Unnormed into it (FOLD_NORMS)."""
+        if isinstance(x, Unnormed) and FOLD_NORMS:
             return linear(x.h, weight, pdl=self.pdl, norm_weight=self.w[x.weight], norm_eps=self.eps, **kw)
-        return linear(x, weight, pdl=self.pdl, **kw)
+        return linear(self._normed(x), weight, pdl=self.pdl, **kw)
 
     def qkv(self, i: int, x: torch.Tensor | Unnormed):
         c, p = self.c, f"model.layers.{i}.self_attn."
@@ -300,29 +307,46 @@ class KernelOps:
         return grouped_gate_up(x, self._weight(gate, rows), self._weight(up, rows), out=out, pdl=self.pdl)
 
     def moe(self, i: int, x: torch.Tensor | Unnormed, residual: torch.Tensor, norm: str | None = None):
-        x = self._normed(x)
         c, w, p = self.c, self.w, f"model.layers.{i}.mlp."
-        shared = [w[p + f"shared_experts.{n}_proj.weight"] if c.n_shared_experts else None for n in ("gate", "up", "down")]
-        experts = [w[p + f"experts.{n}_proj.weight"] for n in ("gate", "up", "down")]
         router, bias = w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"]
+        experts, shared = self._experts(i)
         out = self._other(residual)
-        if self.variant != "fused":
-            fuse = norm is not None and FUSE_NORMS
-            normed = torch.empty_like(residual) if fuse else None
-            h = moe_grouped(x, router, bias, c.num_experts_per_tok, c.routed_scaling_factor, *experts, *shared,
-                            residual=residual, workspace=self.routing, out=out, num_tokens=self.num_rows,
-                            pdl=self.pdl, gemms=self.moe_gemms, norm_weight=w[norm] if fuse else None,
-                            norm_out=normed, norm_eps=self.eps)
-            if norm is not None and not fuse:
-                normed = self.rms_norm(h, norm)
-            return h, normed
-        ids, weights = route(x, router, bias, c.num_experts_per_tok, c.routed_scaling_factor, pdl=self.pdl,
-                             workspace=self.ws.router)
-        hidden = torch.empty(self.rows, c.num_experts_per_tok + 1, c.moe_intermediate_size, dtype=torch.bfloat16,
-                             device=x.device)
-        hidden = moe_gate_up(x, ids, experts[0], experts[1], shared[0], shared[1], out=hidden, pdl=self.pdl)
-        h = moe_down(hidden, ids, weights, experts[2], shared[2], residual=residual, out=out, pdl=self.pdl)
-        return h, None if norm is None else self.rms_norm(h, norm)
+        if self.variant == "fused":
+            if self._router_norms(x, router):
+                normed = torch.empty_like(x.h)
+                ids, weights = route(x.h, router, bias, c.num_experts_per_tok, c.routed_scaling_factor,
+                                     pdl=self.pdl, norm_weight=w[x.weight], norm_eps=self.eps, normed=normed)
+                x = normed
+            else:
+                x = self._normed(x)
+                ids, weights = route(x, router, bias, c.num_experts_per_tok, c.routed_scaling_factor,
+                                     pdl=self.pdl, workspace=self.ws.router)
+            hidden = torch.empty(self.rows, c.num_experts_per_tok + 1, c.moe_intermediate_size,
+                                 dtype=torch.bfloat16, device=x.device)
+            hidden = moe_gate_up(x, ids, experts[0], experts[1], shared[0], shared[1], out=hidden, pdl=self.pdl)
+            h = moe_down(hidden, ids, weights, experts[2], shared[2], residual=residual, out=out, pdl=self.pdl)
+            return h, None if norm is None else self.rms_norm(h, norm)
+        x = self._normed(x)
+        fuse = norm is not None and FUSE_NORMS
+        normed = torch.empty_like(residual) if fuse else None
+        h = moe_grouped(x, router, bias, c.num_experts_per_tok, c.routed_scaling_factor, *experts, *shared,
+                        residual=residual, workspace=self.routing, out=out, num_tokens=self.num_rows,
+                        pdl=self.pdl, gemms=self.moe_gemms, norm_weight=w[norm] if fuse else None,
+                        norm_out=normed, norm_eps=self.eps)
+        if norm is not None and not fuse:
+            normed = self.rms_norm(h, norm)
+        return h, normed
+
+    def _experts(self, i: int) -> tuple[list, list]:
+        """Layer i's stacked expert weights and its shared expert's (None without one): gate, up, down."""
+        c, w, p = self.c, self.w, f"model.layers.{i}.mlp."
+        names = ("gate", "up", "down")
+        return ([w[p + f"experts.{n}_proj.weight"] for n in names],
+                [w[p + f"shared_experts.{n}_proj.weight"] if c.n_shared_experts else None for n in names])
+
+    def _router_norms(self, x: torch.Tensor | Unnormed, router: torch.Tensor) -> bool:
+        """Whether the router normalizes x itself (ROUTER_NORMS, on the cluster router only)."""
+        return isinstance(x, Unnormed) and ROUTER_NORMS and router_normalizes(*router.shape, self.rows)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.sample_rows is not None:

@@ -20,6 +20,7 @@ import torch
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.linear import (MAX_TOKENS, Weight, cdiv, check_activations, check_tensor, output,
                                         weight_args, weight_format, x_batch)
+from flint_sched.kernels.norm import MAX_HIDDEN
 
 MAX_PAIRS = 64            # T * A (cuda/moe.cu MOE_MAX_PAIRS)
 MAX_EXPERTS = 1024        # router: 32 experts per lane
@@ -62,11 +63,14 @@ def router_workspace(num_experts: int, device: torch.device | str, max_tokens: i
 def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
           ids: torch.Tensor | None = None, weights: torch.Tensor | None = None,
           workspace: torch.Tensor | None = None, pdl: bool = False,
-          cluster: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          cluster: bool | None = None, norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
+          normed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert ids int32 [T, A], weights fp32 [T, A]) as `route()` in model/reference.py.
 
     cluster: use the one-cluster kernel (gate in shared memory, no workspace); None: whenever it
     fits (`cluster_router_bytes`) and CLUSTER_ROUTER is set, as for Flint's 256 x 2048 gate.
+    norm_weight: x is unnormalized; the router reads rms_norm(x, norm_weight, norm_eps) and writes
+    it to `normed` (bf16 [T, H]), bit for bit as kernels/norm.py `rms_norm`. The cluster kernel only.
     """
     check_activations(x)
     t, k = x.shape
@@ -83,16 +87,26 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
     weights = _out(weights, "weights", torch.float32, (t, top_k), x)
     shared = cluster_router_bytes(e, k, t)
     if cluster is None:
-        cluster = CLUSTER_ROUTER and shared is not None
+        cluster = (CLUSTER_ROUTER or norm_weight is not None) and shared is not None
     if cluster:
-        if shared is None:
-            raise ValueError(f"the cluster router needs <= {8 * 32} experts, hidden % 16 == 0 and its gate in "
-                             f"{CLUSTER_MAX_SHARED} bytes of shared memory; got {e} x {k}")
-        _kernel("router.cu", "router_topk_cluster", (("ROUTER_MAX_EXPERTS", 256),)).launch(
-            (CLUSTER_CTAS,), (ROUTER_THREADS,),
-            [ids, weights, x, gate, bias, I32(t), I32(e), I32(k), I32(top_k), F32(scaling)],
-            shared_bytes=shared, pdl=pdl, device=x.device.index)
+        if shared is None or (norm_weight is not None and k > MAX_HIDDEN):
+            raise ValueError(f"the cluster router needs <= {8 * 32} experts, hidden % 16 == 0 (<= {MAX_HIDDEN} "
+                             f"to normalize) and its gate in {CLUSTER_MAX_SHARED} bytes of shared memory; "
+                             f"got {e} x {k}")
+        name, args = "router_topk_cluster", [ids, weights, x, gate, bias, I32(t), I32(e), I32(k), I32(top_k),
+                                             F32(scaling)]
+        if norm_weight is not None:
+            check_tensor(norm_weight, "norm_weight", torch.bfloat16, (k,), x.device)
+            normed = _out(normed, "normed", torch.bfloat16, (t, k), x)
+            if normed.data_ptr() == x.data_ptr():
+                raise ValueError("normed must not be x: every CTA reads all of x while the others write")
+            name, args = "router_topk_cluster_norm", args + [norm_weight, normed, F32(norm_eps)]
+        _kernel("router.cu", name, (("ROUTER_MAX_EXPERTS", 256),)).launch(
+            (CLUSTER_CTAS,), (ROUTER_THREADS,), args, shared_bytes=shared, pdl=pdl, device=x.device.index)
         return ids, weights
+    if norm_weight is not None:
+        raise ValueError("only the cluster router normalizes its input: it needs cluster=None or True and "
+                         f"<= {8 * 32} experts whose gate fits its shared memory; got {e} x {k}")
     if workspace is None:
         workspace = router_workspace(e, x.device, t)
     tiles, splits = cdiv(e, 16), router_splits(e, k)
@@ -111,6 +125,11 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
 def router_splits(num_experts: int, hidden: int) -> int:
     """K splits of the ticket router's 16-row tiles: about 128 CTAs, >= 1 k-step of 32 a warp."""
     return max(1, min(MAX_ROUTER_SPLITS, 128 // cdiv(num_experts, 16), cdiv(hidden, 32) // 8))
+
+
+def router_normalizes(num_experts: int, hidden: int, tokens: int) -> bool:
+    """Whether `route(..., norm_weight=)` takes these shapes (the cluster router, when it is on)."""
+    return CLUSTER_ROUTER and hidden <= MAX_HIDDEN and cluster_router_bytes(num_experts, hidden, tokens) is not None
 
 
 def cluster_router_bytes(num_experts: int, hidden: int, tokens: int) -> int | None:

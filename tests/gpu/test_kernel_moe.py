@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from flint_sched.checkpoint.random_init import random_tensor
 from flint_sched.config import preset
 from flint_sched.kernels import moe, moe_down, moe_gate_up, route, router_workspace
+from flint_sched.kernels.moe import router_normalizes
+from flint_sched.kernels.norm import rms_norm
 from flint_sched.model.reference import FlintReference
 from flint_sched.model.reference import route as reference_route
 from flint_sched.model.weights import tensor_specs
@@ -132,6 +134,30 @@ def test_router_matches_reference(tokens, shape, cluster):
     again = route(x, gate, bias, shape["top_k"], SCALING, workspace=workspace, cluster=cluster)  # ticket reset
     assert torch.equal(again[0], ids) and torch.equal(again[1], weights), "router is not deterministic"
     assert workspace[-1:].view(torch.int32).item() == 0, "ticket not reset"
+
+
+@pytest.mark.parametrize("shape", [REAL, TINY, ODD], ids=["real", "tiny", "odd"])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8])
+def test_router_that_normalizes_matches_the_norm_then_the_router(tokens, shape):
+    """route(h, ..., norm_weight=): the norm before the MoE inside the cluster router. Its normed rows
+    are the norm kernel's bit for bit, and so are the ids and weights of routing those rows."""
+    e, k = shape["experts"], shape["hidden"]
+    if not router_normalizes(e, k, tokens):
+        pytest.skip(f"the cluster router does not take {e} x {k}")
+    g = gen(tokens + 40)
+    h = (4 * torch.randn(tokens, k, device="cuda", generator=g)).bfloat16()
+    norm_weight = (1 + 0.2 * torch.randn(k, device="cuda", generator=g)).bfloat16()
+    gate = (torch.randn(e, k, device="cuda", generator=g) / k**0.5).bfloat16()
+    bias = 0.1 * torch.randn(e, device="cuda", generator=g)
+    want = rms_norm(h, norm_weight, 1e-5)
+    want_ids, want_weights = route(want, gate, bias, shape["top_k"], SCALING, cluster=True)
+    normed = torch.full_like(h, float("nan"))
+    ids, weights = route(h, gate, bias, shape["top_k"], SCALING, norm_weight=norm_weight, norm_eps=1e-5,
+                         normed=normed)
+    assert torch.equal(normed, want), f"normed rows differ from rms_norm's in {(normed != want).sum()} values"
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    with pytest.raises(ValueError, match="normed must not be x"):
+        route(h, gate, bias, shape["top_k"], SCALING, norm_weight=norm_weight, normed=h)
 
 
 # ---- experts ---------------------------------------------------------------------------------
