@@ -143,21 +143,6 @@ __device__ __forceinline__ void router_norm_rows(unsigned char* x_smem, int pitc
   __syncthreads();
 }
 
-// The chosen experts' gate/up weights asked of L2 once selected (`prefetch_l2`), so that moe.cu's
-// gate/up, which can only start loading them once this kernel is done, finds them there. Per
-// expert e: [data[i] + e * bytes[i // 2], + bytes[i // 2]) for the 4 arrays (gate and up codes,
-// then their block scales; bf16: gate and up, the scales null).
-struct ExpertPrefetch {
-  const unsigned char* data[4];
-  u32 bytes[2];
-};
-
-__device__ __forceinline__ void prefetch_expert(const ExpertPrefetch& pf, int e) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    if (pf.data[i]) prefetch_l2(pf.data[i] + (size_t)e * pf.bytes[i / 2], pf.bytes[i / 2]);
-}
-
 // Dynamic shared memory, rows `pitch` = 2K + 16 bytes apart (the pad puts the 8 rows of every
 // ldmatrix, and the 8 token rows of the B fragments, in distinct banks):
 //   gate rows [tiles * 16][pitch] | x [T][pitch] | scores [T][E] fp32 (CTA 0's are the ones used) | bias [E]
@@ -166,8 +151,7 @@ __device__ __forceinline__ void prefetch_expert(const ExpertPrefetch& pf, int e)
 template <bool NORM>
 __device__ __forceinline__ void router_cluster(int* ids, float* weights, const u16* x, const u16* gate,
                                                const float* bias, int T, int E, int K, int A, float scaling,
-                                               const u16* norm_weight, u16* normed, float eps,
-                                               const ExpertPrefetch& pf) {
+                                               const u16* norm_weight, u16* normed, float eps) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ u64 bar;
   __shared__ float red[RC_WARPS * 4 * 32];
@@ -242,28 +226,18 @@ __device__ __forceinline__ void router_cluster(int* ids, float* weights, const u
   cluster_arrive_release();
   cluster_wait_acquire();
   if (rank != 0) return;
-  for (int tok = warp; tok < T; tok += RC_WARPS) {
+  for (int tok = warp; tok < T; tok += RC_WARPS)
     router_select(ids + tok * A, weights + tok * A, scores + tok * E, bias_smem, E, A, scaling);
-    if (lane < A) prefetch_expert(pf, ids[tok * A + lane]);  // this lane's own store: visible to it
-  }
 }
-
-// The kernels' prefetch arguments: gate codes, up codes, gate scales, up scales, then the bytes of
-// an expert's codes and of its scales (all null: no prefetch).
-#define PREFETCH_PARAMS                                                                                       \
-  const unsigned char *pf_gate, const unsigned char *pf_up, const unsigned char *pf_gate_scales,             \
-      const unsigned char *pf_up_scales, u32 pf_bytes, u32 pf_scale_bytes
-#define PREFETCH_ARG ExpertPrefetch{{pf_gate, pf_up, pf_gate_scales, pf_up_scales}, {pf_bytes, pf_scale_bytes}}
 
 extern "C" __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32)
 router_topk_cluster(int* ids, float* weights, const u16* x, const u16* gate, const float* bias, int T, int E,
-                    int K, int A, float scaling, PREFETCH_PARAMS) {
-  router_cluster<false>(ids, weights, x, gate, bias, T, E, K, A, scaling, nullptr, nullptr, 0.0f, PREFETCH_ARG);
+                    int K, int A, float scaling) {
+  router_cluster<false>(ids, weights, x, gate, bias, T, E, K, A, scaling, nullptr, nullptr, 0.0f);
 }
 
 extern "C" __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32)
 router_topk_cluster_norm(int* ids, float* weights, const u16* x, const u16* gate, const float* bias, int T, int E,
-                         int K, int A, float scaling, PREFETCH_PARAMS, const u16* norm_weight, u16* normed,
-                         float eps) {
-  router_cluster<true>(ids, weights, x, gate, bias, T, E, K, A, scaling, norm_weight, normed, eps, PREFETCH_ARG);
+                         int K, int A, float scaling, const u16* norm_weight, u16* normed, float eps) {
+  router_cluster<true>(ids, weights, x, gate, bias, T, E, K, A, scaling, norm_weight, normed, eps);
 }

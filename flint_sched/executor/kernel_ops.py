@@ -70,12 +70,6 @@ FOLD_NORMS = False
 # Prepared without a GPU (session 32): off until measured (benchmarks/ab_decode.py at 1 and 4).
 ROUTER_NORMS = False
 
-# Fused steps: the cluster router asks L2 for its chosen experts' gate/up weights as soon as it has
-# chosen them (kernels/moe.py `route(..., prefetch=)`), so the gate/up kernel, which can only load
-# them after the router is done, reads them from L2. Prepared without a GPU (session 32): off until
-# measured (benchmarks/ab_decode.py at 1 and 4 requests).
-ROUTER_PREFETCH = False
-
 # Fused steps run their layers as one persistent launch (kernels/decode_step.py, cuda/decode_step.cu:
 # the kernels' bodies as tasks on counters, no kernel boundaries; the step one graph of a few
 # launches: cuda_executor._decode); the LM head stays as it is. Prepared without a GPU (session 30): off until measured against the
@@ -318,17 +312,15 @@ class KernelOps:
         experts, shared = self._experts(i)
         out = self._other(residual)
         if self.variant == "fused":
-            prefetch = (experts[0], experts[1]) if ROUTER_PREFETCH else None
             if self._router_norms(x, router):
                 normed = torch.empty_like(x.h)
                 ids, weights = route(x.h, router, bias, c.num_experts_per_tok, c.routed_scaling_factor,
-                                     pdl=self.pdl, norm_weight=w[x.weight], norm_eps=self.eps, normed=normed,
-                                     prefetch=prefetch)
+                                     pdl=self.pdl, norm_weight=w[x.weight], norm_eps=self.eps, normed=normed)
                 x = normed
             else:
                 x = self._normed(x)
                 ids, weights = route(x, router, bias, c.num_experts_per_tok, c.routed_scaling_factor,
-                                     pdl=self.pdl, workspace=self.ws.router, prefetch=prefetch)
+                                     pdl=self.pdl, workspace=self.ws.router)
             hidden = torch.empty(self.rows, c.num_experts_per_tok + 1, c.moe_intermediate_size,
                                  dtype=torch.bfloat16, device=x.device)
             hidden = moe_gate_up(x, ids, experts[0], experts[1], shared[0], shared[1], out=hidden, pdl=self.pdl)

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from flint_sched.kernels._runtime import F32, I32, U32, Kernel, compile_kernel
+from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.linear import (MAX_TOKENS, Weight, cdiv, check_activations, check_tensor, output,
                                         weight_args, weight_format, x_batch)
 from flint_sched.kernels.norm import MAX_HIDDEN
@@ -64,16 +64,13 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
           ids: torch.Tensor | None = None, weights: torch.Tensor | None = None,
           workspace: torch.Tensor | None = None, pdl: bool = False,
           cluster: bool | None = None, norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
-          normed: torch.Tensor | None = None,
-          prefetch: tuple[Weight, Weight] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          normed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert ids int32 [T, A], weights fp32 [T, A]) as `route()` in model/reference.py.
 
     cluster: use the one-cluster kernel (gate in shared memory, no workspace); None: whenever it
     fits (`cluster_router_bytes`) and CLUSTER_ROUTER is set, as for Flint's 256 x 2048 gate.
     norm_weight: x is unnormalized; the router reads rms_norm(x, norm_weight, norm_eps) and writes
     it to `normed` (bf16 [T, H]), bit for bit as kernels/norm.py `rms_norm`. The cluster kernel only.
-    prefetch: the expert stacks (gate, up) [E, I, H] whose chosen experts the cluster router asks L2
-    for once it has chosen them (a hint for moe_gate_up; the ticket router ignores it).
     """
     check_activations(x)
     t, k = x.shape
@@ -97,7 +94,7 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
                              f"to normalize) and its gate in {CLUSTER_MAX_SHARED} bytes of shared memory; "
                              f"got {e} x {k}")
         name, args = "router_topk_cluster", [ids, weights, x, gate, bias, I32(t), I32(e), I32(k), I32(top_k),
-                                             F32(scaling), *_prefetch_args(prefetch, e, k, x.device)]
+                                             F32(scaling)]
         if norm_weight is not None:
             check_tensor(norm_weight, "norm_weight", torch.bfloat16, (k,), x.device)
             normed = _out(normed, "normed", torch.bfloat16, (t, k), x)
@@ -123,22 +120,6 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
         [ids, weights, x, gate, bias, partial, ticket, I32(t), I32(e), I32(k), I32(top_k), F32(scaling)],
         shared_bytes=t * e * 4, pdl=pdl, device=x.device.index)
     return ids, weights
-
-
-def _prefetch_args(prefetch: tuple[Weight, Weight] | None, num_experts: int, hidden: int,
-                   device: torch.device) -> list:
-    """router.cu's PREFETCH_PARAMS: gate and up codes, their scales, an expert's bytes of each."""
-    if prefetch is None:
-        return [None] * 4 + [U32(0), U32(0)]
-    gate, up = prefetch
-    fmt = weight_format(gate, up)
-    inter = gate.shape[1]
-    stack = (num_experts, inter, hidden)
-    g = weight_args(gate, "gate", stack, device, num_experts)
-    u = weight_args(up, "up", stack, device, num_experts)
-    if fmt == "nvfp4":
-        return [g[0], u[0], g[1], u[1], U32(inter * hidden // 2), U32(inter * hidden // 16)]
-    return [g[0], u[0], None, None, U32(inter * hidden * 2), U32(0)]
 
 
 def router_splits(num_experts: int, hidden: int) -> int:

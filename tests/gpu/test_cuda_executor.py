@@ -208,14 +208,12 @@ def test_dense_bf16_copies_change_no_logit(ckpt, monkeypatch):
         assert (r1, p1) == (r2, p2) and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("flag", ["FUSE_QK_ATTENTION", "ROUTER_NORMS", "ROUTER_PREFETCH"],
-                         ids=["qk_norm_inside", "router_norms", "router_prefetch"])
+@pytest.mark.parametrize("flag", ["FUSE_QK_ATTENTION", "ROUTER_NORMS"], ids=["qk_norm_inside", "router_norms"])
 def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag):
     """Fused decode steps whose attention kernels do the Q/K norms, RoPE and K/V write
     (kernel_ops.FUSE_QK_ATTENTION: cuda/decode_attention_qk.cu), or whose router does the norm before
     the MoE (kernel_ops.ROUTER_NORMS), give the launches' logits bit for bit, graphs and eager,
-    prompts on both sides of the window, 1 to 6 rows; so does the router's prefetch of the chosen
-    experts (kernel_ops.ROUTER_PREFETCH, a hint)."""
+    prompts on both sides of the window, 1 to 6 rows."""
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (3, 600, 37, 515, 90, 1)]
     limits = [2, 7, 3, 6, 4, 5]
@@ -223,15 +221,14 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
     monkeypatch.setattr(kernel_ops, flag, True)
     normalizing = []
     route = kernel_ops.route
-    monkeypatch.setattr(kernel_ops, "route", lambda *a, **kw: normalizing.append(
-        kw.get("norm_weight" if flag == "ROUTER_NORMS" else "prefetch") is not None) or route(*a, **kw))
+    monkeypatch.setattr(kernel_ops, "route", lambda *a, **kw: normalizing.append("norm_weight" in kw) or route(*a, **kw))
     for graphs in (True, False):
         inside, out_inside, _ = run(ckpt, prompts, limits, seqs=6, budget=4096, use_graphs=graphs)
         assert "fused" in run.paths
         if flag == "FUSE_QK_ATTENTION":
             assert run.executor.ws._q_slots is not None
         else:
-            assert normalizing and all(normalizing), f"{flag}: the router did not take it"
+            assert normalizing and all(normalizing)
         assert out_inside == out_apart
         for (r1, p1, a), (r2, p2, b) in zip(apart, inside, strict=True):
             assert (r1, p1) == (r2, p2) and torch.equal(a, b)
