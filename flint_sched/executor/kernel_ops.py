@@ -67,8 +67,11 @@ FOLD_NORMS = False
 # Fused steps: the norm before the MoE is done by the cluster router (kernels/moe.py `route(...,
 # norm_weight=)`), which reads the row unnormalized, normalizes it with the norm kernel's bits and
 # writes it out for the experts: a launch and a dependent hop less an MoE layer, the same bits.
-# Prepared without a GPU (session 32): off until measured (benchmarks/ab_decode.py at 1 and 4).
-ROUTER_NORMS = False
+# Measured on the H200 (NVFP4, 1K, benchmarks/ab_decode.py, RESULTS.md session 32), ms a step, two
+# machines: batch 1 2.33 -> 2.05-2.10 and 2.31 -> 2.22-2.24; batch 4 3.30 -> 3.04-3.15 and 3.30 ->
+# 3.24-3.25; batch 6 3.97 -> 3.95-3.96. (The router asking L2 for its chosen experts' gate/up
+# weights, tried beside it, lost: 2.33 -> 2.84 at batch 1, 3.3 -> 5.9 at 4.)
+ROUTER_NORMS = True
 
 # Fused steps run their layers as one persistent launch (kernels/decode_step.py, cuda/decode_step.cu:
 # the kernels' bodies as tasks on counters, no kernel boundaries; the step one graph of a few

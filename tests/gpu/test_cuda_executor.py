@@ -217,6 +217,7 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (3, 600, 37, 515, 90, 1)]
     limits = [2, 7, 3, 6, 4, 5]
+    monkeypatch.setattr(kernel_ops, flag, False)
     apart, out_apart, _ = run(ckpt, prompts, limits, seqs=6, budget=4096)
     monkeypatch.setattr(kernel_ops, flag, True)
     normalizing = []
