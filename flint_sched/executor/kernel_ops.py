@@ -59,9 +59,10 @@ FUSE_NORMS = True
 GEMV_MAX_ROWS = {"nvfp4": 16, "bf16": 16}
 
 # Fused steps: an RMSNorm whose reader is a GEMV (the next layer's q/k/v, the LM head) is done inside
-# that GEMV (kernels/linear.py `norm_weight`): a launch and a dependent hop less a layer. The norm
-# before the MoE (router and experts read it) still launches. Prepared without a GPU (session 29):
-# off until measured (benchmarks/ab_decode.py at 1 and 8 requests).
+# that GEMV (kernels/linear.py `norm_weight`): a launch and a dependent hop less a layer (the norm
+# before the MoE: ROUTER_NORMS). Measured on the H200 (NVFP4, 1K, RESULTS.md session 32), ms a step:
+# batch 1 2.32 / 2.18 against 2.33 / 2.33, with ROUTER_NORMS 2.25 / 2.23 against 2.22 / 2.24; batch 4
+# and 6 even. No gain beyond the runs' spread: off.
 FOLD_NORMS = False
 
 # Fused steps: the norm before the MoE is done by the cluster router (kernels/moe.py `route(...,
@@ -80,8 +81,10 @@ ROUTER_NORMS = True
 PERSISTENT = False
 # Fused steps: the attention kernel does the Q/K norms, RoPE and K/V write of its KV head itself
 # (kernels/attention.py QKNorm, cuda/decode_attention_qk.cu; the persistent step's FUSE_QK prologue):
-# one launch and one dependent hop a layer fewer, the same bits. Prepared without a GPU (session
-# 31): off until measured (benchmarks/ab_decode.py at 1 and 4 requests).
+# one launch and one dependent hop a layer fewer, the same bits. Measured on the H200 (NVFP4, 1K,
+# RESULTS.md session 32), ms a step: batch 1 2.39 / 2.40 against 2.33 / 2.33 (with ROUTER_NORMS
+# 2.33 / 2.32 against 2.22 / 2.24), batch 4 3.18 / 3.28 against 3.30 / 3.32: each of the 64
+# attention CTAs normalizing its 8 query heads after the wait costs more than the launch. Off.
 FUSE_QK_ATTENTION = False
 
 # Prompt steps: their leading one-row entries (the decodes beside the chunks of a mixed step) attend
