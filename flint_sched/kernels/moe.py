@@ -32,7 +32,10 @@ CLUSTER_MAX_SHARED = 200 * 1024    # its dynamic shared memory at most (the H200
 # (an A/B switch for benchmarks/ab_decode.py: the cluster launch left the GPU idle around it when it
 # also sorted, at 9-16 rows, RESULTS.md session 14; here it won at batch 1 and 8 in session 3).
 CLUSTER_ROUTER = True
-DOWN_THREADS = 512
+# Warps of a moe_down CTA (cuda/moe.cu MOE_DOWN_WARPS; one CTA per 16 outputs). 16 warps take
+# ~48 K registers, so a down CTA can only start on an SM once gate/up's CTAs leave it; 8 or 4 fit
+# beside them (an A/B switch, measured in RESULTS.md session 32).
+DOWN_WARPS = 16
 
 
 @functools.cache
@@ -51,8 +54,10 @@ def gate_up_warps(fmt: str, tokens: int) -> int:
 
 def _moe_kernel(name: str, fmt: str, warps: int) -> Kernel:
     """moe_gate_up_* or moe_down_* of cuda/moe.cu, both from one compiled variant per (format,
-    gate/up warps) (MOE_GATE_UP_WARPS shapes gate/up only, X_BATCH both)."""
-    return _kernel("moe.cu", f"{name}_{fmt}", (("MOE_GATE_UP_WARPS", warps), ("X_BATCH", x_batch(fmt))))
+    gate/up warps, down warps) (MOE_GATE_UP_WARPS shapes gate/up only, MOE_DOWN_WARPS down only,
+    X_BATCH both)."""
+    return _kernel("moe.cu", f"{name}_{fmt}", (("MOE_GATE_UP_WARPS", warps), ("MOE_DOWN_WARPS", DOWN_WARPS),
+                                               ("X_BATCH", x_batch(fmt))))
 
 
 def router_workspace(num_experts: int, device: torch.device | str, max_tokens: int = MAX_TOKENS) -> torch.Tensor:
@@ -193,7 +198,7 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor, 
         check_tensor(residual, "residual", torch.bfloat16, (t, n), h.device, 2)
     y = output(out, "out", (t, n), h)
     _moe_kernel("moe_down", fmt, gate_up_warps(fmt, t)).launch(
-        (cdiv(n, 16),), (DOWN_THREADS,),
+        (cdiv(n, 16),), (32 * DOWN_WARPS,),
         [y, h, ids, routing_weights, *args, I32(int(has_shared)), residual, I32(t), I32(a), I32(n), I32(i),
          I32(num_experts)], pdl=pdl, device=h.device.index)
     return y

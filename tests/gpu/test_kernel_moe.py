@@ -5,6 +5,7 @@ cannot blur an expert-kernel failure), then end to end against `FlintReference.m
 """
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from flint_sched.model.weights import tensor_specs
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize
 from gpu_checks import assert_close_bf16 as close_bf16
 from gpu_checks import gen
+
+moe_kernels = importlib.import_module("flint_sched.kernels.moe")   # the package exports a function `moe`
 
 pytestmark = pytest.mark.gpu
 
@@ -163,8 +166,11 @@ def test_router_that_normalizes_matches_the_norm_then_the_router(tokens, shape):
 # ---- experts ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("down_warps", [16, 8, 4])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_moe_experts_real_shapes(real_experts, tokens):
+def test_moe_experts_real_shapes(real_experts, tokens, down_warps, monkeypatch):
+    """Gate/up, then down on CTAs of `down_warps` warps (kernels/moe.py DOWN_WARPS)."""
+    monkeypatch.setattr(moe_kernels, "DOWN_WARPS", down_warps)
     fmt, p = real_experts
     a, hidden, inter = REAL["top_k"], REAL["hidden"], REAL["inter"]
     g = gen(100 + tokens)
