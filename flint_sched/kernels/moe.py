@@ -33,8 +33,9 @@ CLUSTER_MAX_SHARED = 200 * 1024    # its dynamic shared memory at most (the H200
 # also sorted, at 9-16 rows, RESULTS.md session 14; here it won at batch 1 and 8 in session 3).
 CLUSTER_ROUTER = True
 # Warps of a moe_down CTA (cuda/moe.cu MOE_DOWN_WARPS; one CTA per 16 outputs). 16 warps take
-# ~48 K registers, so a down CTA can only start on an SM once gate/up's CTAs leave it; 8 or 4 fit
-# beside them (an A/B switch, measured in RESULTS.md session 32).
+# ~48 K registers, so a down CTA can only start on an SM once gate/up's CTAs leave it; 8 or 4 would
+# fit beside them, but lose: NVFP4 at 1K, ms a step at 1 / 4 / 6 requests, 16 warps 2.01 / 3.02 /
+# 3.71, 8 warps 2.01 / 3.16 / 3.95, 4 warps 2.14 / 3.64 / 4.60 (H200, RESULTS.md session 32).
 DOWN_WARPS = 16
 
 
