@@ -101,7 +101,8 @@ __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
 // arithmetic in its order (a thread's vectors v = threadIdx.x + i * 256 summed with norm_unpack, then
 // warp_sum, then the warps in order: the bits of `rms_norm`'s launch, whose CTA has 256 threads, or
 // fewer whose missing warps add exact zeros here). CTA `rank` also writes vectors v % RC_CTAS == rank
-// of each row to `normed` (the experts' input).
+// of each row to `normed` (the experts' input) when WRITE.
+template <bool WRITE = true>
 __device__ __forceinline__ void router_norm_rows(unsigned char* x_smem, int pitch, const uint4 (&wv)[NORM_MAX_VEC],
                                                  u16* normed, u32 rank, int T, int K, float eps) {
   __shared__ float part[8][RC_WARPS];
@@ -137,7 +138,7 @@ __device__ __forceinline__ void router_norm_rows(unsigned char* x_smem, int pitc
       for (int j = 0; j < 4; ++j)
         o[j] = pack_bf16x2(bf16x2_lo(xw[j]) * inv * bf16x2_lo(ww[j]), bf16x2_hi(xw[j]) * inv * bf16x2_hi(ww[j]));
       *at = make_uint4(o[0], o[1], o[2], o[3]);
-      if (v % RC_CTAS == (int)rank) *reinterpret_cast<uint4*>(normed + (size_t)b * K + 8 * v) = *at;
+      if (WRITE && v % RC_CTAS == (int)rank) *reinterpret_cast<uint4*>(normed + (size_t)b * K + 8 * v) = *at;
     }
   }
   __syncthreads();
@@ -145,7 +146,100 @@ __device__ __forceinline__ void router_norm_rows(unsigned char* x_smem, int pitc
 
 // Dynamic shared memory, rows `pitch` = 2K + 16 bytes apart (the pad puts the 8 rows of every
 // ldmatrix, and the 8 token rows of the B fragments, in distinct banks):
-//   gate rows [tiles * 16][pitch] | x [T][pitch] | scores [T][E] fp32 (CTA 0's are the ones used) | bias [E]
+//   gate rows [tiles * 16][pitch] | x [T][pitch] | scores [T][E] fp32 | bias [E]
+// The phases below are shared with moe_fused.cu, which routes in every cluster of its grid.
+struct RouterSmem {
+  unsigned char* w;  // this CTA's gate rows: experts e0 .. e0 + n_rows - 1
+  unsigned char* x;
+  float* scores;     // [T][E]: filled by every CTA of the cluster (DSMEM)
+  float* bias;
+  int pitch, tiles, e0, n_rows;
+};
+
+// w_bytes: the room before x at least (moe_fused.cu reuses it once routed).
+__device__ __forceinline__ RouterSmem router_smem(unsigned char* smem, u32 rank, int T, int E, int K,
+                                                  int w_bytes = 0) {
+  RouterSmem s;
+  const int per_cta = (E + RC_CTAS - 1) / RC_CTAS;
+  s.tiles = (per_cta + 15) / 16;
+  s.e0 = rank * per_cta;
+  s.n_rows = max(0, min(per_cta, E - s.e0));
+  s.pitch = 2 * K + 16;
+  s.w = smem;
+  s.x = s.w + max(w_bytes, s.tiles * 16 * s.pitch);
+  s.scores = reinterpret_cast<float*>(s.x + T * s.pitch);
+  s.bias = s.scores + T * E;
+  return s;
+}
+
+// Before the wait (warp 0): this CTA's gate rows, one bulk copy per row, completing on `bar`
+// (initialized for one arrival).
+__device__ __forceinline__ void router_load_gate(const RouterSmem& s, const u16* gate, u32 bar, int K) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp == 0) {
+    if (lane == 0) mbarrier_arrive_expect_tx(bar, (u32)s.n_rows * K * 2);
+    __syncwarp();
+    for (int r = lane; r < s.n_rows; r += 32)
+      bulk_copy_g2s(smem_addr(s.w + r * s.pitch), gate + (size_t)(s.e0 + r) * K, K * 2, bar);
+  }
+}
+
+// After the wait, every thread: x's rows into shared memory; NORM: normalized there in place
+// (router_norm_rows, which writes them to `normed` too when WRITE).
+template <bool NORM, bool WRITE = true>
+__device__ __forceinline__ void router_stage_x(const RouterSmem& s, const u16* x, const uint4 (&wv)[NORM_MAX_VEC],
+                                               u16* normed, u32 rank, int T, int K, float eps) {
+  for (int i = threadIdx.x; i < T * (K / 8); i += blockDim.x) {
+    const int b = i / (K / 8), c = i - b * (K / 8);
+    *reinterpret_cast<uint4*>(s.x + b * s.pitch + 16 * c) = ld_act_v4(x + (size_t)b * K + 8 * c);
+  }
+  __syncthreads();
+  if constexpr (NORM) router_norm_rows<WRITE>(s.x, s.pitch, wv, normed, rank, T, K, eps);
+}
+
+// Every thread: this CTA's logits on tensor cores (D[16 rows][8 tokens] += W . x^T, once the gate
+// rows have landed on `bar`), their sigmoid into the scores of cluster CTAs first_rank..last_rank
+// (distributed shared memory). Called after a cluster_arrive_relaxed of this CTA (every CTA has
+// started before any writes); returns once every CTA's scores are in place.
+__device__ __forceinline__ void router_scores(const RouterSmem& s, float* red, u32 bar, int T, int E, int K,
+                                              u32 first_rank, u32 last_rank) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  mbarrier_wait_parity(bar, 0);
+  // Warp -> (tile, k range)
+  const int warps_per_tile = RC_WARPS / s.tiles, tile = warp / warps_per_tile, split = warp - tile * warps_per_tile;
+  const int steps = K / 16, s_begin = split * steps / warps_per_tile, s_end = (split + 1) * steps / warps_per_tile;
+  const int a_row = tile * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, a_k = (lane >> 4) * 8;
+  const u32 a_base = smem_addr(s.w + a_row * s.pitch + a_k * 2);
+  const u32 b_base = smem_addr(s.x + g * s.pitch + 4 * t);
+  const bool has_token = g < T;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int k = s_begin; k < s_end; ++k) {
+    u32 a[4];
+    ldmatrix_x4(a, a_base + 32 * k);
+    const u32 b0 = has_token ? ld_shared_u32(b_base + 32 * k) : 0u;
+    const u32 b1 = has_token ? ld_shared_u32(b_base + 32 * k + 16) : 0u;
+    mma_bf16_16x8x16(acc, a[0], a[1], a[2], a[3], b0, b1);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) red[(warp * 4 + i) * 32 + lane] = acc[i];
+  __syncthreads();
+
+  // Thread -> (row r of this CTA, token b): sum the tile's warps in order, sigmoid, into the CTAs.
+  cluster_wait_acquire();
+  const int r = threadIdx.x >> 3, b = threadIdx.x & 7;
+  if (r < s.n_rows && b < T) {
+    const int rt = r & 15, first = (r >> 4) * warps_per_tile;
+    const int src_lane = (rt & 7) * 4 + (b >> 1), i = ((rt >> 3) << 1) | (b & 1);
+    float logit = 0.0f;
+    for (int w = first; w < first + warps_per_tile; ++w) logit += red[(w * 4 + i) * 32 + src_lane];
+    const float score = 1.0f / (1.0f + expf(-logit));
+    const u32 at = smem_addr(s.scores + b * E + s.e0 + r);
+    for (u32 q = first_rank; q <= last_rank; ++q) st_cluster_f32(cluster_map(at, q), score);
+  }
+  cluster_arrive_release();
+  cluster_wait_acquire();
+}
+
 // NORM: x is the residual stream h; the router reads rms_norm(h, norm_weight), which it also
 // writes to `normed` (router_norm_rows): the post-attention norm's launch folded in.
 template <bool NORM>
@@ -156,78 +250,29 @@ __device__ __forceinline__ void router_cluster(int* ids, float* weights, const u
   __shared__ u64 bar;
   __shared__ float red[RC_WARPS * 4 * 32];
   pdl_launch_dependents();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const u32 rank = cluster_ctarank();
-  const int per_cta = (E + RC_CTAS - 1) / RC_CTAS, tiles = (per_cta + 15) / 16;
-  const int e0 = rank * per_cta, n_rows = max(0, min(per_cta, E - e0));
-  const int pitch = 2 * K + 16;
-  unsigned char* w_smem = smem;
-  unsigned char* x_smem = w_smem + tiles * 16 * pitch;
-  float* scores = reinterpret_cast<float*>(x_smem + T * pitch);
-  float* bias_smem = scores + T * E;
+  const RouterSmem s = router_smem(smem, rank, T, E, K);
 
-  // Before the wait: this CTA's gate rows (one bulk copy per row), CTA 0 also the bias.
+  // Before the wait: this CTA's gate rows, CTA 0 also the bias.
   const u32 bar_addr = smem_addr(&bar);
   if (threadIdx.x == 0) {
     mbarrier_init(bar_addr, 1);
     fence_mbarrier_init();
   }
   __syncthreads();
-  if (warp == 0) {
-    if (lane == 0) mbarrier_arrive_expect_tx(bar_addr, (u32)n_rows * K * 2);
-    __syncwarp();
-    for (int r = lane; r < n_rows; r += 32)
-      bulk_copy_g2s(smem_addr(w_smem + r * pitch), gate + (size_t)(e0 + r) * K, K * 2, bar_addr);
-  }
+  router_load_gate(s, gate, bar_addr, K);
   if (rank == 0)
-    for (int e = threadIdx.x; e < E; e += blockDim.x) bias_smem[e] = bias[e];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) s.bias[e] = bias[e];
   cluster_arrive_relaxed();  // every CTA has started: waited on before writing into CTA 0
   uint4 wv[NORM_MAX_VEC];
   if constexpr (NORM) norm_weight_load(wv, norm_weight, K / 8);
 
   pdl_wait();
-  for (int i = threadIdx.x; i < T * (K / 8); i += blockDim.x) {
-    const int b = i / (K / 8), c = i - b * (K / 8);
-    *reinterpret_cast<uint4*>(x_smem + b * pitch + 16 * c) = ld_act_v4(x + (size_t)b * K + 8 * c);
-  }
-  __syncthreads();
-  if constexpr (NORM) router_norm_rows(x_smem, pitch, wv, normed, rank, T, K, eps);
-  mbarrier_wait_parity(bar_addr, 0);
-
-  // Warp -> (tile, k range); D[16 rows][8 tokens] += W . x^T on tensor cores.
-  const int warps_per_tile = RC_WARPS / tiles, tile = warp / warps_per_tile, split = warp - tile * warps_per_tile;
-  const int steps = K / 16, s_begin = split * steps / warps_per_tile, s_end = (split + 1) * steps / warps_per_tile;
-  const int a_row = tile * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, a_k = (lane >> 4) * 8;
-  const u32 a_base = smem_addr(w_smem + a_row * pitch + a_k * 2);
-  const u32 b_base = smem_addr(x_smem + g * pitch + 4 * t);
-  const bool has_token = g < T;
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int s = s_begin; s < s_end; ++s) {
-    u32 a[4];
-    ldmatrix_x4(a, a_base + 32 * s);
-    const u32 b0 = has_token ? ld_shared_u32(b_base + 32 * s) : 0u;
-    const u32 b1 = has_token ? ld_shared_u32(b_base + 32 * s + 16) : 0u;
-    mma_bf16_16x8x16(acc, a[0], a[1], a[2], a[3], b0, b1);
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) red[(warp * 4 + i) * 32 + lane] = acc[i];
-  __syncthreads();
-
-  // Thread -> (row r of this CTA, token b): sum the tile's warps in order, sigmoid, into CTA 0.
-  cluster_wait_acquire();
-  const int r = threadIdx.x >> 3, b = threadIdx.x & 7;
-  if (r < n_rows && b < T) {
-    const int rt = r & 15, first = (r >> 4) * warps_per_tile;
-    const int src_lane = (rt & 7) * 4 + (b >> 1), i = ((rt >> 3) << 1) | (b & 1);
-    float logit = 0.0f;
-    for (int w = first; w < first + warps_per_tile; ++w) logit += red[(w * 4 + i) * 32 + src_lane];
-    st_cluster_f32(cluster_map(smem_addr(scores + b * E + e0 + r), 0), 1.0f / (1.0f + expf(-logit)));
-  }
-  cluster_arrive_release();
-  cluster_wait_acquire();
+  router_stage_x<NORM>(s, x, wv, normed, rank, T, K, eps);
+  router_scores(s, red, bar_addr, T, E, K, 0, 0);
   if (rank != 0) return;
-  for (int tok = warp; tok < T; tok += RC_WARPS)
-    router_select(ids + tok * A, weights + tok * A, scores + tok * E, bias_smem, E, A, scaling);
+  for (int tok = threadIdx.x >> 5; tok < T; tok += RC_WARPS)
+    router_select(ids + tok * A, weights + tok * A, s.scores + tok * E, s.bias, E, A, scaling);
 }
 
 extern "C" __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32)

@@ -1,4 +1,4 @@
-"""kernel_ops.FOLD_NORMS and ROUTER_NORMS on the CPU: the fused path's forward over recording stand-ins
+"""kernel_ops.FOLD_NORMS, ROUTER_NORMS and FUSED_MOE on the CPU: the fused path's forward over recording stand-ins
 for the kernels, counting which RMSNorms launch and which GEMVs and routers take a norm's weight (the
 kernels themselves are checked on the GPU: tests/gpu/test_kernel_linear.py, test_kernel_moe.py,
 test_cuda_executor.py)."""
@@ -55,7 +55,7 @@ def fused_forward(config, rows=2):
         range(c.num_hidden_layers)), full={j: (None, None) for j in range(c.num_hidden_layers)},
         full_index=list(range(c.num_hidden_layers)))
     weights = kernel_ops.KernelWeights(c, Weights(c), qkv, kv, SimpleNamespace(router=None, attention=None,
-                                                                               argmax=None))
+                                                                               argmax=None, moe_counters=None))
     inputs = SimpleNamespace(num_rows=None, tokens=None, sources=None, sampled=None, table_scatter=None,
                              positions=torch.zeros(rows), ring_slots=torch.zeros(rows),
                              block_tables=torch.zeros(rows, 1), seq_lens=torch.zeros(rows), max_model_len=64,
@@ -83,3 +83,34 @@ def test_folded_norms_leave_only_the_norms_the_kernels_cannot_take(monkeypatch, 
     assert calls.count("route+norm") == (moe_layers if router else 0)
     folded = [c for c in calls if isinstance(c, tuple) and c[2]]
     assert folded == ([("linear", qkv_rows, True)] * layers + [("linear", config.vocab_size, True)] if fold else [])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_the_one_launch_moe_takes_each_moe_block_with_its_norm(monkeypatch, fmt):
+    """kernel_ops.FUSED_MOE: with NVFP4 experts each MoE layer is one moe_fused launch over the row
+    before its norm (no router, no expert launches, no post-attention norm); BF16 experts keep the
+    three launches."""
+    config = preset("flint-tiny")
+    calls = []
+    stand_ins(monkeypatch, calls)
+    monkeypatch.setattr(kernel_ops, "FUSED_MOE", True)
+    monkeypatch.setattr(kernel_ops, "ROUTER_NORMS", False)
+    monkeypatch.setattr(kernel_ops, "weight_format", lambda *w: fmt)
+    monkeypatch.setattr(kernel_ops, "fused_moe_bytes", lambda *shape: 1)
+
+    def moe_fused(x, norm_weight, eps, router, bias, top_k, scaling, *weights_and_counters, residual, out, pdl):
+        assert len(weights_and_counters) == 7 and x.data_ptr() == residual.data_ptr() != out.data_ptr()
+        calls.append("moe_fused")
+        return out
+
+    monkeypatch.setattr(kernel_ops, "moe_fused", moe_fused)
+    monkeypatch.setattr(kernel_ops, "moe_gate_up", lambda *a, **kw: calls.append("moe_gate_up") or kw["out"])
+    fused_forward(config)
+    layers = config.num_hidden_layers
+    moe_layers = sum(config.is_moe(i) for i in range(layers))
+    if fmt == "nvfp4":
+        assert calls.count("moe_fused") == moe_layers and "moe_gate_up" not in calls
+        assert calls.count("norm") == layers + 1 + layers - moe_layers
+    else:
+        assert "moe_fused" not in calls and calls.count("moe_gate_up") == moe_layers
+        assert calls.count("norm") == 2 * layers + 1

@@ -32,7 +32,7 @@ from flint_sched.kernels.embedding import embed_tokens
 from flint_sched.kernels.grouped import grouped_gate_up, grouped_linear
 from flint_sched.kernels.grouped_moe import moe_grouped
 from flint_sched.kernels.linear import MAX_TOKENS, gate_up_silu, linear, weight_format
-from flint_sched.kernels.moe import moe_down, moe_gate_up, route, router_normalizes
+from flint_sched.kernels.moe import fused_moe_bytes, moe_down, moe_fused, moe_gate_up, route, router_normalizes
 from flint_sched.kernels.norm import rms_norm
 from flint_sched.kernels.prefill_attention import (
     PrefillMetadata,
@@ -74,6 +74,14 @@ FOLD_NORMS = False
 # weights, tried beside it, lost: 2.33 -> 2.84 at batch 1, 3.3 -> 5.9 at 4.)
 ROUTER_NORMS = True
 
+# Fused steps with NVFP4 experts run each MoE block (the norm before it, the router, gate/up, down)
+# as one launch (kernels/moe.py `moe_fused`, cuda/moe_fused.cu): every cluster routes for itself,
+# each CTA copies the chosen experts' weights it needs into shared memory at once, and down waits on
+# gate/up through a grid-wide counter instead of a kernel boundary; the same bits as ROUTER_NORMS'
+# three launches. Built without a GPU (session 33): off until its GPU tests pass and
+# benchmarks/ab_decode.py measures it at 1-6 requests.
+FUSED_MOE = False
+
 # Fused steps run their layers as one persistent launch (kernels/decode_step.py, cuda/decode_step.cu:
 # the kernels' bodies as tasks on counters, no kernel boundaries; the step one graph of a few
 # launches: cuda_executor._decode); the LM head stays as it is. Prepared without a GPU (session 30): off until measured against the
@@ -98,9 +106,9 @@ DECODES_APART = True
 
 @dataclass(frozen=True)
 class Unnormed:
-    """rms_norm(h, weight) not computed yet (FOLD_NORMS, ROUTER_NORMS): a GEMV (FOLD_NORMS) or the
-    router (ROUTER_NORMS) that reads it normalizes on the fly, any other reader has it computed first
-    (`KernelOps._normed`)."""
+    """rms_norm(h, weight) not computed yet (FOLD_NORMS, ROUTER_NORMS, FUSED_MOE): a GEMV (FOLD_NORMS),
+    the router (ROUTER_NORMS) or the one-launch MoE (FUSED_MOE) that reads it normalizes on the fly,
+    any other reader has it computed first (`KernelOps._normed`)."""
 
     h: torch.Tensor
     weight: str
@@ -186,7 +194,7 @@ class KernelOps:
         return h
 
     def rms_norm(self, x: torch.Tensor, weight: str) -> torch.Tensor | Unnormed:
-        if (FOLD_NORMS or ROUTER_NORMS) and self.variant == "fused":
+        if (FOLD_NORMS or ROUTER_NORMS or FUSED_MOE) and self.variant == "fused":
             return Unnormed(x, weight)
         return rms_norm(x, self.w[weight], self.eps, out=torch.empty_like(x), pdl=self.pdl)
 
@@ -318,6 +326,11 @@ class KernelOps:
         experts, shared = self._experts(i)
         out = self._other(residual)
         if self.variant == "fused":
+            if self._fused_moe(x, router, experts, shared):
+                h = moe_fused(x.h, w[x.weight], self.eps, router, bias, c.num_experts_per_tok,
+                              c.routed_scaling_factor, *experts, *shared, self.ws.moe_counters, residual=residual,
+                              out=out, pdl=self.pdl)
+                return h, None if norm is None else self.rms_norm(h, norm)
             if self._router_norms(x, router):
                 normed = torch.empty_like(x.h)
                 ids, weights = route(x.h, router, bias, c.num_experts_per_tok, c.routed_scaling_factor,
@@ -353,6 +366,13 @@ class KernelOps:
     def _router_norms(self, x: torch.Tensor | Unnormed, router: torch.Tensor) -> bool:
         """Whether the router normalizes x itself (ROUTER_NORMS, on the cluster router only)."""
         return isinstance(x, Unnormed) and ROUTER_NORMS and router_normalizes(*router.shape, self.rows)
+
+    def _fused_moe(self, x: torch.Tensor | Unnormed, router: torch.Tensor, experts: list, shared: list) -> bool:
+        """Whether the MoE block runs as one launch (FUSED_MOE: NVFP4 experts, shapes it takes)."""
+        c = self.c
+        return (FUSED_MOE and isinstance(x, Unnormed) and weight_format(*experts, *shared) == "nvfp4"
+                and fused_moe_bytes(router.shape[0], c.hidden_size, c.moe_intermediate_size, self.rows,
+                                    c.num_experts_per_tok) is not None)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.sample_rows is not None:

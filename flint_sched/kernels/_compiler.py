@@ -213,11 +213,13 @@ def compile_only(source_name: str, defines: Mapping[str, object] | None = None, 
 
 @dataclass(frozen=True)
 class ResourceUsage:
-    """What ptxas reports for one entry point: registers a thread, stack frame and spill bytes."""
+    """What ptxas reports for one entry point: registers a thread, stack frame and spill bytes, and its
+    static shared memory."""
     registers: int
     stack_bytes: int
     spill_store_bytes: int
     spill_load_bytes: int
+    shared_bytes: int = 0
 
 
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry function|\Z)", re.S)
@@ -235,7 +237,8 @@ def resource_usage(source_name: str, defines: Mapping[str, object] | None = None
         return int(found.group(1)) if found else 0
 
     return {name: ResourceUsage(number(r"Used (\d+) registers", body), number(r"(\d+) bytes stack frame", body),
-                                number(r"(\d+) bytes spill stores", body), number(r"(\d+) bytes spill loads", body))
+                                number(r"(\d+) bytes spill stores", body), number(r"(\d+) bytes spill loads", body),
+                                number(r"(\d+) bytes smem", body))
             for name, body in _PTXAS_ENTRY.findall(log)}
 
 

@@ -215,6 +215,113 @@ def moe(x: torch.Tensor, router_gate: torch.Tensor, router_bias: torch.Tensor, t
     return moe_down(h, ids, weights, down, shared_down, residual)
 
 
+# The one-launch MoE (cuda/moe_fused.cu): its rings of weight slots, its threads and its static
+# shared memory (ptxas: ~10.7 KiB), which leaves this much of the 227 KiB a CTA may have.
+FUSED_GU_SLOTS, FUSED_DOWN_SLOTS = 4, 8
+FUSED_THREADS = 256
+FUSED_MAX_SHARED = 227 * 1024 - 12 * 1024
+
+
+def _slot_bytes(k: int) -> int:
+    """cuda/moe_fused.cu slot_shape: 16 rows of k NVFP4 weights, codes and scales padded."""
+    code_pitch = k // 2 + (64 if (k // 2) % 128 == 0 else 0)
+    return 16 * (code_pitch + k // 16 + 16)
+
+
+def fused_moe_bytes(num_experts: int, hidden: int, intermediate: int, tokens: int, top_k: int) -> int | None:
+    """Dynamic shared memory of moe_fused_nvfp4 (its layout in cuda/moe_fused.cu), or None for
+    shapes it does not take: <= 8 tokens, <= 256 experts (the cluster router's), hidden and
+    intermediate sizes multiples of 256 (whole scale rows a bulk copy), 2-16 k-steps of 128 per
+    down row (a pass of moe_down's 16 warps covers whole experts and fits the down ring)."""
+    if not (1 <= tokens <= MAX_TOKENS and tokens * top_k <= MAX_PAIRS and 1 <= top_k <= min(num_experts, 32)):
+        return None
+    if hidden % 256 or intermediate % 256 or hidden > MAX_HIDDEN or intermediate // 128 not in (2, 4, 8, 16):
+        return None
+    per_cta = cdiv(num_experts, CLUSTER_CTAS)
+    if per_cta > 32:
+        return None
+    pitch = 2 * hidden + 16
+    gate_up, down = _slot_bytes(hidden), _slot_bytes(intermediate)
+    rings = FUSED_GU_SLOTS * gate_up + FUSED_DOWN_SLOTS * down
+    size = max(cdiv(per_cta, 16) * 16 * pitch, rings) + tokens * pitch + tokens * num_experts * 4 + num_experts * 4
+    size = cdiv(size, 16) * 16 + max(gate_up, 16 * 4 * 32 * 4) + down
+    return size if size <= FUSED_MAX_SHARED else None
+
+
+def fused_moe_counters(device: torch.device | str) -> torch.Tensor:
+    """moe_fused's grid-wide counter pair (zero; every launch leaves it zero)."""
+    return torch.zeros(2, dtype=torch.int32, device=device)
+
+
+def moe_fused(x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, router_gate: torch.Tensor,
+              bias: torch.Tensor, top_k: int, scaling: float, gate: Weight, up: Weight, down: Weight,
+              shared_gate: Weight | None, shared_up: Weight | None, shared_down: Weight | None,
+              counters: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+              h: torch.Tensor | None = None, ids: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+              pdl: bool = False) -> torch.Tensor:
+    """residual + MoE(rms_norm(x, norm_weight)) in one launch (cuda/moe_fused.cu), NVFP4 experts:
+    the bits of `route(x, ..., norm_weight=)`, `moe_gate_up` and `moe_down`.
+
+    counters: `fused_moe_counters` (not shared with a launch that may run at the same time);
+    h: the experts' activations [T, top_k + 1, I] (scratch, as moe_gate_up's output); ids / weights:
+    where the routing is written too (both or neither). The grid is as many clusters as the GPU holds
+    at once, so no other kernel may hold SMs for good while it runs (it waits on all its CTAs)."""
+    check_activations(x)
+    t, k = x.shape
+    e = router_gate.shape[0]
+    num_experts, i = gate.shape[0], gate.shape[1]
+    if weight_format(gate, up, down, shared_gate, shared_up, shared_down) != "nvfp4":
+        raise ValueError("moe_fused takes NVFP4 experts only")
+    size = fused_moe_bytes(e, k, i, t, top_k)
+    if size is None or num_experts != e:
+        raise ValueError(f"moe_fused does not take {t} tokens x hidden {k}, {e} router rows, {num_experts} experts "
+                         f"of {i}, top_k {top_k} (see fused_moe_bytes)")
+    check_tensor(router_gate, "router_gate", torch.bfloat16, (e, k), x.device)
+    check_tensor(bias, "bias", torch.float32, (e,), x.device, 4)
+    check_tensor(norm_weight, "norm_weight", torch.bfloat16, (k,), x.device)
+    check_tensor(counters, "counters", torch.int32, (2,), x.device, 4)
+    shared = (shared_gate, shared_up, shared_down)
+    has_shared = shared_gate is not None
+    if any((w is not None) != has_shared for w in shared):
+        raise ValueError("give all of shared_gate, shared_up and shared_down, or none")
+    args = (weight_args(gate, "gate", (e, i, k), x.device, e) + weight_args(up, "up", (e, i, k), x.device, e)
+            + weight_args(down, "down", (e, k, i), x.device, e))
+    if has_shared:
+        args += (weight_args(shared_gate, "shared_gate", (i, k), x.device)
+                 + weight_args(shared_up, "shared_up", (i, k), x.device)
+                 + weight_args(shared_down, "shared_down", (k, i), x.device))
+    else:
+        args += [None] * 9
+    if residual is not None:
+        check_tensor(residual, "residual", torch.bfloat16, (t, k), x.device, 2)
+    y = output(out, "out", (t, k), x)
+    if y.data_ptr() == x.data_ptr():
+        raise ValueError("out must not be x: every CTA reads all of x")
+    h = output(h, "h", (t, top_k + 1, i), x)
+    if (ids is None) != (weights is None):
+        raise ValueError("give both ids and weights, or neither")
+    if ids is not None:
+        ids = _out(ids, "ids", torch.int32, (t, top_k), x)
+        weights = _out(weights, "weights", torch.float32, (t, top_k), x)
+    kernel = _kernel("moe_fused.cu", "moe_fused_nvfp4")
+    device = x.device.index
+    clusters = _fused_clusters(kernel, size, device)
+    kernel.launch((clusters * CLUSTER_CTAS,), (FUSED_THREADS,),
+                  [y, h, x, residual, counters, router_gate, bias, norm_weight, F32(norm_eps), I32(top_k),
+                   F32(scaling), *args, I32(int(has_shared)), ids, weights, I32(t), I32(e), I32(k), I32(i)],
+                  shared_bytes=size, pdl=pdl, device=device)
+    return y
+
+
+@functools.cache
+def _fused_clusters(kernel: Kernel, shared_bytes: int, device: int | None) -> int:
+    clusters = kernel.resident_clusters(FUSED_THREADS, shared_bytes, CLUSTER_CTAS, device)
+    if clusters < 1:
+        raise RuntimeError(f"moe_fused: no cluster of {CLUSTER_CTAS} CTAs with {shared_bytes} bytes of shared "
+                           "memory fits this GPU")
+    return clusters
+
+
 def _check_ids(ids: torch.Tensor, num_tokens: int, device: torch.device) -> int:
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != num_tokens:
         raise ValueError(f"ids must be int32 [{num_tokens}, top_k]")

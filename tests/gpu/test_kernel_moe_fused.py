@@ -1,0 +1,135 @@
+"""moe_fused (cuda/moe_fused.cu): a fused decode step's MoE block in one launch, bit for bit the
+three launches it stands for: the router that normalizes (`route(..., norm_weight=)`), `moe_gate_up`
+and `moe_down` (themselves checked against the reference in test_kernel_moe.py). Flint's shapes and
+a small real-shaped layer, 1-8 rows, with and without the shared expert, the grid as large as the GPU
+holds and small enough that every CTA takes many tiles through its rings, repeated launches and a
+CUDA graph (the counters reset themselves)."""
+
+import importlib
+
+import pytest
+import torch
+
+from flint_sched.kernels.moe import fused_moe_bytes, fused_moe_counters, moe_down, moe_fused, moe_gate_up, route
+from gpu_checks import gen, poisoned
+from moe_checks import make_moe
+
+moe_kernels = importlib.import_module("flint_sched.kernels.moe")   # the package exports a function `moe`
+
+pytestmark = pytest.mark.gpu
+
+FLINT = dict(experts=256, top_k=6, hidden=2048, inter=512)
+SMALL = dict(experts=32, top_k=6, hidden=512, inter=512)     # tests/gpu/gpu_checks.py small_real_config
+NARROW = dict(experts=32, top_k=4, hidden=512, inter=256)    # 2 k-steps a down row: a pass is 8 experts
+SCALING, EPS = 2.5, 1e-5
+
+
+@pytest.fixture(scope="module", params=[FLINT, SMALL, NARROW], ids=["flint", "small", "narrow"])
+def layer(request):
+    shape = request.param
+    p = make_moe("nvfp4", shape, seed=7)
+    p["norm"] = (1 + 0.2 * torch.randn(shape["hidden"], device="cuda", generator=gen(8))).bfloat16()
+    return shape, p
+
+
+def rows(tokens, hidden, seed, same=False):
+    x = (4 * torch.randn(1 if same else tokens, hidden, device="cuda", generator=gen(seed))).bfloat16()
+    return x.expand(tokens, hidden).contiguous() if same else x
+
+
+def three_launches(x, shape, p, shared):
+    normed = torch.empty_like(x)
+    ids, weights = route(x, p["router"], p["bias"], shape["top_k"], SCALING, cluster=True, norm_weight=p["norm"],
+                         norm_eps=EPS, normed=normed)
+    s = (p["shared_gate"], p["shared_up"], p["shared_down"]) if shared else (None, None, None)
+    h = moe_gate_up(normed, ids, p["gate"], p["up"], s[0], s[1])
+    y = moe_down(h, ids, weights, p["down"], s[2], residual=x)
+    return ids, weights, h, y
+
+
+def one_launch(x, shape, p, shared, counters, pdl=False):
+    t, a, i = x.shape[0], shape["top_k"], shape["inter"]
+    s = (p["shared_gate"], p["shared_up"], p["shared_down"]) if shared else (None, None, None)
+    h, ids = poisoned(t, a + 1, i), torch.full((t, a), -1, dtype=torch.int32, device="cuda")
+    weights = torch.full((t, a), float("nan"), device="cuda")
+    y = moe_fused(x, p["norm"], EPS, p["router"], p["bias"], a, SCALING, p["gate"], p["up"], p["down"], *s,
+                  counters, residual=x, out=poisoned(t, shape["hidden"]), h=h, ids=ids, weights=weights, pdl=pdl)
+    return ids, weights, h, y
+
+
+def check_same(got, want, shared, what):
+    ids, weights, h, y = got
+    want_ids, want_weights, want_h, want_y = want
+    assert torch.equal(ids, want_ids), f"{what}: ids {ids.tolist()} against {want_ids.tolist()}"
+    assert torch.equal(weights, want_weights), f"{what}: routing weights differ"
+    slots = h.shape[1] if shared else h.shape[1] - 1        # without a shared expert h[:, A] is not written
+    assert torch.equal(h[:, :slots], want_h[:, :slots]), \
+        f"{what}: h differs in {(h[:, :slots] != want_h[:, :slots]).sum()} of {h[:, :slots].numel()} values"
+    assert torch.equal(y, want_y), f"{what}: y differs in {(y != want_y).sum()} of {y.numel()} values"
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-expert", "no-shared-expert"])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 6, 8])
+def test_one_launch_is_the_three_launches_bit_for_bit(layer, tokens, shared):
+    shape, p = layer
+    assert fused_moe_bytes(shape["experts"], shape["hidden"], shape["inter"], tokens, shape["top_k"]) is not None
+    x = rows(tokens, shape["hidden"], seed=tokens)
+    counters = fused_moe_counters("cuda")
+    want = three_launches(x, shape, p, shared)
+    for launch in range(3):
+        check_same(one_launch(x, shape, p, shared, counters, pdl=launch > 0), want, shared,
+                   f"T={tokens} launch {launch}")
+        assert counters.tolist() == [0, 0], "the last CTA through leaves the counters zero"
+
+
+@pytest.mark.parametrize("clusters", [1, 2, 3])
+@pytest.mark.parametrize("tokens,same", [(1, False), (6, False), (8, True)], ids=["1", "6", "8-same-rows"])
+def test_a_small_grid_takes_many_tiles_through_its_rings(layer, tokens, same, clusters, monkeypatch):
+    """8-24 CTAs: each takes tens of gate/up tiles and several down tiles of 16 outputs, refilling its
+    rings of weight slots as it goes (at 8 rows of one token, every row chose the same experts)."""
+    shape, p = layer
+    monkeypatch.setattr(moe_kernels, "_fused_clusters", lambda kernel, size, device: clusters)
+    x = rows(tokens, shape["hidden"], seed=20 + tokens, same=same)
+    want = three_launches(x, shape, p, True)
+    check_same(one_launch(x, shape, p, True, fused_moe_counters("cuda")), want, True,
+               f"T={tokens} on {clusters} clusters")
+
+
+def test_in_a_cuda_graph_replays_bit_for_bit(layer):
+    shape, p = layer
+    x = rows(4, shape["hidden"], seed=30)
+    counters = fused_moe_counters("cuda")
+    want = three_launches(x, shape, p, True)
+    eager = one_launch(x, shape, p, True, counters, pdl=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [one_launch(x, shape, p, True, counters, pdl=True) for _ in range(2)]   # back to back
+    for _ in range(3):
+        for out in outs:
+            for t in out:
+                t.fill_(-1 if t.dtype == torch.int32 else float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for out in outs:
+            check_same(out, want, True, "graph replay")
+    check_same(eager, want, True, "eager")
+    assert counters.tolist() == [0, 0]
+
+
+def test_bad_arguments_are_refused_before_the_launch(layer):
+    shape, p = layer
+    x = rows(2, shape["hidden"], seed=1)
+    counters = fused_moe_counters("cuda")
+    args = (p["norm"], EPS, p["router"], p["bias"], shape["top_k"], SCALING, p["gate"], p["up"], p["down"])
+    with pytest.raises(ValueError, match="all of shared_gate"):
+        moe_fused(x, *args, p["shared_gate"], None, p["shared_down"], counters)
+    with pytest.raises(ValueError, match="out must not be x"):
+        moe_fused(x, *args, None, None, None, counters, out=x)
+    with pytest.raises(ValueError, match="9 tokens"):
+        moe_fused(rows(9, shape["hidden"], seed=2), *args, None, None, None, counters)
+    bf16 = {k: p[k].dequantize(torch.bfloat16) for k in ("gate", "up", "down")}
+    with pytest.raises(ValueError, match="NVFP4 experts only"):
+        moe_fused(x, *args[:6], bf16["gate"], bf16["up"], bf16["down"], None, None, None, counters)
+    with pytest.raises(ValueError, match="counters"):
+        moe_fused(x, *args, None, None, None, torch.zeros(2, dtype=torch.int64, device="cuda"))
