@@ -40,6 +40,9 @@
 #define MF_GU_SLOTS 4
 #define MF_DOWN_SLOTS 8
 #define MF_BARS (3 + MF_GU_SLOTS + MF_DOWN_SLOTS)  // router gate, shared gate/up, shared down, rings
+#ifndef MF_DOWN_EARLY
+#define MF_DOWN_EARLY 1  // a define (kernels/moe.py FUSED_DOWN_EARLY): the down ring copied with gate/up's, or after its first round
+#endif
 #define MF_RED_DOWN_BYTES (MF_DOWN_VW * 4 * 32 * 4)
 static_assert(MF_WARPS == 2 * MF_QUAD, "two gate/up quads a CTA");
 static_assert(MOE_DOWN_WARPS == MF_DOWN_VW && MOE_GATE_UP_WARPS == MF_QUAD, "moe.cu's CTA shapes");
@@ -260,12 +263,15 @@ moe_fused_nvfp4(u16* y, u16* h, const u16* x, const u16* residual, int* counters
     load_down(d_ring + (q % MF_DOWN_SLOTS) * d_shape.bytes, d_shape, e < 0 ? sdown : down.expert(e, H, I),
               (c + m * C) * 16, I, bar(3 + MF_GU_SLOTS + q % MF_DOWN_SLOTS));
   };
+  auto d_issue_ring = [&]() {  // warp 1
+    fence_proxy_async_shared();
+    for (int q = 0; q < min(MF_DOWN_SLOTS, d_ring_items); ++q) d_issue(q);
+  };
   if (warp == 0) {
     fence_proxy_async_shared();
     for (int q = 0; q < min(MF_GU_SLOTS, gu_ring_items); ++q) gu_issue(q);
-  } else if (warp == 1) {
-    fence_proxy_async_shared();
-    for (int q = 0; q < min(MF_DOWN_SLOTS, d_ring_items); ++q) d_issue(q);
+  } else if (warp == 1 && (MF_DOWN_EARLY || gu_items == 0)) {
+    d_issue_ring();
   }
 
   // 3. gate/up: quad q takes items 2r + q of round r
@@ -289,6 +295,7 @@ moe_fused_nvfp4(u16* y, u16* h, const u16* x, const u16* residual, int* counters
       for (int k = 0; k < 4; ++k) red_q[(wq * 4 + k) * 32 + lane] = acc[k];
     }
     __syncthreads();
+    if (!MF_DOWN_EARLY && i0 == 0 && warp == 1) d_issue_ring();
     if (warp == 0)  // the slots this round read, refilled
       for (int k = max(i0, gu_pre); k < min(i0 + 2, gu_items); ++k)
         if (k - gu_pre + MF_GU_SLOTS < gu_ring_items) gu_issue(k - gu_pre + MF_GU_SLOTS);

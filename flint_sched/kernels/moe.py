@@ -220,6 +220,9 @@ def moe(x: torch.Tensor, router_gate: torch.Tensor, router_bias: torch.Tensor, t
 FUSED_GU_SLOTS, FUSED_DOWN_SLOTS = 4, 8
 FUSED_THREADS = 256
 FUSED_MAX_SHARED = 227 * 1024 - 12 * 1024
+# Whether each CTA asks for its down weights right after routing, beside its gate/up weights (1), or
+# after its first gate/up tile, so that gate/up's come first (0; cuda/moe_fused.cu MF_DOWN_EARLY).
+FUSED_DOWN_EARLY = 1
 
 
 def _slot_bytes(k: int) -> int:
@@ -303,7 +306,7 @@ def moe_fused(x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, route
     if ids is not None:
         ids = _out(ids, "ids", torch.int32, (t, top_k), x)
         weights = _out(weights, "weights", torch.float32, (t, top_k), x)
-    kernel = _kernel("moe_fused.cu", "moe_fused_nvfp4")
+    kernel = _kernel("moe_fused.cu", "moe_fused_nvfp4", (("MF_DOWN_EARLY", FUSED_DOWN_EARLY),))
     device = x.device.index
     clusters = _fused_clusters(kernel, size, device)
     kernel.launch((clusters * CLUSTER_CTAS,), (FUSED_THREADS,),

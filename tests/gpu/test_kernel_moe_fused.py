@@ -82,13 +82,16 @@ def test_one_launch_is_the_three_launches_bit_for_bit(layer, tokens, shared):
         assert counters.tolist() == [0, 0], "the last CTA through leaves the counters zero"
 
 
+@pytest.mark.parametrize("down_early", [1, 0], ids=["down-early", "down-late"])
 @pytest.mark.parametrize("clusters", [1, 2, 3])
 @pytest.mark.parametrize("tokens,same", [(1, False), (6, False), (8, True)], ids=["1", "6", "8-same-rows"])
-def test_a_small_grid_takes_many_tiles_through_its_rings(layer, tokens, same, clusters, monkeypatch):
+def test_a_small_grid_takes_many_tiles_through_its_rings(layer, tokens, same, clusters, down_early, monkeypatch):
     """8-24 CTAs: each takes tens of gate/up tiles and several down tiles of 16 outputs, refilling its
-    rings of weight slots as it goes (at 8 rows of one token, every row chose the same experts)."""
+    rings of weight slots as it goes (at 8 rows of one token, every row chose the same experts); the
+    down ring asked for with gate/up's or after the first gate/up round (FUSED_DOWN_EARLY)."""
     shape, p = layer
     monkeypatch.setattr(moe_kernels, "_fused_clusters", lambda kernel, size, device: clusters)
+    monkeypatch.setattr(moe_kernels, "FUSED_DOWN_EARLY", down_early)
     x = rows(tokens, shape["hidden"], seed=20 + tokens, same=same)
     want = three_launches(x, shape, p, True)
     check_same(one_launch(x, shape, p, True, fused_moe_counters("cuda")), want, True,
