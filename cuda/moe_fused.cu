@@ -23,14 +23,14 @@
 // waiting CTA never holds an SM that one of ours still needs. The last CTA through zeroes the
 // counters for the next launch (graph replays).
 //
-// Shared memory (dynamic; kernels/moe.py fused_moe_bytes mirrors it):
+// Shared memory (dynamic; kernels/moe.py fused_moe_bytes mirrors it), slots of 16 weight rows
+// (smem_tiles.cuh):
 //   R  the router's gate rows; once routed, the rings: MF_GU_SLOTS gate/up slots, MF_DOWN_SLOTS down slots
 //   x [T][2H + 16] | scores [T][E] | bias [E]       (router.cu RouterSmem)
 //   P  the shared expert's gate/up slot (later moe_down's partial sums), its down slot
-// A slot holds 16 rows of K NVFP4 weights: codes [16][code pitch], then block scales
-// [16][scale pitch], the pitches padded so that a warp's fragment loads fall in distinct banks.
 #include "router.cu"
 #include "moe.cu"
+#include "smem_tiles.cuh"
 
 #define MF_WARPS RC_WARPS
 #define MF_THREADS (MF_WARPS * 32)
@@ -47,128 +47,12 @@
 static_assert(MF_WARPS == 2 * MF_QUAD, "two gate/up quads a CTA");
 static_assert(MOE_DOWN_WARPS == MF_DOWN_VW && MOE_GATE_UP_WARPS == MF_QUAD, "moe.cu's CTA shapes");
 
-struct SlotShape {
-  int code_pitch, scale_pitch, bytes;
-};
-
-// Codes: rows g and g + 1 of a quarter warp's 16-byte loads 64 bytes apart mod 128; scales: 8 rows
-// 16 bytes past a multiple of K/16 apart (K % 256 == 0).
-__device__ __forceinline__ SlotShape slot_shape(int K) {
-  SlotShape s;
-  s.code_pitch = K / 2 + ((K / 2) % 128 == 0 ? 64 : 0);
-  s.scale_pitch = K / 16 + 16;
-  s.bytes = 16 * (s.code_pitch + s.scale_pitch);
-  return s;
-}
-
-__device__ __forceinline__ u32 lds_u16(u32 addr) {
-  u16 v;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-  return v;
-}
-
-__device__ __forceinline__ uint4 ld_cg_v4(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-  return v;
-}
-
-// Warp-wide: 16 weight rows into a slot, lane r < 16 the codes of row r, lane 16 + r its scales;
-// rows 0-7 are the 8 rows from (codes_a, scales_a), rows 8-15 the 8 from (codes_b, scales_b).
-// Completes on `bar`, armed here for the bytes.
-__device__ __forceinline__ void slot_load(u32 slot, const SlotShape& shape, int K, const u8* codes_a,
-                                          const u8* scales_a, const u8* codes_b, const u8* scales_b, u32 bar) {
-  const int lane = threadIdx.x & 31, r = lane & 15;
-  if (lane == 0) mbarrier_arrive_expect_tx(bar, 16u * (K / 2 + K / 16));
-  __syncwarp();
-  const int row = r & 7;
-  if (lane < 16) {
-    const u8* src = (r < 8 ? codes_a : codes_b) + (size_t)row * (K / 2);
-    bulk_copy_g2s(slot + r * shape.code_pitch, src, K / 2, bar);
-  } else {
-    const u8* src = (r < 8 ? scales_a : scales_b) + (size_t)row * (K / 16);
-    bulk_copy_g2s(slot + 16 * shape.code_pitch + r * shape.scale_pitch, src, K / 16, bar);
-  }
-}
-
 // Gate/up tile `tile` (rows 8 tile .. + 7) of one expert: gate rows then up rows (moe_gate_up's A rows).
 __device__ __forceinline__ void load_gate_up(u32 slot, const SlotShape& shape, const Nvfp4Weights& gate,
                                              const Nvfp4Weights& up, int tile, int K, u32 bar) {
   const size_t r0 = (size_t)tile * 8;
   slot_load(slot, shape, K, gate.codes + r0 * (K / 2), gate.scales + r0 * (K / 16), up.codes + r0 * (K / 2),
             up.scales + r0 * (K / 16), bar);
-}
-
-// Down rows n0 .. n0 + 15 of one expert (K = its input size, I).
-__device__ __forceinline__ void load_down(u32 slot, const SlotShape& shape, const Nvfp4Weights& down, int n0, int K,
-                                          u32 bar) {
-  const u8* codes = down.codes + (size_t)n0 * (K / 2);
-  const u8* scales = down.scales + (size_t)n0 * (K / 16);
-  slot_load(slot, shape, K, codes, scales, codes + 8 * (K / 2), scales + 8 * (K / 16), bar);
-}
-
-// Rows g and g + 8 of a slot at weights k .. k + 31: the fragment Nvfp4Weights::load reads.
-__device__ __forceinline__ Nvfp4Frag slot_frag(u32 slot, const SlotShape& shape, int g, int k) {
-  const u32 codes = slot + g * shape.code_pitch + k / 2;
-  const u32 scales = slot + 16 * shape.code_pitch + g * shape.scale_pitch + k / 16;
-  return {lds_v4(codes), lds_v4(codes + 8 * shape.code_pitch), lds_u16(scales), lds_u16(scales + 8 * shape.scale_pitch)};
-}
-
-__device__ __forceinline__ Nvfp4Weights::X lds_x(u32 addr) {
-  Nvfp4Weights::X x;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) x.v[i] = lds_v4(addr + 16 * i);
-  return x;
-}
-
-// acc += warp w's share of the slot's 16-row tile . token g's row (x_row in shared memory; 0: none):
-// k-steps w, w + MF_QUAD, ... in order, moe_gate_up's warp w (tile_partial), so the same bits.
-__device__ __forceinline__ void slot_partial(float (&acc)[4], u32 slot, const SlotShape& shape, u32 x_row, int K,
-                                             int w, const Nvfp4Weights::Shared& sh) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int steps = K / Nvfp4Weights::KSTEP;
-  for (int s0 = w; s0 < steps; s0 += MF_QUAD * MF_UNROLL) {
-    Nvfp4Frag f[MF_UNROLL];
-    Nvfp4Weights::X xv[MF_UNROLL];
-#pragma unroll
-    for (int u = 0; u < MF_UNROLL; ++u) {  // every load of the round first
-      const int s = s0 + u * MF_QUAD, k = s * Nvfp4Weights::KSTEP + t * Nvfp4Weights::LANE_K;
-      f[u] = s < steps ? slot_frag(slot, shape, g, k) : Nvfp4Weights::zero();
-      xv[u] = s < steps && x_row ? lds_x(x_row + 2 * k) : Nvfp4Weights::zero_x();
-    }
-#pragma unroll
-    for (int u = 0; u < MF_UNROLL; ++u)
-      if (s0 + u * MF_QUAD < steps) Nvfp4Weights::mma(acc, f[u], xv[u], sh);
-  }
-}
-
-__device__ __forceinline__ Nvfp4Weights::X ld_h(const u16* p) {  // h: written by other CTAs of this launch
-  Nvfp4Weights::X x;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) x.v[i] = ld_cg_v4(p + 8 * i);
-  return x;
-}
-
-// Thread 0 of each CTA, after a __syncthreads that follows the CTA's h stores: once all C CTAs
-// have arrived, return; the last one to leave zeroes both counters.
-__device__ __forceinline__ void grid_barrier(int* counters, int C) {
-  __threadfence();
-  atomicAdd(counters, 1);
-  u64 start = 0;
-  for (u32 spins = 1; ld_acquire_gpu(counters) < C; ++spins) {
-    if (spins % 4096 == 0) {  // a CTA that never came (the grid not resident): an error, not a hang
-      u64 now;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      if (!start) start = now;
-      if (now - start > 10000000000ull) __trap();
-    }
-  }
-  __threadfence();
-  if (atomicAdd(counters + 1, 1) == C - 1) {
-    counters[0] = 0;
-    counters[1] = 0;
-  }
 }
 
 #define MF_ARGS(p) const u8 *p##_codes, const u8 *p##_scales, const float *p##_tensor_scale
@@ -218,7 +102,7 @@ moe_fused_nvfp4(u16* y, u16* h, const u16* x, const u16* residual, int* counters
   router_load_gate(s, router_gate, bar(0), H);
   const bool gu_pre = has_shared && c < tpe, d_pre = has_shared && c < n_out;
   if (warp == 1 && gu_pre) load_gate_up(pre_gu, gu_shape, sgate, sup, c, H, bar(1));
-  if (warp == 2 && d_pre) load_down(pre_d, d_shape, sdown, c * 16, I, bar(2));
+  if (warp == 2 && d_pre) slot_load_rows(pre_d, d_shape, sdown, c * 16, I, bar(2));
   for (int e = threadIdx.x; e < E; e += blockDim.x) s.bias[e] = bias[e];
   cluster_arrive_relaxed();  // every CTA has started: waited on before writing into the others
   uint4 wv[NORM_MAX_VEC];
@@ -260,7 +144,7 @@ moe_fused_nvfp4(u16* y, u16* h, const u16* x, const u16* residual, int* counters
   };
   auto d_issue = [&](int q) {
     const int seq = d_pre && q >= U - 1 ? q + 1 : q, m = seq / U, e = expert[seq - m * U];
-    load_down(d_ring + (q % MF_DOWN_SLOTS) * d_shape.bytes, d_shape, e < 0 ? sdown : down.expert(e, H, I),
+    slot_load_rows(d_ring + (q % MF_DOWN_SLOTS) * d_shape.bytes, d_shape, e < 0 ? sdown : down.expert(e, H, I),
               (c + m * C) * 16, I, bar(3 + MF_GU_SLOTS + q % MF_DOWN_SLOTS));
   };
   auto d_issue_ring = [&]() {  // warp 1
@@ -290,7 +174,7 @@ moe_fused_nvfp4(u16* y, u16* h, const u16* x, const u16* residual, int* counters
         mbarrier_wait_parity(bar(3 + q % MF_GU_SLOTS), (q / MF_GU_SLOTS) & 1);
       }
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      slot_partial(acc, slot, gu_shape, x_row, H, wq, sh);
+      slot_partial<MF_QUAD, MF_UNROLL>(acc, slot, gu_shape, x_row, H, wq, sh);
 #pragma unroll
       for (int k = 0; k < 4; ++k) red_q[(wq * 4 + k) * 32 + lane] = acc[k];
     }
@@ -340,7 +224,7 @@ moe_fused_nvfp4(u16* y, u16* h, const u16* x, const u16* residual, int* counters
           }
           const Nvfp4Frag fr = slot_frag(slot, d_shape, g, k);
           const int sl = slot_of[u][g];
-          const Nvfp4Weights::X xv = sl >= 0 ? ld_h(h + ((size_t)g * (A + 1) + sl) * I + k) : Nvfp4Weights::zero_x();
+          const Nvfp4Weights::X xv = sl >= 0 ? ld_cg_x(h + ((size_t)g * (A + 1) + sl) * I + k) : Nvfp4Weights::zero_x();
           float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           Nvfp4Weights::mma(part, fr, xv, sh);
           const float c_even = coef[u][2 * t], c_odd = coef[u][2 * t + 1];

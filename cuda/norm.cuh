@@ -59,3 +59,51 @@ __device__ __forceinline__ void norm_store(u16* out_row, const float (&s)[NORM_M
     *reinterpret_cast<uint4*>(out_row + 8 * v) = make_uint4(o[0], o[1], o[2], o[3]);
   }
 }
+
+// Rows x_smem [T][pitch] (bf16, raw, T <= 8) become rms_norm(x, weight) in place, with rmsnorm.cu's
+// arithmetic in its order (a thread's vectors v = threadIdx.x + i * 256 summed with norm_unpack, then
+// warp_sum, then the warps in order: the bits of `rms_norm`'s launch, whose CTA has 256 threads, or
+// fewer whose missing warps add exact zeros here). Every thread of a 256-thread CTA calls it. WRITE:
+// vectors v % parts == part of each row are also stored to `normed` [T][K] (the CTAs of a cluster
+// writing the rows out between them).
+template <bool WRITE = true>
+__device__ __forceinline__ void norm_rows_shared(unsigned char* x_smem, int pitch, const uint4 (&wv)[NORM_MAX_VEC],
+                                                 u16* normed, int part, int parts, int T, int K, float eps) {
+  __shared__ float warp_sums[8][NORM_MAX_THREADS / 32];
+  const int num_vec = K / 8, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int b = 0; b < T; ++b) {
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NORM_MAX_VEC; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      if (v >= num_vec) break;
+      const uint4 xv = *reinterpret_cast<const uint4*>(x_smem + b * pitch + 16 * v);
+      const u32 w[4] = {xv.x, xv.y, xv.z, xv.w};
+      float s[8];
+      sum_sq = norm_unpack(s, w, sum_sq);
+    }
+    sum_sq = warp_sum(sum_sq);
+    if (lane == 0) warp_sums[b][warp] = sum_sq;
+  }
+  __syncthreads();
+  for (int b = 0; b < T; ++b) {
+    float total = 0.0f;
+    for (int w = 0; w < NORM_MAX_THREADS / 32; ++w) total += warp_sums[b][w];
+    const float inv = rsqrtf(total / K + eps);
+#pragma unroll
+    for (int i = 0; i < NORM_MAX_VEC; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      if (v >= num_vec) break;
+      uint4* at = reinterpret_cast<uint4*>(x_smem + b * pitch + 16 * v);
+      const uint4 xv = *at;
+      const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w}, ww[4] = {wv[i].x, wv[i].y, wv[i].z, wv[i].w};
+      u32 o[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        o[j] = pack_bf16x2(bf16x2_lo(xw[j]) * inv * bf16x2_lo(ww[j]), bf16x2_hi(xw[j]) * inv * bf16x2_hi(ww[j]));
+      *at = make_uint4(o[0], o[1], o[2], o[3]);
+      if (WRITE && v % parts == part) *reinterpret_cast<uint4*>(normed + (size_t)b * K + 8 * v) = *at;
+    }
+  }
+  __syncthreads();
+}

@@ -97,53 +97,6 @@ __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
   return v;
 }
 
-// The rows in x_smem ([T][pitch], raw) become rms_norm(x, norm_weight) in place, with rmsnorm.cu's
-// arithmetic in its order (a thread's vectors v = threadIdx.x + i * 256 summed with norm_unpack, then
-// warp_sum, then the warps in order: the bits of `rms_norm`'s launch, whose CTA has 256 threads, or
-// fewer whose missing warps add exact zeros here). CTA `rank` also writes vectors v % RC_CTAS == rank
-// of each row to `normed` (the experts' input) when WRITE.
-template <bool WRITE = true>
-__device__ __forceinline__ void router_norm_rows(unsigned char* x_smem, int pitch, const uint4 (&wv)[NORM_MAX_VEC],
-                                                 u16* normed, u32 rank, int T, int K, float eps) {
-  __shared__ float part[8][RC_WARPS];
-  const int num_vec = K / 8, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int b = 0; b < T; ++b) {
-    float sum_sq = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NORM_MAX_VEC; ++i) {
-      const int v = threadIdx.x + i * blockDim.x;
-      if (v >= num_vec) break;
-      const uint4 xv = *reinterpret_cast<const uint4*>(x_smem + b * pitch + 16 * v);
-      const u32 w[4] = {xv.x, xv.y, xv.z, xv.w};
-      float s[8];
-      sum_sq = norm_unpack(s, w, sum_sq);
-    }
-    sum_sq = warp_sum(sum_sq);
-    if (lane == 0) part[b][warp] = sum_sq;
-  }
-  __syncthreads();
-  for (int b = 0; b < T; ++b) {
-    float total = 0.0f;
-    for (int w = 0; w < RC_WARPS; ++w) total += part[b][w];
-    const float inv = rsqrtf(total / K + eps);
-#pragma unroll
-    for (int i = 0; i < NORM_MAX_VEC; ++i) {
-      const int v = threadIdx.x + i * blockDim.x;
-      if (v >= num_vec) break;
-      uint4* at = reinterpret_cast<uint4*>(x_smem + b * pitch + 16 * v);
-      const uint4 xv = *at;
-      const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w}, ww[4] = {wv[i].x, wv[i].y, wv[i].z, wv[i].w};
-      u32 o[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        o[j] = pack_bf16x2(bf16x2_lo(xw[j]) * inv * bf16x2_lo(ww[j]), bf16x2_hi(xw[j]) * inv * bf16x2_hi(ww[j]));
-      *at = make_uint4(o[0], o[1], o[2], o[3]);
-      if (WRITE && v % RC_CTAS == (int)rank) *reinterpret_cast<uint4*>(normed + (size_t)b * K + 8 * v) = *at;
-    }
-  }
-  __syncthreads();
-}
-
 // Dynamic shared memory, rows `pitch` = 2K + 16 bytes apart (the pad puts the 8 rows of every
 // ldmatrix, and the 8 token rows of the B fragments, in distinct banks):
 //   gate rows [tiles * 16][pitch] | x [T][pitch] | scores [T][E] fp32 | bias [E]
@@ -185,7 +138,7 @@ __device__ __forceinline__ void router_load_gate(const RouterSmem& s, const u16*
 }
 
 // After the wait, every thread: x's rows into shared memory; NORM: normalized there in place
-// (router_norm_rows, which writes them to `normed` too when WRITE).
+// (norm.cuh norm_rows_shared; CTA `rank` writes its share of them to `normed` when WRITE).
 template <bool NORM, bool WRITE = true>
 __device__ __forceinline__ void router_stage_x(const RouterSmem& s, const u16* x, const uint4 (&wv)[NORM_MAX_VEC],
                                                u16* normed, u32 rank, int T, int K, float eps) {
@@ -194,7 +147,7 @@ __device__ __forceinline__ void router_stage_x(const RouterSmem& s, const u16* x
     *reinterpret_cast<uint4*>(s.x + b * s.pitch + 16 * c) = ld_act_v4(x + (size_t)b * K + 8 * c);
   }
   __syncthreads();
-  if constexpr (NORM) router_norm_rows<WRITE>(s.x, s.pitch, wv, normed, rank, T, K, eps);
+  if constexpr (NORM) norm_rows_shared<WRITE>(s.x, s.pitch, wv, normed, rank, RC_CTAS, T, K, eps);
 }
 
 // Every thread: this CTA's logits on tensor cores (D[16 rows][8 tokens] += W . x^T, once the gate
@@ -241,7 +194,7 @@ __device__ __forceinline__ void router_scores(const RouterSmem& s, float* red, u
 }
 
 // NORM: x is the residual stream h; the router reads rms_norm(h, norm_weight), which it also
-// writes to `normed` (router_norm_rows): the post-attention norm's launch folded in.
+// writes to `normed` (norm_rows_shared): the post-attention norm's launch folded in.
 template <bool NORM>
 __device__ __forceinline__ void router_cluster(int* ids, float* weights, const u16* x, const u16* gate,
                                                const float* bias, int T, int E, int K, int A, float scaling,
