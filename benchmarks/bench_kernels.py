@@ -22,7 +22,8 @@ import torch  # noqa: E402
 from flint_sched.benchmarks.graph_timing import num_sets, reps_for, time_graph  # noqa: E402
 from flint_sched.kernels import (argmax_workspace, fused_add_rms_norm, gate_up_silu, greedy, linear,  # noqa: E402
                                  moe_down, moe_gate_up, route, router_workspace)
-from flint_sched.kernels.moe import fused_moe_counters, moe_fused  # noqa: E402
+from flint_sched.kernels.moe import moe_fused  # noqa: E402
+from flint_sched.kernels.smem_tiles import grid_counters  # noqa: E402
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize  # noqa: E402
 
 HIDDEN, Q_SIZE, QKV, DENSE_INTER, VOCAB = 2048, 4096, 5120, 10240, 151552
@@ -150,7 +151,7 @@ def bench_moe_block(b: int, stacks: dict) -> list[Result]:
     ids = torch.empty(b, TOP_K, dtype=torch.int32, device="cuda")
     weights = torch.empty(b, TOP_K, device="cuda")
     h = torch.empty(b, TOP_K + 1, MOE_INTER, device="cuda", dtype=torch.bfloat16)
-    counters = fused_moe_counters("cuda")
+    counters = grid_counters("cuda")
     experts = (s["gate"], s["up"], s["down"], s["shared_gate"], s["shared_up"], s["shared_down"])
 
     def three(x):

@@ -55,7 +55,8 @@ def fused_forward(config, rows=2):
         range(c.num_hidden_layers)), full={j: (None, None) for j in range(c.num_hidden_layers)},
         full_index=list(range(c.num_hidden_layers)))
     weights = kernel_ops.KernelWeights(c, Weights(c), qkv, kv, SimpleNamespace(router=None, attention=None,
-                                                                               argmax=None, moe_counters=None))
+                                                                               argmax=None, moe_counters=None,
+                                                                               qkv_counters=None))
     inputs = SimpleNamespace(num_rows=None, tokens=None, sources=None, sampled=None, table_scatter=None,
                              positions=torch.zeros(rows), ring_slots=torch.zeros(rows),
                              block_tables=torch.zeros(rows, 1), seq_lens=torch.zeros(rows), max_model_len=64,
@@ -114,3 +115,35 @@ def test_the_one_launch_moe_takes_each_moe_block_with_its_norm(monkeypatch, fmt)
     else:
         assert "moe_fused" not in calls and calls.count("moe_gate_up") == moe_layers
         assert calls.count("norm") == 2 * layers + 1
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_the_one_launch_attention_front_takes_each_layers_input_norm(monkeypatch, fmt):
+    """kernel_ops.FUSED_QKV: with an NVFP4 q/k/v weight each layer's input norm, q/k/v and Q/K norm are
+    one qkv_fused launch over the row before the norm, its K/V written to the ring (sliding layers,
+    with RoPE) or through the block tables (full layers); BF16 keeps the launches."""
+    config = preset("flint-tiny")
+    calls, fronts = [], []
+    stand_ins(monkeypatch, calls)
+    monkeypatch.setattr(kernel_ops, "FUSED_QKV", True)
+    monkeypatch.setattr(kernel_ops, "ROUTER_NORMS", False)
+    monkeypatch.setattr(kernel_ops, "weight_format", lambda *w: fmt)
+
+    def qkv_fused(x, norm_weight, eps, weight, splits, qn, kn, positions, k_pool, v_pool, qk_eps, counters, *,
+                  qkv, q_out, pdl, block_tables=None, ring_slots=None, rope_theta=None):
+        assert x.shape == (2, config.hidden_size) and qkv.shape == (2, weight.shape[0]) and len(splits) == 2
+        fronts.append("sliding" if ring_slots is not None and rope_theta else "full" if block_tables is not None
+                      else "?")
+        return q_out
+
+    attn = kernel_ops.attn
+    monkeypatch.setattr(kernel_ops, "attn", SimpleNamespace(**vars(attn), qkv_fused=qkv_fused,
+                                                            qkv_fused_bytes=lambda *shape: 1))
+    fused_forward(config)
+    layers = config.num_hidden_layers
+    if fmt == "nvfp4":
+        assert fronts == ["sliding" if config.is_sliding(i) else "full" for i in range(layers)]
+        assert not [c for c in calls if isinstance(c, tuple) and c[1] == config.q_size + 2 * config.kv_size]
+        assert calls.count("norm") == layers + 1        # the post-attention norms and the final one
+    else:
+        assert fronts == [] and calls.count("norm") == 2 * layers + 1

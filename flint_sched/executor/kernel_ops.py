@@ -82,6 +82,12 @@ ROUTER_NORMS = True
 # benchmarks/ab_decode.py measures it at 1-6 requests.
 FUSED_MOE = False
 
+# Fused steps with an NVFP4 q/k/v weight run the input norm, q/k/v, the Q/K norms, RoPE and the K/V
+# write as one launch (kernels/attention.py `qkv_fused`, cuda/qkv_fused.cu: each CTA copies its q/k/v
+# tiles into shared memory before the wait, a grid-wide counter before the per-head work), the same
+# bits as the three launches. Built without a GPU (session 33): off until measured.
+FUSED_QKV = False
+
 # Fused steps run their layers as one persistent launch (kernels/decode_step.py, cuda/decode_step.cu:
 # the kernels' bodies as tasks on counters, no kernel boundaries; the step one graph of a few
 # launches: cuda_executor._decode); the LM head stays as it is. Prepared without a GPU (session 30): off until measured against the
@@ -106,9 +112,9 @@ DECODES_APART = True
 
 @dataclass(frozen=True)
 class Unnormed:
-    """rms_norm(h, weight) not computed yet (FOLD_NORMS, ROUTER_NORMS, FUSED_MOE): a GEMV (FOLD_NORMS),
-    the router (ROUTER_NORMS) or the one-launch MoE (FUSED_MOE) that reads it normalizes on the fly,
-    any other reader has it computed first (`KernelOps._normed`)."""
+    """rms_norm(h, weight) not computed yet (FOLD_NORMS, ROUTER_NORMS, FUSED_MOE, FUSED_QKV): a GEMV
+    (FOLD_NORMS), the router (ROUTER_NORMS) or a one-launch block (FUSED_MOE, FUSED_QKV) that reads it
+    normalizes on the fly, any other reader has it computed first (`KernelOps._normed`)."""
 
     h: torch.Tensor
     weight: str
@@ -194,7 +200,7 @@ class KernelOps:
         return h
 
     def rms_norm(self, x: torch.Tensor, weight: str) -> torch.Tensor | Unnormed:
-        if (FOLD_NORMS or ROUTER_NORMS or FUSED_MOE) and self.variant == "fused":
+        if (FOLD_NORMS or ROUTER_NORMS or FUSED_MOE or FUSED_QKV) and self.variant == "fused":
             return Unnormed(x, weight)
         return rms_norm(x, self.w[weight], self.eps, out=torch.empty_like(x), pdl=self.pdl)
 
@@ -214,6 +220,8 @@ class KernelOps:
         c, p = self.c, f"model.layers.{i}.self_attn."
         weight, splits = self.k.qkv[i]
         out = torch.empty(self.rows, c.q_size + 2 * c.kv_size, dtype=torch.bfloat16, device=self.hidden.device)
+        if self._fused_qkv(x, weight, splits):
+            return self._qkv_fused(i, x, weight, splits, out)
         if self._gemv(self.rows, weight):
             qkv = self._gemv_linear(x, weight, out=out, row_splits=splits)
         else:
@@ -243,6 +251,24 @@ class KernelOps:
         return attn.qk_norm_rope_kv_full(qkv, self.w[p + "q_norm.weight"], self.w[p + "k_norm.weight"],
                                          inp.positions[:b], full[0], full[1], inp.block_tables[:b], c.rms_norm_eps,
                                          q_out=q, pdl=self.pdl)
+
+    def _fused_qkv(self, x: torch.Tensor | Unnormed, weight, splits: tuple) -> bool:
+        """Whether the norm, q/k/v and the Q/K norm run as one launch (FUSED_QKV: NVFP4, shapes it takes)."""
+        return (FUSED_QKV and self.variant == "fused" and isinstance(x, Unnormed) and len(splits) == 2
+                and weight_format(weight) == "nvfp4"
+                and attn.qkv_fused_bytes(self.rows, weight.shape[0], self.c.hidden_size) is not None)
+
+    def _qkv_fused(self, i: int, x: Unnormed, weight, splits: tuple, out: torch.Tensor) -> torch.Tensor:
+        c, p, inp, b = self.c, f"model.layers.{i}.self_attn.", self.inputs, self.rows
+        q = torch.empty(b, c.num_attention_heads, c.head_dim, dtype=torch.bfloat16, device=out.device)
+        kv = self.k.kv
+        if c.is_sliding(i):
+            pools, where = kv.ring[kv.ring_index[i]], dict(ring_slots=inp.ring_slots[:b], rope_theta=c.rope_theta)
+        else:
+            pools, where = kv.full[kv.full_index[i]], dict(block_tables=inp.block_tables[:b])
+        return attn.qkv_fused(x.h, self.w[x.weight], self.eps, weight, splits, self.w[p + "q_norm.weight"],
+                              self.w[p + "k_norm.weight"], inp.positions[:b], pools[0], pools[1], c.rms_norm_eps,
+                              self.ws.qkv_counters, qkv=out, q_out=q, pdl=self.pdl, **where)
 
     def attention(self, i: int, q) -> torch.Tensor:
         c, b = self.c, self.rows

@@ -19,7 +19,10 @@ import torch
 
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.hardware import sm_count
-from flint_sched.kernels.linear import check_tensor
+from flint_sched.kernels.linear import check_activations, check_row_splits, check_tensor, output, weight_args
+from flint_sched.kernels.norm import MAX_HIDDEN
+from flint_sched.kernels.smem_tiles import slot_bytes
+from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 HEAD_DIM = 128
 GROUP = 8                    # query heads per KV head
@@ -200,6 +203,93 @@ def _norm_rope_kv(qkv, q_norm_weight, k_norm_weight, positions, k_pool, v_pool, 
          ring_slots, I32(k_pool.shape[1]), I32(h), I32(g), F32(eps), inv_freq],
         pdl=pdl, device=dev.index)
     return q_out
+
+
+# ---- the norm, q/k/v, Q/K norm + RoPE + KV write in one launch -----------------------------------
+
+# cuda/qkv_fused.cu: q/k/v tiles a CTA at most (QF_SLOTS), its threads, its CTAs a SM (QF_MIN_CTAS:
+# 2 cap the registers at 128, where ptxas spills a few bytes), and the dynamic shared memory it may
+# have beside its ~5.3 KiB of static.
+QKV_FUSED_SLOTS = 3
+QKV_FUSED_THREADS = 256
+QKV_FUSED_CTAS = 1
+QKV_FUSED_MAX_SHARED = 227 * 1024 - 8 * 1024
+
+
+def qkv_fused_bytes(tokens: int, rows: int, hidden: int) -> int | None:
+    """Dynamic shared memory of qkv_fused_nvfp4 (its layout in cuda/qkv_fused.cu), or None for shapes
+    it does not take: 1-8 tokens, hidden a multiple of 256 (whole scale rows a bulk copy) up to the
+    norm's MAX_HIDDEN, q/k/v rows a multiple of 16."""
+    if not 1 <= tokens <= 8 or hidden % 256 or hidden > MAX_HIDDEN or rows % 16:
+        return None
+    size = QKV_FUSED_SLOTS * slot_bytes(hidden) + tokens * (2 * hidden + 16) + tokens * HEAD_DIM * 4
+    return size if size <= QKV_FUSED_MAX_SHARED else None
+
+
+def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, row_splits: tuple[int, int],
+              q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, positions: torch.Tensor,
+              k_pool: torch.Tensor, v_pool: torch.Tensor, qk_eps: float, counters: torch.Tensor,
+              block_tables: torch.Tensor | None = None, ring_slots: torch.Tensor | None = None,
+              rope_theta: float | None = None, qkv: torch.Tensor | None = None, q_out: torch.Tensor | None = None,
+              pdl: bool = False) -> torch.Tensor:
+    """q_out [T, H, 128] of a fused decode step's rows x (before the layer's input norm), in one launch
+    (cuda/qkv_fused.cu): the bits of `rms_norm`, then `linear(..., row_splits=, warps=4)` over the
+    NVFP4 q/k/v weight [(H + 2G) * 128, K], then `qk_norm_rope_kv_full` (block_tables) or
+    `qk_norm_rope_kv_sliding` (ring_slots, rope_theta), which writes the K/V rows too.
+
+    counters: kernels/smem_tiles.py `grid_counters`, not shared with a launch that may run beside it;
+    qkv: where the q/k/v rows go [T, (H + 2G) * 128] (scratch). The grid is as many CTAs as the GPU
+    holds at once, so no other kernel may hold SMs for good while it runs."""
+    check_activations(x)
+    t, k = x.shape
+    g = _check_pools(k_pool, v_pool)
+    h, dev = GROUP * g, x.device
+    n = (h + 2 * g) * HEAD_DIM
+    if not isinstance(weight, NVFP4Tensor):
+        raise ValueError("qkv_fused takes an NVFP4 q/k/v weight only")
+    size = qkv_fused_bytes(t, n, k)
+    if size is None:
+        raise ValueError(f"qkv_fused does not take {t} tokens x hidden {k} (see qkv_fused_bytes)")
+    check_row_splits(row_splits, n)
+    if len(row_splits) != 2:
+        raise ValueError(f"row_splits must be (q rows, q + k rows), got {row_splits}")
+    w_args = weight_args(weight, "weight", (n, k), dev, 3)
+    check_tensor(norm_weight, "norm_weight", torch.bfloat16, (k,), dev)
+    check_tensor(counters, "counters", torch.int32, (2,), dev, 4)
+    if (block_tables is None) == (ring_slots is None):
+        raise ValueError("give block_tables (a full layer) or ring_slots and rope_theta (a sliding one)")
+    if block_tables is not None:
+        if rope_theta is not None:
+            raise ValueError("full layers take no RoPE")
+        _check_tables(block_tables, x)
+        table_stride, inv_freq = block_tables.shape[1], None
+    else:
+        if not (rope_theta or 0) > 0:
+            raise ValueError(f"rope_theta must be positive, got {rope_theta}")
+        check_tensor(ring_slots, "ring_slots", torch.int32, (t,), dev, 4)
+        table_stride, inv_freq = 0, rope_inv_freq(float(rope_theta), dev)
+    qkv = output(qkv, "qkv", (t, n), x)
+    _check_qkv(qkv, q_norm_weight, k_norm_weight, positions, t, g, dev)
+    if k_pool.device != dev:
+        raise ValueError(f"KV pools are on {k_pool.device}, expected {dev}")
+    q_out = output(q_out, "q_out", (t, h, HEAD_DIM), x)
+    kernel = _kernel("qkv_fused.cu", "qkv_fused_nvfp4", kv_defines(k_pool) + (("QF_MIN_CTAS", QKV_FUSED_CTAS),))
+    ctas = min(_resident(kernel, size, dev.index), n // 16)
+    if n // 16 > ctas * QKV_FUSED_SLOTS:
+        raise ValueError(f"qkv_fused: {n // 16} tiles of q/k/v rows need more than this GPU's {ctas} resident CTAs "
+                         f"x {QKV_FUSED_SLOTS} slots")
+    kernel.launch((ctas,), (QKV_FUSED_THREADS,),
+                  [q_out, k_pool, v_pool, qkv, counters, x, norm_weight, F32(eps), *w_args, I32(row_splits[0]),
+                   I32(row_splits[1]), q_norm_weight, k_norm_weight, positions, block_tables, I32(table_stride),
+                   ring_slots, I32(k_pool.shape[1]), I32(h), I32(g), F32(qk_eps), inv_freq, I32(t), I32(n), I32(k)],
+                  shared_bytes=size, pdl=pdl, device=dev.index)
+    return q_out
+
+
+@functools.cache
+def _resident(kernel: Kernel, shared_bytes: int, device: int | None) -> int:
+    """CTAs of a one-launch block the GPU holds at once (every one waits on all the others)."""
+    return kernel.resident_blocks(QKV_FUSED_THREADS, shared_bytes, device) * sm_count()
 
 
 # ---- split-KV attention ------------------------------------------------------------------------

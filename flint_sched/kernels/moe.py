@@ -21,6 +21,7 @@ from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.linear import (MAX_TOKENS, Weight, cdiv, check_activations, check_tensor, output,
                                         weight_args, weight_format, x_batch)
 from flint_sched.kernels.norm import MAX_HIDDEN
+from flint_sched.kernels.smem_tiles import slot_bytes
 
 MAX_PAIRS = 64            # T * A (cuda/moe.cu MOE_MAX_PAIRS)
 MAX_EXPERTS = 1024        # router: 32 experts per lane
@@ -225,12 +226,6 @@ FUSED_MAX_SHARED = 227 * 1024 - 12 * 1024
 FUSED_DOWN_EARLY = 1
 
 
-def _slot_bytes(k: int) -> int:
-    """cuda/moe_fused.cu slot_shape: 16 rows of k NVFP4 weights, codes and scales padded."""
-    code_pitch = k // 2 + (64 if (k // 2) % 128 == 0 else 0)
-    return 16 * (code_pitch + k // 16 + 16)
-
-
 def fused_moe_bytes(num_experts: int, hidden: int, intermediate: int, tokens: int, top_k: int) -> int | None:
     """Dynamic shared memory of moe_fused_nvfp4 (its layout in cuda/moe_fused.cu), or None for
     shapes it does not take: <= 8 tokens, <= 256 experts (the cluster router's), hidden and
@@ -244,16 +239,11 @@ def fused_moe_bytes(num_experts: int, hidden: int, intermediate: int, tokens: in
     if per_cta > 32:
         return None
     pitch = 2 * hidden + 16
-    gate_up, down = _slot_bytes(hidden), _slot_bytes(intermediate)
+    gate_up, down = slot_bytes(hidden), slot_bytes(intermediate)
     rings = FUSED_GU_SLOTS * gate_up + FUSED_DOWN_SLOTS * down
     size = max(cdiv(per_cta, 16) * 16 * pitch, rings) + tokens * pitch + tokens * num_experts * 4 + num_experts * 4
     size = cdiv(size, 16) * 16 + max(gate_up, 16 * 4 * 32 * 4) + down
     return size if size <= FUSED_MAX_SHARED else None
-
-
-def fused_moe_counters(device: torch.device | str) -> torch.Tensor:
-    """moe_fused's grid-wide counter pair (zero; every launch leaves it zero)."""
-    return torch.zeros(2, dtype=torch.int32, device=device)
 
 
 def moe_fused(x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, router_gate: torch.Tensor,
@@ -265,7 +255,7 @@ def moe_fused(x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, route
     """residual + MoE(rms_norm(x, norm_weight)) in one launch (cuda/moe_fused.cu), NVFP4 experts:
     the bits of `route(x, ..., norm_weight=)`, `moe_gate_up` and `moe_down`.
 
-    counters: `fused_moe_counters` (not shared with a launch that may run at the same time);
+    counters: kernels/smem_tiles.py `grid_counters` (not shared with a launch that may run at the same time);
     h: the experts' activations [T, top_k + 1, I] (scratch, as moe_gate_up's output); ids / weights:
     where the routing is written too (both or neither). The grid is as many clusters as the GPU holds
     at once, so no other kernel may hold SMs for good while it runs (it waits on all its CTAs)."""

@@ -16,7 +16,7 @@ from flint_sched.executor import dense_copies, kernel_ops, moe_gemms
 from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.dense_copies import copies_bytes
 from flint_sched.executor.kv_cache import KVCache
-from flint_sched.kernels import grouped_moe
+from flint_sched.kernels import attention, grouped_moe
 from flint_sched.kernels.grouped import CUBLAS_MIN_ROWS_NVFP4
 from flint_sched.kernels.moe import fused_moe_bytes
 from flint_sched.model.reference import FlintReference
@@ -209,14 +209,15 @@ def test_dense_bf16_copies_change_no_logit(ckpt, monkeypatch):
         assert (r1, p1) == (r2, p2) and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("flag", ["FUSE_QK_ATTENTION", "ROUTER_NORMS", "FUSED_MOE"],
-                         ids=["qk_norm_inside", "router_norms", "one_launch_moe"])
+@pytest.mark.parametrize("flag", ["FUSE_QK_ATTENTION", "ROUTER_NORMS", "FUSED_MOE", "FUSED_QKV"],
+                         ids=["qk_norm_inside", "router_norms", "one_launch_moe", "one_launch_attention_front"])
 def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag):
     """Fused decode steps whose attention kernels do the Q/K norms, RoPE and K/V write
     (kernel_ops.FUSE_QK_ATTENTION: cuda/decode_attention_qk.cu), whose router does the norm before
-    the MoE (kernel_ops.ROUTER_NORMS), or whose MoE blocks are one launch each (kernel_ops.FUSED_MOE:
-    cuda/moe_fused.cu, NVFP4 experts of shapes it takes), give the launches' logits bit for bit,
-    graphs and eager, prompts on both sides of the window, 1 to 6 rows."""
+    the MoE (kernel_ops.ROUTER_NORMS), or whose MoE blocks or attention fronts (input norm, q/k/v, Q/K
+    norm, K/V write) are one launch each (kernel_ops.FUSED_MOE, FUSED_QKV: cuda/moe_fused.cu,
+    qkv_fused.cu; NVFP4 weights of shapes they take), give the launches' logits bit for bit, graphs
+    and eager, prompts on both sides of the window, 1 to 6 rows."""
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (3, 600, 37, 515, 90, 1)]
     limits = [2, 7, 3, 6, 4, 5]
@@ -227,6 +228,8 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
     route, moe_fused = kernel_ops.route, kernel_ops.moe_fused
     monkeypatch.setattr(kernel_ops, "route", lambda *a, **kw: normalizing.append("norm_weight" in kw) or route(*a, **kw))
     monkeypatch.setattr(kernel_ops, "moe_fused", lambda *a, **kw: one_launch.append(1) or moe_fused(*a, **kw))
+    qkv_fused = attention.qkv_fused
+    monkeypatch.setattr(attention, "qkv_fused", lambda *a, **kw: one_launch.append(2) or qkv_fused(*a, **kw))
     for graphs in (True, False):
         inside, out_inside, _ = run(ckpt, prompts, limits, seqs=6, budget=4096, use_graphs=graphs)
         assert "fused" in run.paths
@@ -234,11 +237,16 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
             assert run.executor.ws._q_slots is not None
         elif flag == "ROUTER_NORMS":
             assert normalizing and all(normalizing)
-        else:   # the small real-shaped NVFP4 layer only (flint-tiny's sizes are not multiples of 256)
+        elif flag == "FUSED_MOE":   # the small real-shaped NVFP4 layer only (flint-tiny's sizes: not multiples of 256)
             c = ckpt.config
             takes = ckpt.weight_format == "nvfp4" and fused_moe_bytes(
                 c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, 1, c.num_experts_per_tok) is not None
-            assert bool(one_launch) == takes and (not takes or not any(normalizing))
+            assert (1 in one_launch) == takes and (not takes or not any(normalizing))
+        else:
+            c = ckpt.config
+            takes = ckpt.weight_format == "nvfp4" and attention.qkv_fused_bytes(
+                1, c.q_size + 2 * c.kv_size, c.hidden_size) is not None
+            assert (2 in one_launch) == takes
         assert out_inside == out_apart
         for (r1, p1, a), (r2, p2, b) in zip(apart, inside, strict=True):
             assert (r1, p1) == (r2, p2) and torch.equal(a, b)

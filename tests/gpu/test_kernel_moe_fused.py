@@ -10,7 +10,8 @@ import importlib
 import pytest
 import torch
 
-from flint_sched.kernels.moe import fused_moe_bytes, fused_moe_counters, moe_down, moe_fused, moe_gate_up, route
+from flint_sched.kernels.moe import fused_moe_bytes, moe_down, moe_fused, moe_gate_up, route
+from flint_sched.kernels.smem_tiles import grid_counters
 from gpu_checks import gen, poisoned
 from moe_checks import make_moe
 
@@ -74,7 +75,7 @@ def test_one_launch_is_the_three_launches_bit_for_bit(layer, tokens, shared):
     shape, p = layer
     assert fused_moe_bytes(shape["experts"], shape["hidden"], shape["inter"], tokens, shape["top_k"]) is not None
     x = rows(tokens, shape["hidden"], seed=tokens)
-    counters = fused_moe_counters("cuda")
+    counters = grid_counters("cuda")
     want = three_launches(x, shape, p, shared)
     for launch in range(3):
         check_same(one_launch(x, shape, p, shared, counters, pdl=launch > 0), want, shared,
@@ -94,14 +95,14 @@ def test_a_small_grid_takes_many_tiles_through_its_rings(layer, tokens, same, cl
     monkeypatch.setattr(moe_kernels, "FUSED_DOWN_EARLY", down_early)
     x = rows(tokens, shape["hidden"], seed=20 + tokens, same=same)
     want = three_launches(x, shape, p, True)
-    check_same(one_launch(x, shape, p, True, fused_moe_counters("cuda")), want, True,
+    check_same(one_launch(x, shape, p, True, grid_counters("cuda")), want, True,
                f"T={tokens} on {clusters} clusters")
 
 
 def test_in_a_cuda_graph_replays_bit_for_bit(layer):
     shape, p = layer
     x = rows(4, shape["hidden"], seed=30)
-    counters = fused_moe_counters("cuda")
+    counters = grid_counters("cuda")
     want = three_launches(x, shape, p, True)
     eager = one_launch(x, shape, p, True, counters, pdl=True)
     torch.cuda.synchronize()
@@ -123,7 +124,7 @@ def test_in_a_cuda_graph_replays_bit_for_bit(layer):
 def test_bad_arguments_are_refused_before_the_launch(layer):
     shape, p = layer
     x = rows(2, shape["hidden"], seed=1)
-    counters = fused_moe_counters("cuda")
+    counters = grid_counters("cuda")
     args = (p["norm"], EPS, p["router"], p["bias"], shape["top_k"], SCALING, p["gate"], p["up"], p["down"])
     with pytest.raises(ValueError, match="all of shared_gate"):
         moe_fused(x, *args, p["shared_gate"], None, p["shared_down"], counters)

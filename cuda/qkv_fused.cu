@@ -1,0 +1,143 @@
+// The front of a fused decode step's attention in one launch (T <= 8 rows, NVFP4 q/k/v weight):
+//   qkv = rms_norm(x, norm_weight) . Wqkv^T      (rmsnorm.cu, then gemv.cu's 4-warp GEMV: same bits)
+//   q_out[b, h] = rope(bf16(rms_norm(q)))        K/V rows of positions[b] into the cache
+//                                                 (qk_norm_rope_kv.cu's arithmetic: same bits)
+// Three launches at batch 1 are ~7.6 µs of a layer's critical path (the norm ~2, q/k/v ~4.7, the
+// Q/K norm ~0.9; benchmarks/RESULTS.md session 32) for ~6 MB of weights. Here:
+//
+//   1. Before the wait each CTA bulk-copies its q/k/v tiles (16 rows each; tile i to CTA i % C, at
+//      most QF_SLOTS a CTA) into shared memory (smem_tiles.cuh) and the RoPE tables of the step's
+//      positions (step inputs, written before the step's first kernel).
+//   2. After it, every CTA stages the T rows and normalizes them in place (norm_rows_shared).
+//   3. Each of the CTA's two 4-warp quads multiplies a tile as a 4-warp gemv CTA does; the q/k/v
+//      rows go to `qkv`; a grid-wide counter.
+//   4. Warp-tasks (row b, head): the Q/K norm, RoPE and the K/V write, as qk_norm_rope_kv_cta's warps.
+//
+// Every CTA of the grid must be resident at once (the counter): the host sizes the grid from the
+// occupancy, and the dependents (attention) are released only past the counter.
+//
+// Shared memory (dynamic; kernels/attention.py qkv_fused_bytes mirrors it):
+//   slots [QF_SLOTS][16 rows of K] | x [T][2K + 16] | cos [T][64] | sin [T][64]
+// KV_FP8: the cache is e4m3 (as in qk_norm_rope_kv.cu).
+#include "qk_norm_rope.cuh"
+#include "norm.cuh"
+#include "smem_tiles.cuh"
+
+#define QF_WARPS 8
+#define QF_THREADS (QF_WARPS * 32)
+#define QF_QUAD 4     // gemv.cu's warps for q/k/v at these batches (kernels/linear.py gemv_warps)
+#define QF_UNROLL 4   // gemv.cu NVFP4_UNROLL
+#define QF_SLOTS 3
+#ifndef QF_MIN_CTAS
+#define QF_MIN_CTAS 1  // a define (kernels/attention.py QKV_FUSED_CTAS): 2 a SM cap the registers at 128 (a few spilled)
+#endif
+static_assert(QF_WARPS == 2 * QF_QUAD, "two quads a CTA");
+static_assert(QF_THREADS == NORM_MAX_THREADS, "norm_rows_shared's CTA");
+
+// N = (H + 2G) * 128 rows in three parts (q, k, v), each with its tensor scale: rows from split1 on
+// use tensor_scale[1], from split2 on tensor_scale[2]. qkv [T, N]: scratch (the GEMV's output).
+// rope_inv_freq: null for full layers (no RoPE). counters: 2 ints, zero.
+extern "C" __global__ void __launch_bounds__(QF_THREADS, QF_MIN_CTAS)
+qkv_fused_nvfp4(u16* q_out, kv_t* k_cache, kv_t* v_cache, u16* qkv, int* counters, const u16* x,
+                const u16* norm_weight, float eps, const u8* codes, const u8* scales, const float* tensor_scale,
+                int split1, int split2, const u16* q_norm_weight, const u16* k_norm_weight, const int* positions,
+                const int* block_tables, int table_stride, const int* ring_slots, int page_rows, int num_q_heads,
+                int num_kv_heads, float qk_eps, const double* rope_inv_freq, int T, int N, int K) {
+  extern __shared__ __align__(16) unsigned char qf_smem[];
+  __shared__ u64 bars[QF_SLOTS];
+  __shared__ float red[QF_WARPS * 4 * 32];
+  __shared__ Nvfp4Weights::Shared sh;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int C = gridDim.x, c = blockIdx.x;
+  const SlotShape shape = slot_shape(K);
+  const int pitch = 2 * K + 16;
+  unsigned char* x_smem = qf_smem + QF_SLOTS * shape.bytes;
+  float* cos_s = reinterpret_cast<float*>(x_smem + T * pitch);
+  float* sin_s = cos_s + T * (HEAD_DIM / 2);
+  const u32 slots = smem_addr(qf_smem);
+  const Nvfp4Weights wt{codes, scales, tensor_scale};
+  const int n_tiles = N / 16, mine = c < n_tiles ? (n_tiles - 1 - c) / C + 1 : 0;
+
+  Nvfp4Weights::init_shared(sh);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < QF_SLOTS; ++i) mbarrier_init(smem_addr(&bars[i]), 1);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  // 1. before the wait: this CTA's tiles, the RoPE tables (rope_table's arithmetic), the norm weight
+  if (warp == 0)
+    for (int i = 0; i < mine; ++i)
+      slot_load_rows(slots + i * shape.bytes, shape, wt, (c + i * C) * 16, K, smem_addr(&bars[i]));
+  if (rope_inv_freq)
+    for (int i = threadIdx.x; i < T * (HEAD_DIM / 2); i += blockDim.x) {
+      const int b = i / (HEAD_DIM / 2), f = i - b * (HEAD_DIM / 2);
+      double sin_a, cos_a;
+      sincos((double)positions[b] * rope_inv_freq[f], &sin_a, &cos_a);
+      cos_s[i] = (float)cos_a;
+      sin_s[i] = (float)sin_a;
+    }
+  uint4 wv[NORM_MAX_VEC];
+  norm_weight_load(wv, norm_weight, K / 8);
+
+  // 2. the rows, normalized in place
+  pdl_wait();
+  for (int i = threadIdx.x; i < T * (K / 8); i += blockDim.x) {
+    const int b = i / (K / 8), v = i - b * (K / 8);
+    *reinterpret_cast<uint4*>(x_smem + b * pitch + 16 * v) = ld_act_v4(x + (size_t)b * K + 8 * v);
+  }
+  __syncthreads();
+  norm_rows_shared<false>(x_smem, pitch, wv, nullptr, 0, 1, T, K, eps);
+
+  // 3. q/k/v: quad q takes the CTA's tiles 2r + q (gemv's 4-warp CTA, its epilogue)
+  const int quad = warp / QF_QUAD, wq = warp % QF_QUAD;
+  float* red_q = red + quad * QF_QUAD * 4 * 32;
+  const u32 x_row = g < T ? smem_addr(x_smem + g * pitch) : 0u;
+  for (int i0 = 0; i0 < mine; i0 += 2) {
+    const int i = i0 + quad;
+    if (i < mine) {
+      mbarrier_wait_parity(smem_addr(&bars[i]), 0);
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      slot_partial<QF_QUAD, QF_UNROLL>(acc, slots + i * shape.bytes, shape, x_row, K, wq, sh);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) red_q[(wq * 4 + k) * 32 + lane] = acc[k];
+    }
+    __syncthreads();
+    const int tq = threadIdx.x % (QF_QUAD * 32), r = tq >> 3, b = tq & 7;
+    if (i < mine && b < T) {
+      const int n = (c + i * C) * 16 + r;
+      const float v = tile_sum<QF_QUAD>(red_q, r, b) * wt.sum_scale((n >= split1) + (n >= split2));
+      qkv[(size_t)b * N + n] = f32_to_bf16(v);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) grid_barrier(counters, C);
+  __syncthreads();
+  pdl_launch_dependents();  // every CTA of ours is resident by now
+
+  // 4. warp-tasks (row b, head): qk_norm_rope_kv_cta's warp, its q/k/v row read from L2
+  const int H = num_q_heads, G = num_kv_heads, heads = H + 2 * G;
+  for (int task = c * QF_WARPS + warp; task < T * heads; task += C * QF_WARPS) {
+    const int b = task / heads, head = task - b * heads, p = positions[b];
+    const u16* src = qkv + (size_t)b * heads * HEAD_DIM + head * HEAD_DIM + 4 * lane;
+    const long long kv_offset =
+        p >= 0 ? KvPages(block_tables, table_stride, ring_slots, page_rows, b).row(p) * G * HEAD_DIM : 0;
+    uint2 raw;
+    asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(raw.x), "=r"(raw.y) : "l"(src) : "memory");
+    if (head >= H + G) {  // v: copied as is
+      if (p >= 0) store_kv4(v_cache + kv_offset + (head - H - G) * HEAD_DIM + 4 * lane, raw);
+      continue;
+    }
+    const bool is_q = head < H;
+    float xs[4], w[4], y[4];
+    load_bf16x4((is_q ? q_norm_weight : k_norm_weight) + 4 * lane, w);
+    xs[0] = bf16x2_lo(raw.x), xs[1] = bf16x2_hi(raw.x), xs[2] = bf16x2_lo(raw.y), xs[3] = bf16x2_hi(raw.y);
+    norm_rope_lanes(xs, w, qk_eps, rope_inv_freq != nullptr, cos_s + b * (HEAD_DIM / 2), sin_s + b * (HEAD_DIM / 2),
+                    lane, y);
+    if (is_q)
+      store_bf16x4(q_out + ((size_t)b * H + head) * HEAD_DIM + 4 * lane, y);
+    else if (p >= 0)
+      store_kv4(k_cache + kv_offset + (head - H) * HEAD_DIM + 4 * lane,
+                make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3])));
+  }
+}
