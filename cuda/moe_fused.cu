@@ -56,7 +56,6 @@ __device__ __forceinline__ void load_gate_up(u32 slot, const SlotShape& shape, c
 }
 
 #define MF_ARGS(p) const u8 *p##_codes, const u8 *p##_scales, const float *p##_tensor_scale
-#define MF_WEIGHTS(p) Nvfp4Weights{p##_codes, p##_scales, p##_tensor_scale}
 
 // h [T, A + 1, I] as moe_gate_up's; counters: 2 ints, zero; ids / weights: cluster 0's routing
 // written there when non-null (tests). x is the rows before the norm (residual may be x).
@@ -74,6 +73,9 @@ moe_fused_nvfp4(u16* y, u16* h, const u16* x, const u16* residual, int* counters
   __shared__ int expert[MOE_MAX_PAIRS + 1];
   __shared__ int slot_of[MOE_MAX_PAIRS + 1][8];
   __shared__ float coef[MOE_MAX_PAIRS + 1][8];
+  // the tensor scales (gate, up, down: [E] each, then the shared expert's three), read before the
+  // wait so that no sum-scale load is an L2 round trip on the way (E <= 256: the cluster router's)
+  __shared__ float tensor_scales[3 * ROUTER_MAX_EXPERTS + 3];
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int C = gridDim.x, c = blockIdx.x;
@@ -87,8 +89,17 @@ moe_fused_nvfp4(u16* y, u16* h, const u16* x, const u16* residual, int* counters
   const u32 pre_gu = smem_addr(pre), pre_d = pre_gu + max(gu_shape.bytes, MF_RED_DOWN_BYTES);
   float* red_down = reinterpret_cast<float*>(pre);  // over the shared gate/up slot, consumed by then
   auto bar = [&](int i) { return smem_addr(&bars[i]); };
-  const Nvfp4Weights gate = MF_WEIGHTS(g), up = MF_WEIGHTS(u), down = MF_WEIGHTS(d);
-  const Nvfp4Weights sgate = MF_WEIGHTS(sg), sup = MF_WEIGHTS(su), sdown = MF_WEIGHTS(sd);
+  float* ts = tensor_scales;
+  const Nvfp4Weights gate{g_codes, g_scales, ts}, up{u_codes, u_scales, ts + E}, down{d_codes, d_scales, ts + 2 * E};
+  const Nvfp4Weights sgate{sg_codes, sg_scales, ts + 3 * E}, sup{su_codes, su_scales, ts + 3 * E + 1};
+  const Nvfp4Weights sdown{sd_codes, sd_scales, ts + 3 * E + 2};
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    ts[e] = g_tensor_scale[e];
+    ts[E + e] = u_tensor_scale[e];
+    ts[2 * E + e] = d_tensor_scale[e];
+  }
+  if (has_shared && threadIdx.x < 3)
+    ts[3 * E + threadIdx.x] = (threadIdx.x == 0 ? sg_tensor_scale : threadIdx.x == 1 ? su_tensor_scale : sd_tensor_scale)[0];
 
   Nvfp4Weights::init_shared(sh);
   if (threadIdx.x == 0) {

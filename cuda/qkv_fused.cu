@@ -47,6 +47,7 @@ qkv_fused_nvfp4(u16* q_out, kv_t* k_cache, kv_t* v_cache, u16* qkv, int* counter
   __shared__ u64 bars[QF_SLOTS];
   __shared__ float red[QF_WARPS * 4 * 32];
   __shared__ Nvfp4Weights::Shared sh;
+  __shared__ float tensor_scales[3];  // q, k, v parts': read before the wait
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int C = gridDim.x, c = blockIdx.x;
@@ -56,10 +57,11 @@ qkv_fused_nvfp4(u16* q_out, kv_t* k_cache, kv_t* v_cache, u16* qkv, int* counter
   float* cos_s = reinterpret_cast<float*>(x_smem + T * pitch);
   float* sin_s = cos_s + T * (HEAD_DIM / 2);
   const u32 slots = smem_addr(qf_smem);
-  const Nvfp4Weights wt{codes, scales, tensor_scale};
+  const Nvfp4Weights wt{codes, scales, tensor_scales};
   const int n_tiles = N / 16, mine = c < n_tiles ? (n_tiles - 1 - c) / C + 1 : 0;
 
   Nvfp4Weights::init_shared(sh);
+  if (threadIdx.x < 3) tensor_scales[threadIdx.x] = tensor_scale[threadIdx.x];
   if (threadIdx.x == 0) {
     for (int i = 0; i < QF_SLOTS; ++i) mbarrier_init(smem_addr(&bars[i]), 1);
     fence_mbarrier_init();
