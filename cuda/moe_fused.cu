@@ -43,9 +43,12 @@
 #ifndef MF_DOWN_EARLY
 #define MF_DOWN_EARLY 1  // a define (kernels/moe.py FUSED_DOWN_EARLY): the down ring copied with gate/up's, or after its first round
 #endif
+#ifndef MF_PREFETCH
+#define MF_PREFETCH 1    // a define (kernels/moe.py FUSED_PREFETCH): the direct kernels ask L2 for their tiles once routed
+#endif
 #define MF_RED_DOWN_BYTES (MF_DOWN_VW * 4 * 32 * 4)
 static_assert(MF_WARPS == 2 * MF_QUAD, "two gate/up quads a CTA");
-static_assert(MOE_DOWN_WARPS == MF_DOWN_VW && MOE_GATE_UP_WARPS == MF_QUAD, "moe.cu's CTA shapes");
+static_assert(MOE_DOWN_WARPS == MF_DOWN_VW, "moe_down's CTA: 16 warps");
 
 // Gate/up tile `tile` (rows 8 tile .. + 7) of one expert: gate rows then up rows (moe_gate_up's A rows).
 __device__ __forceinline__ void load_gate_up(u32 slot, const SlotShape& shape, const Nvfp4Weights& gate,
@@ -55,65 +58,116 @@ __device__ __forceinline__ void load_gate_up(u32 slot, const SlotShape& shape, c
             up.scales + r0 * (K / 16), bar);
 }
 
-#define MF_ARGS(p) const u8 *p##_codes, const u8 *p##_scales, const float *p##_tensor_scale
+// NVFP4: the tensor scales of n experts (or of the one shared expert) copied into shared memory
+// before the wait, w pointing there, so that no sum scale costs an L2 round trip after it. BF16: none.
+__device__ __forceinline__ void stage_tensor_scales(Nvfp4Weights& w, float* dst, int n) {
+  for (int e = threadIdx.x; e < n; e += blockDim.x) dst[e] = w.tensor_scale[e];
+  w.tensor_scale = dst;
+}
+__device__ __forceinline__ void stage_tensor_scales(Bf16Weights&, float*, int) {}
 
-// h [T, A + 1, I] as moe_gate_up's; counters: 2 ints, zero; ids / weights: cluster 0's routing
-// written there when non-null (tests). x is the rows before the norm (residual may be x).
-extern "C" __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(MF_THREADS, 1)
-moe_fused_nvfp4(u16* y, u16* h, const u16* x, const u16* residual, int* counters, const u16* router_gate,
-                const float* bias, const u16* norm_weight, float eps, int A, float scaling, MF_ARGS(g), MF_ARGS(u),
-                MF_ARGS(d), MF_ARGS(sg), MF_ARGS(su), MF_ARGS(sd), int has_shared, int* ids_out,
-                float* weights_out, int T, int E, int H, int I) {
+template <class Wt>
+__device__ __forceinline__ typename Wt::X lds_x_of(u32 addr);
+template <>
+__device__ __forceinline__ Nvfp4Weights::X lds_x_of<Nvfp4Weights>(u32 addr) { return lds_x(addr); }
+template <>
+__device__ __forceinline__ uint4 lds_x_of<Bf16Weights>(u32 addr) { return lds_v4(addr); }
+template <class Wt>
+__device__ __forceinline__ typename Wt::X ld_cg_x_of(const u16* p);
+template <>
+__device__ __forceinline__ Nvfp4Weights::X ld_cg_x_of<Nvfp4Weights>(const u16* p) { return ld_cg_x(p); }
+template <>
+__device__ __forceinline__ uint4 ld_cg_x_of<Bf16Weights>(const u16* p) { return ld_cg_v4(p); }
+
+// acc += warp w's share of a tile read from global memory (rows) . token g's row in shared memory:
+// tile_partial<Wt, W, U> (gemv_tile.cuh) with the activations from shared memory, the same bits.
+template <class Wt, int W, int U>
+__device__ __forceinline__ void global_partial(float (&acc)[4], const typename Wt::Rows& rows, u32 x_row, int K,
+                                               int w, const typename Wt::Shared& sh) {
+  const int t = threadIdx.x & 3;
+  const int steps = K / Wt::KSTEP;
+  for (int s0 = w; s0 < steps; s0 += W * U) {
+    typename Wt::Frag f[U];
+    typename Wt::X xv[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // every weight load of the round first
+      const int s = s0 + u * W, k = s * Wt::KSTEP + t * Wt::LANE_K;
+      f[u] = s < steps ? Wt::load(rows, k) : Wt::zero();
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int s = s0 + u * W, k = s * Wt::KSTEP + t * Wt::LANE_K;
+      xv[u] = s < steps && x_row ? lds_x_of<Wt>(x_row + 2 * k) : Wt::zero_x();
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (s0 + u * W < steps) Wt::mma(acc, f[u], xv[u], sh);
+  }
+}
+
+// What the routing leaves for the experts, in static shared memory.
+struct MfLists {
+  u64 bars[MF_BARS];
+  float red[MF_WARPS * 4 * 32];  // the router's partial sums, then gate/up's
+  int route_ids[MOE_MAX_PAIRS];
+  float route_weights[MOE_MAX_PAIRS];
+  int expert[MOE_MAX_PAIRS + 1];
+  int slot_of[MOE_MAX_PAIRS + 1][8];
+  float coef[MOE_MAX_PAIRS + 1][8];
+  float tensor_scales[3 * ROUTER_MAX_EXPERTS + 3];  // gate, up, down [E] each, the shared expert's three
+};
+
+// The kernels' body. SLOTS: the experts' weights through shared-memory slots (NVFP4); else read
+// from global memory as moe_gate_up / moe_down read them, with MF_PREFETCH an L2 prefetch of the
+// CTA's tiles right after routing. GU_W: moe_gate_up's warps (4: two tiles at once; 8: one);
+// U_GU, U_DOWN: its and moe_down's unrolls.
+template <class Wt, bool SLOTS, int GU_W, int U_GU, int U_DOWN>
+__device__ __forceinline__ void moe_fused_body(u16* y, u16* h, const u16* x, const u16* residual, int* counters,
+                                               const u16* router_gate, const float* bias, const u16* norm_weight,
+                                               float eps, int A, float scaling, Wt gate, Wt up, Wt down, Wt sgate,
+                                               Wt sup, Wt sdown, int has_shared, int* ids_out, float* weights_out,
+                                               int T, int E, int H, int I) {
+  constexpr int QUADS = MF_WARPS / GU_W;  // gate/up tiles at once
+  static_assert(!SLOTS || GU_W == MF_QUAD, "the slots path runs NVFP4's 4-warp gate/up");
   extern __shared__ __align__(16) unsigned char mf_smem[];
-  __shared__ u64 bars[MF_BARS];
-  __shared__ float red[MF_WARPS * 4 * 32];  // the router's partial sums, then the quads'
-  __shared__ Nvfp4Weights::Shared sh;
-  __shared__ int route_ids[MOE_MAX_PAIRS];
-  __shared__ float route_weights[MOE_MAX_PAIRS];
-  __shared__ int expert[MOE_MAX_PAIRS + 1];
-  __shared__ int slot_of[MOE_MAX_PAIRS + 1][8];
-  __shared__ float coef[MOE_MAX_PAIRS + 1][8];
-  // the tensor scales (gate, up, down: [E] each, then the shared expert's three), read before the
-  // wait so that no sum-scale load is an L2 round trip on the way (E <= 256: the cluster router's)
-  __shared__ float tensor_scales[3 * ROUTER_MAX_EXPERTS + 3];
+  __shared__ MfLists l;
+  __shared__ typename Wt::Shared sh;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int C = gridDim.x, c = blockIdx.x;
   const u32 rank = cluster_ctarank();
   const SlotShape gu_shape = slot_shape(H), d_shape = slot_shape(I);
   const int tpe = I / 8, n_out = H / 16;  // gate/up tiles an expert, down tiles
-  const RouterSmem s = router_smem(mf_smem, rank, T, E, H, MF_GU_SLOTS * gu_shape.bytes + MF_DOWN_SLOTS * d_shape.bytes);
+  const RouterSmem s = router_smem(mf_smem, rank, T, E, H,
+                                   SLOTS ? MF_GU_SLOTS * gu_shape.bytes + MF_DOWN_SLOTS * d_shape.bytes : 0);
   unsigned char* pre = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<size_t>(s.bias + E) + 15) & ~static_cast<size_t>(15));
   const u32 gu_ring = smem_addr(mf_smem), d_ring = gu_ring + MF_GU_SLOTS * gu_shape.bytes;
   const u32 pre_gu = smem_addr(pre), pre_d = pre_gu + max(gu_shape.bytes, MF_RED_DOWN_BYTES);
-  float* red_down = reinterpret_cast<float*>(pre);  // over the shared gate/up slot, consumed by then
-  auto bar = [&](int i) { return smem_addr(&bars[i]); };
-  float* ts = tensor_scales;
-  const Nvfp4Weights gate{g_codes, g_scales, ts}, up{u_codes, u_scales, ts + E}, down{d_codes, d_scales, ts + 2 * E};
-  const Nvfp4Weights sgate{sg_codes, sg_scales, ts + 3 * E}, sup{su_codes, su_scales, ts + 3 * E + 1};
-  const Nvfp4Weights sdown{sd_codes, sd_scales, ts + 3 * E + 2};
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    ts[e] = g_tensor_scale[e];
-    ts[E + e] = u_tensor_scale[e];
-    ts[2 * E + e] = d_tensor_scale[e];
-  }
-  if (has_shared && threadIdx.x < 3)
-    ts[3 * E + threadIdx.x] = (threadIdx.x == 0 ? sg_tensor_scale : threadIdx.x == 1 ? su_tensor_scale : sd_tensor_scale)[0];
-
-  Nvfp4Weights::init_shared(sh);
+  float* red_down = reinterpret_cast<float*>(pre);  // (slots: over the shared gate/up slot, consumed by then)
+  auto bar = [&](int i) { return smem_addr(&l.bars[i]); };
+  float* ts = l.tensor_scales;
+  stage_tensor_scales(gate, ts, E);
+  stage_tensor_scales(up, ts + E, E);
+  stage_tensor_scales(down, ts + 2 * E, E);
+  stage_tensor_scales(sgate, ts + 3 * E, has_shared);
+  stage_tensor_scales(sup, ts + 3 * E + 1, has_shared);
+  stage_tensor_scales(sdown, ts + 3 * E + 2, has_shared);
+  Wt::init_shared(sh);
   if (threadIdx.x == 0) {
     for (int i = 0; i < MF_BARS; ++i) mbarrier_init(bar(i), 1);
     fence_mbarrier_init();
   }
   __syncthreads();
 
-  // Before the wait: the router's gate rows (warp 0), this CTA's tile of the shared expert (warp 1)
-  // and its down rows for the CTA's first down tile (warp 2), the bias.
+  // Before the wait: the router's gate rows (warp 0); SLOTS: this CTA's tile of the shared expert
+  // (warp 1) and its down rows for the CTA's first down tile (warp 2); the bias.
   router_load_gate(s, router_gate, bar(0), H);
-  const bool gu_pre = has_shared && c < tpe, d_pre = has_shared && c < n_out;
-  if (warp == 1 && gu_pre) load_gate_up(pre_gu, gu_shape, sgate, sup, c, H, bar(1));
-  if (warp == 2 && d_pre) slot_load_rows(pre_d, d_shape, sdown, c * 16, I, bar(2));
+  const bool gu_pre = SLOTS && has_shared && c < tpe, d_pre = SLOTS && has_shared && c < n_out;
+  if constexpr (SLOTS) {
+    if (warp == 1 && gu_pre) load_gate_up(pre_gu, gu_shape, sgate, sup, c, H, bar(1));
+    if (warp == 2 && d_pre) slot_load_rows(pre_d, d_shape, sdown, c * 16, I, bar(2));
+  }
   for (int e = threadIdx.x; e < E; e += blockDim.x) s.bias[e] = bias[e];
   cluster_arrive_relaxed();  // every CTA has started: waited on before writing into the others
   uint4 wv[NORM_MAX_VEC];
@@ -122,17 +176,18 @@ moe_fused_nvfp4(u16* y, u16* h, const u16* x, const u16* residual, int* counters
   // 1. route: the normed rows in x's place, every CTA of the cluster given all the scores
   pdl_wait();
   router_stage_x<true, false>(s, x, wv, nullptr, rank, T, H, eps);
-  router_scores(s, red, bar(0), T, E, H, 0, RC_CTAS - 1);
+  router_scores(s, l.red, bar(0), T, E, H, 0, RC_CTAS - 1);
   for (int tok = warp; tok < T; tok += MF_WARPS)
-    router_select(route_ids + tok * A, route_weights + tok * A, s.scores + tok * E, s.bias, E, A, scaling);
+    router_select(l.route_ids + tok * A, l.route_weights + tok * A, s.scores + tok * E, s.bias, E, A, scaling);
   __syncthreads();
   if (c == 0 && ids_out)
-    for (int i = threadIdx.x; i < T * A; i += blockDim.x) ids_out[i] = route_ids[i], weights_out[i] = route_weights[i];
+    for (int i = threadIdx.x; i < T * A; i += blockDim.x) ids_out[i] = l.route_ids[i], weights_out[i] = l.route_weights[i];
   // expert[u]: routed in first-occurrence order, then the shared one (-1); moe_down's list
-  const int U = moe_expert_list<Nvfp4Weights, true>(expert, slot_of, coef, route_ids, route_weights, down, sdown,
-                                                    has_shared, T, A, E);
+  const int U = moe_expert_list<Wt, true>(l.expert, l.slot_of, l.coef, l.route_ids, l.route_weights, down, sdown,
+                                          has_shared, T, A, E);
 
-  // 2. this CTA's weights into the rings (R: the router's gate rows are read, see the barriers above)
+  // 2. this CTA's weights: into the rings (SLOTS; R: the router's gate rows are read, see the
+  // barriers above), or asked of L2
   const int n_gu = U * tpe, gu_items = c < n_gu ? (n_gu - 1 - c) / C + 1 : 0;
   const int gu_ring_items = gu_items - gu_pre;
   const int d_tiles = c < n_out ? (n_out - 1 - c) / C + 1 : 0, d_ring_items = d_tiles * U - d_pre;
@@ -140,70 +195,97 @@ moe_fused_nvfp4(u16* y, u16* h, const u16* x, const u16* residual, int* counters
   auto gu_expert = [&](int i, int& tile) {
     const int j = c + i * C;
     tile = j % tpe;
-    return has_shared && j < tpe ? -1 : expert[(j - has_shared * tpe) / tpe];
+    return has_shared && j < tpe ? -1 : l.expert[(j - has_shared * tpe) / tpe];
   };
   // down chunk (tile m, expert u) -> its ring index; the (0, shared) chunk is the pre slot's
   auto d_ring_index = [&](int m, int u) {
     const int seq = m * U + u;
     return d_pre && seq > U - 1 ? seq - 1 : seq;
   };
-  auto gu_issue = [&](int q) {
-    int tile;
-    const int e = gu_expert(q + gu_pre, tile);
-    load_gate_up(gu_ring + (q % MF_GU_SLOTS) * gu_shape.bytes, gu_shape, e < 0 ? sgate : gate.expert(e, I, H),
-                 e < 0 ? sup : up.expert(e, I, H), tile, H, bar(3 + q % MF_GU_SLOTS));
+  auto gu_issue = [&](int q) {  // SLOTS only
+    if constexpr (SLOTS) {
+      int tile;
+      const int e = gu_expert(q + gu_pre, tile);
+      load_gate_up(gu_ring + (q % MF_GU_SLOTS) * gu_shape.bytes, gu_shape, e < 0 ? sgate : gate.expert(e, I, H),
+                   e < 0 ? sup : up.expert(e, I, H), tile, H, bar(3 + q % MF_GU_SLOTS));
+    }
   };
-  auto d_issue = [&](int q) {
-    const int seq = d_pre && q >= U - 1 ? q + 1 : q, m = seq / U, e = expert[seq - m * U];
-    slot_load_rows(d_ring + (q % MF_DOWN_SLOTS) * d_shape.bytes, d_shape, e < 0 ? sdown : down.expert(e, H, I),
-              (c + m * C) * 16, I, bar(3 + MF_GU_SLOTS + q % MF_DOWN_SLOTS));
+  auto d_issue = [&](int q) {  // SLOTS only
+    if constexpr (SLOTS) {
+      const int seq = d_pre && q >= U - 1 ? q + 1 : q, m = seq / U, e = l.expert[seq - m * U];
+      slot_load_rows(d_ring + (q % MF_DOWN_SLOTS) * d_shape.bytes, d_shape, e < 0 ? sdown : down.expert(e, H, I),
+                     (c + m * C) * 16, I, bar(3 + MF_GU_SLOTS + q % MF_DOWN_SLOTS));
+    }
   };
   auto d_issue_ring = [&]() {  // warp 1
     fence_proxy_async_shared();
     for (int q = 0; q < min(MF_DOWN_SLOTS, d_ring_items); ++q) d_issue(q);
   };
-  if (warp == 0) {
-    fence_proxy_async_shared();
-    for (int q = 0; q < min(MF_GU_SLOTS, gu_ring_items); ++q) gu_issue(q);
-  } else if (warp == 1 && (MF_DOWN_EARLY || gu_items == 0)) {
-    d_issue_ring();
+  if constexpr (SLOTS) {
+    if (warp == 0) {
+      fence_proxy_async_shared();
+      for (int q = 0; q < min(MF_GU_SLOTS, gu_ring_items); ++q) gu_issue(q);
+    } else if (warp == 1 && (MF_DOWN_EARLY || gu_items == 0)) {
+      d_issue_ring();
+    }
+  } else if (MF_PREFETCH) {
+    for (int q = threadIdx.x; q < gu_items + d_tiles * U; q += blockDim.x) {
+      if (q < gu_items) {
+        int tile;
+        const int e = gu_expert(q, tile);
+        (e < 0 ? sgate : gate.expert(e, I, H)).prefetch(tile * 8, 8, H);
+        (e < 0 ? sup : up.expert(e, I, H)).prefetch(tile * 8, 8, H);
+      } else {
+        const int m = (q - gu_items) / U, e = l.expert[q - gu_items - m * U];
+        (e < 0 ? sdown : down.expert(e, H, I)).prefetch((c + m * C) * 16, 16, I);
+      }
+    }
   }
 
-  // 3. gate/up: quad q takes items 2r + q of round r
-  const int quad = warp / MF_QUAD, wq = warp % MF_QUAD;
-  float* red_q = red + quad * MF_QUAD * 4 * 32;
+  // 3. gate/up: group q of GU_W warps takes items QUADS r + q of round r
+  const int quad = warp / GU_W, wq = warp % GU_W;
+  float* red_q = l.red + quad * GU_W * 4 * 32;
   const u32 x_row = g < T ? smem_addr(s.x + g * s.pitch) : 0u;
-  for (int i0 = 0; i0 < gu_items; i0 += 2) {
+  for (int i0 = 0; i0 < gu_items; i0 += QUADS) {
     const int i = i0 + quad;
     if (i < gu_items) {
-      u32 slot = pre_gu;
-      if (i < gu_pre) {
-        mbarrier_wait_parity(bar(1), 0);
-      } else {
-        const int q = i - gu_pre;
-        slot = gu_ring + (q % MF_GU_SLOTS) * gu_shape.bytes;
-        mbarrier_wait_parity(bar(3 + q % MF_GU_SLOTS), (q / MF_GU_SLOTS) & 1);
-      }
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      slot_partial<MF_QUAD, MF_UNROLL>(acc, slot, gu_shape, x_row, H, wq, sh);
+      if constexpr (SLOTS) {
+        u32 slot = pre_gu;
+        if (i < gu_pre) {
+          mbarrier_wait_parity(bar(1), 0);
+        } else {
+          const int q = i - gu_pre;
+          slot = gu_ring + (q % MF_GU_SLOTS) * gu_shape.bytes;
+          mbarrier_wait_parity(bar(3 + q % MF_GU_SLOTS), (q / MF_GU_SLOTS) & 1);
+        }
+        slot_partial<GU_W, U_GU>(acc, slot, gu_shape, x_row, H, wq, sh);
+      } else {
+        int tile;
+        const int e = gu_expert(i, tile), row = tile * 8 + g;
+        const Wt wg = e < 0 ? sgate : gate.expert(e, I, H), wu = e < 0 ? sup : up.expert(e, I, H);
+        global_partial<Wt, GU_W, U_GU>(acc, Wt::rows(wg, row, wu, row, H), x_row, H, wq, sh);
+      }
 #pragma unroll
       for (int k = 0; k < 4; ++k) red_q[(wq * 4 + k) * 32 + lane] = acc[k];
     }
     __syncthreads();
-    if (!MF_DOWN_EARLY && i0 == 0 && warp == 1) d_issue_ring();
-    if (warp == 0)  // the slots this round read, refilled
-      for (int k = max(i0, gu_pre); k < min(i0 + 2, gu_items); ++k)
-        if (k - gu_pre + MF_GU_SLOTS < gu_ring_items) gu_issue(k - gu_pre + MF_GU_SLOTS);
-    const int tq = threadIdx.x % (MF_QUAD * 32), j = tq >> 3, b = tq & 7;
+    if constexpr (SLOTS) {
+      if (!MF_DOWN_EARLY && i0 == 0 && warp == 1) d_issue_ring();
+      if (warp == 0)  // the slots this round read, refilled
+        for (int k = max(i0, (int)gu_pre); k < min(i0 + QUADS, gu_items); ++k)
+          if (k - gu_pre + MF_GU_SLOTS < gu_ring_items) gu_issue(k - gu_pre + MF_GU_SLOTS);
+    }
+    const int tq = threadIdx.x % (GU_W * 32), j = tq >> 3, b = tq & 7;
     if (i < gu_items && j < 8 && b < T) {  // moe_gate_up's epilogue
       int tile;
       const int e = gu_expert(i, tile);
       int slot = e < 0 ? A : -1;
       for (int a = 0; a < A && slot < 0; ++a)
-        if (route_ids[b * A + a] == e) slot = a;
+        if (l.route_ids[b * A + a] == e) slot = a;
       if (slot >= 0) {
-        const float gv = tile_sum<MF_QUAD>(red_q, j, b) * (e < 0 ? sgate.sum_scale() : gate.sum_scale(e));
-        const float uv = tile_sum<MF_QUAD>(red_q, j + 8, b) * (e < 0 ? sup.sum_scale() : up.sum_scale(e));
+        const float gv = tile_sum<GU_W>(red_q, j, b) * (e < 0 ? sgate.sum_scale() : gate.sum_scale(e));
+        const float uv = tile_sum<GU_W>(red_q, j + 8, b) * (e < 0 ? sup.sum_scale() : up.sum_scale(e));
         h[((size_t)b * (A + 1) + slot) * I + tile * 8 + j] = f32_to_bf16(silu(gv) * uv);
       }
     }
@@ -215,43 +297,75 @@ moe_fused_nvfp4(u16* y, u16* h, const u16* x, const u16* residual, int* counters
   pdl_launch_dependents();  // every CTA of ours is resident by now
 
   // 4. down: warp w runs moe_down's warps w and w + 8 over items f = u * steps + k-step
-  const int steps = I / Nvfp4Weights::KSTEP, items = U * steps;
+  const int steps = I / Wt::KSTEP, items = U * steps;
   for (int m = 0; m < d_tiles; ++m) {
     const int n0 = (c + m * C) * 16;
     float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-    for (int p0 = 0; p0 < items; p0 += MF_DOWN_VW) {
+    // one item into moe_down's accumulator order: part = W . x of the item, acc += coef x part
+    auto accumulate = [&](float (&a)[4], const typename Wt::Frag& fr, const typename Wt::X& xv, int u) {
+      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      Wt::mma(part, fr, xv, sh);
+      const float c_even = l.coef[u][2 * t], c_odd = l.coef[u][2 * t + 1];
+      a[0] = fmaf(c_even, part[0], a[0]);
+      a[1] = fmaf(c_odd, part[1], a[1]);
+      a[2] = fmaf(c_even, part[2], a[2]);
+      a[3] = fmaf(c_odd, part[3], a[3]);
+    };
+    auto h_of = [&](int u, int k) {
+      const int sl = l.slot_of[u][g];
+      return sl >= 0 ? ld_cg_x_of<Wt>(h + ((size_t)g * (A + 1) + sl) * I + k) : Wt::zero_x();
+    };
+    if constexpr (SLOTS) {
+      for (int p0 = 0; p0 < items; p0 += MF_DOWN_VW) {
 #pragma unroll
-      for (int v = 0; v < 2; ++v) {
-        const int f = p0 + warp + MF_WARPS * v;
-        if (f < items) {
-          const int u = f / steps, k = (f - u * steps) * Nvfp4Weights::KSTEP + t * Nvfp4Weights::LANE_K;
-          u32 slot = pre_d;
-          if (m == 0 && u == U - 1 && d_pre) {
-            mbarrier_wait_parity(bar(2), 0);
-          } else {
-            const int q = d_ring_index(m, u);
-            slot = d_ring + (q % MF_DOWN_SLOTS) * d_shape.bytes;
-            mbarrier_wait_parity(bar(3 + MF_GU_SLOTS + q % MF_DOWN_SLOTS), (q / MF_DOWN_SLOTS) & 1);
+        for (int v = 0; v < 2; ++v) {
+          const int f = p0 + warp + MF_WARPS * v;
+          if (f < items) {
+            const int u = f / steps, k = (f - u * steps) * Wt::KSTEP + t * Wt::LANE_K;
+            u32 slot = pre_d;
+            if (m == 0 && u == U - 1 && d_pre) {
+              mbarrier_wait_parity(bar(2), 0);
+            } else {
+              const int q = d_ring_index(m, u);
+              slot = d_ring + (q % MF_DOWN_SLOTS) * d_shape.bytes;
+              mbarrier_wait_parity(bar(3 + MF_GU_SLOTS + q % MF_DOWN_SLOTS), (q / MF_DOWN_SLOTS) & 1);
+            }
+            accumulate(acc[v], slot_frag(slot, d_shape, g, k), h_of(u, k), u);
           }
-          const Nvfp4Frag fr = slot_frag(slot, d_shape, g, k);
-          const int sl = slot_of[u][g];
-          const Nvfp4Weights::X xv = sl >= 0 ? ld_cg_x(h + ((size_t)g * (A + 1) + sl) * I + k) : Nvfp4Weights::zero_x();
-          float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          Nvfp4Weights::mma(part, fr, xv, sh);
-          const float c_even = coef[u][2 * t], c_odd = coef[u][2 * t + 1];
-          acc[v][0] = fmaf(c_even, part[0], acc[v][0]);
-          acc[v][1] = fmaf(c_odd, part[1], acc[v][1]);
-          acc[v][2] = fmaf(c_even, part[2], acc[v][2]);
-          acc[v][3] = fmaf(c_odd, part[3], acc[v][3]);
         }
+        __syncthreads();
+        if (warp == 1)  // the experts this pass finished (16 % steps == 0: whole experts), refilled
+          for (int u = p0 / steps; u < min(U, (p0 + MF_DOWN_VW) / steps); ++u)
+            if (!(m == 0 && u == U - 1 && d_pre)) {
+              const int q = d_ring_index(m, u) + MF_DOWN_SLOTS;
+              if (q < d_ring_items) d_issue(q);
+            }
       }
-      __syncthreads();
-      if (warp == 1)  // the experts this pass finished (16 % steps == 0: whole experts), refilled
-        for (int u = p0 / steps; u < min(U, (p0 + MF_DOWN_VW) / steps); ++u)
-          if (!(m == 0 && u == U - 1 && d_pre)) {
-            const int q = d_ring_index(m, u) + MF_DOWN_SLOTS;
-            if (q < d_ring_items) d_issue(q);
+    } else {
+      // rounds of U_DOWN items of one of the warp's two moe_down warps: every load first
+#pragma unroll
+      for (int v = 0; v < 2; ++v)
+        for (int f0 = warp + MF_WARPS * v; f0 < items; f0 += MF_DOWN_VW * U_DOWN) {
+          typename Wt::Frag fr[U_DOWN];
+          typename Wt::X xv[U_DOWN];
+#pragma unroll
+          for (int i = 0; i < U_DOWN; ++i) {
+            const int f = f0 + i * MF_DOWN_VW, u = min(f / steps, U - 1);
+            const int k = (f - u * steps) * Wt::KSTEP + t * Wt::LANE_K, e = l.expert[u];
+            const Wt w = e < 0 ? sdown : down.expert(e, H, I);
+            fr[i] = f < items ? Wt::load(Wt::rows(w, n0 + g, w, n0 + g + 8, I), k) : Wt::zero();
           }
+#pragma unroll
+          for (int i = 0; i < U_DOWN; ++i) {
+            const int f = f0 + i * MF_DOWN_VW, u = min(f / steps, U - 1);
+            xv[i] = f < items ? h_of(u, (f - u * steps) * Wt::KSTEP + t * Wt::LANE_K) : Wt::zero_x();
+          }
+#pragma unroll
+          for (int i = 0; i < U_DOWN; ++i) {
+            const int f = f0 + i * MF_DOWN_VW;
+            if (f < items) accumulate(acc[v], fr[i], xv[i], f / steps);
+          }
+        }
     }
 #pragma unroll
     for (int v = 0; v < 2; ++v)
@@ -266,4 +380,40 @@ moe_fused_nvfp4(u16* y, u16* h, const u16* x, const u16* residual, int* counters
     }
     __syncthreads();
   }
+}
+
+#define MF_ARGS(p) const u8 *p##_codes, const u8 *p##_scales, const float *p##_tensor_scale
+#define MF_NVFP4(p) Nvfp4Weights{p##_codes, p##_scales, p##_tensor_scale}
+#define MF_COMMON_ARGS                                                                                        \
+  u16 *y, u16 *h, const u16 *x, const u16 *residual, int *counters, const u16 *router_gate, const float *bias, \
+      const u16 *norm_weight, float eps, int A, float scaling
+#define MF_COMMON y, h, x, residual, counters, router_gate, bias, norm_weight, eps, A, scaling
+
+// h [T, A + 1, I] as moe_gate_up's; counters: 2 ints, zero; ids / weights: cluster 0's routing
+// written there when non-null (tests). x is the rows before the norm (residual may be x).
+extern "C" __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(MF_THREADS, 1)
+moe_fused_nvfp4(MF_COMMON_ARGS, MF_ARGS(g), MF_ARGS(u), MF_ARGS(d), MF_ARGS(sg), MF_ARGS(su), MF_ARGS(sd),
+                int has_shared, int* ids_out, float* weights_out, int T, int E, int H, int I) {
+  moe_fused_body<Nvfp4Weights, true, MF_QUAD, MF_UNROLL, MF_UNROLL>(
+      MF_COMMON, MF_NVFP4(g), MF_NVFP4(u), MF_NVFP4(d), MF_NVFP4(sg), MF_NVFP4(su), MF_NVFP4(sd), has_shared, ids_out,
+      weights_out, T, E, H, I);
+}
+
+// The same reading the experts' weights from global memory (MOE_GATE_UP_WARPS: moe_gate_up's
+// warps for the format and rows, kernels/moe.py gate_up_warps).
+extern "C" __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(MF_THREADS, 1)
+moe_fused_direct_nvfp4(MF_COMMON_ARGS, MF_ARGS(g), MF_ARGS(u), MF_ARGS(d), MF_ARGS(sg), MF_ARGS(su), MF_ARGS(sd),
+                       int has_shared, int* ids_out, float* weights_out, int T, int E, int H, int I) {
+  moe_fused_body<Nvfp4Weights, false, MOE_GATE_UP_WARPS, NVFP4_UNROLL, NVFP4_UNROLL>(
+      MF_COMMON, MF_NVFP4(g), MF_NVFP4(u), MF_NVFP4(d), MF_NVFP4(sg), MF_NVFP4(su), MF_NVFP4(sd), has_shared, ids_out,
+      weights_out, T, E, H, I);
+}
+
+extern "C" __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(MF_THREADS, 1)
+moe_fused_direct_bf16(MF_COMMON_ARGS, const u16* gate, const u16* up, const u16* down, const u16* shared_gate,
+                      const u16* shared_up, const u16* shared_down, int has_shared, int* ids_out, float* weights_out,
+                      int T, int E, int H, int I) {
+  moe_fused_body<Bf16Weights, false, MOE_GATE_UP_WARPS, BF16_UNROLL, BF16_UNROLL>(
+      MF_COMMON, Bf16Weights{gate}, Bf16Weights{up}, Bf16Weights{down}, Bf16Weights{shared_gate},
+      Bf16Weights{shared_up}, Bf16Weights{shared_down}, has_shared, ids_out, weights_out, T, E, H, I);
 }

@@ -86,18 +86,18 @@ def test_folded_norms_leave_only_the_norms_the_kernels_cannot_take(monkeypatch, 
     assert folded == ([("linear", qkv_rows, True)] * layers + [("linear", config.vocab_size, True)] if fold else [])
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
-def test_the_one_launch_moe_takes_each_moe_block_with_its_norm(monkeypatch, fmt):
-    """kernel_ops.FUSED_MOE: with NVFP4 experts each MoE layer is one moe_fused launch over the row
-    before its norm (no router, no expert launches, no post-attention norm); BF16 experts keep the
-    three launches."""
+@pytest.mark.parametrize("fmt,fits", [("nvfp4", True), ("bf16", True), ("nvfp4", False)])
+def test_the_one_launch_moe_takes_each_moe_block_with_its_norm(monkeypatch, fmt, fits):
+    """kernel_ops.FUSED_MOE: each MoE layer is one moe_fused launch over the row before its norm (no
+    router, no expert launches, no post-attention norm), NVFP4 experts through shared-memory slots,
+    BF16 read from global memory; shapes it does not take keep the three launches."""
     config = preset("flint-tiny")
-    calls = []
+    calls, asked = [], []
     stand_ins(monkeypatch, calls)
     monkeypatch.setattr(kernel_ops, "FUSED_MOE", True)
     monkeypatch.setattr(kernel_ops, "ROUTER_NORMS", False)
     monkeypatch.setattr(kernel_ops, "weight_format", lambda *w: fmt)
-    monkeypatch.setattr(kernel_ops, "fused_moe_bytes", lambda *shape: 1)
+    monkeypatch.setattr(kernel_ops, "fused_moe_bytes", lambda *shape: asked.append(shape[-1]) or (1 if fits else None))
 
     def moe_fused(x, norm_weight, eps, router, bias, top_k, scaling, *weights_and_counters, residual, out, pdl):
         assert len(weights_and_counters) == 7 and x.data_ptr() == residual.data_ptr() != out.data_ptr()
@@ -109,7 +109,8 @@ def test_the_one_launch_moe_takes_each_moe_block_with_its_norm(monkeypatch, fmt)
     fused_forward(config)
     layers = config.num_hidden_layers
     moe_layers = sum(config.is_moe(i) for i in range(layers))
-    if fmt == "nvfp4":
+    assert asked == [fmt == "nvfp4"] * moe_layers          # slots for NVFP4 only
+    if fits:
         assert calls.count("moe_fused") == moe_layers and "moe_gate_up" not in calls
         assert calls.count("norm") == layers + 1 + layers - moe_layers
     else:

@@ -201,18 +201,21 @@ def test_the_argmax_workspace_holds_every_split_count(waves, monkeypatch):
         assert b * splits + 1 <= size and splits * chunk >= vocab and chunk % 8 == 0
 
 
-def test_the_one_launch_moe_fits_a_cta_of_shared_memory_without_spills():
-    """moe_fused_nvfp4 (cuda/moe_fused.cu) holds everything in registers, and its static shared
-    memory plus kernels/moe.py fused_moe_bytes for Flint's MoE at 1-8 rows fit the 227 KiB a CTA may
-    have (the budget FUSED_MAX_SHARED assumes)."""
+@pytest.mark.parametrize("warps", [4, 8])
+def test_the_one_launch_moe_fits_a_cta_of_shared_memory_without_spills(warps):
+    """moe_fused's kernels (cuda/moe_fused.cu: NVFP4 through slots, NVFP4 and BF16 direct) hold
+    everything in registers, and their static shared memory plus kernels/moe.py fused_moe_bytes for
+    Flint's MoE at 1-8 rows fit the 227 KiB a CTA may have (the budget FUSED_MAX_SHARED assumes)."""
     from flint_sched.kernels.moe import FUSED_MAX_SHARED, fused_moe_bytes
-    usage = _runtime.resource_usage("moe_fused.cu")["moe_fused_nvfp4"]
-    assert usage.spill_store_bytes == usage.spill_load_bytes == 0, usage
-    assert 0 < usage.shared_bytes <= 227 * 1024 - FUSED_MAX_SHARED
-    for tokens in range(1, 9):
-        dynamic = fused_moe_bytes(256, 2048, 512, tokens, 6)
-        assert dynamic is not None and dynamic + usage.shared_bytes <= 227 * 1024
+    usage = _runtime.resource_usage("moe_fused.cu", {"MOE_GATE_UP_WARPS": warps})
+    for name, slots in (("moe_fused_nvfp4", True), ("moe_fused_direct_nvfp4", False), ("moe_fused_direct_bf16", False)):
+        assert usage[name].spill_store_bytes == usage[name].spill_load_bytes == 0, (name, usage[name])
+        assert 0 < usage[name].shared_bytes <= 227 * 1024 - FUSED_MAX_SHARED
+        for tokens in range(1, 9):
+            dynamic = fused_moe_bytes(256, 2048, 512, tokens, 6, slots)
+            assert dynamic is not None and dynamic + usage[name].shared_bytes <= 227 * 1024
     assert fused_moe_bytes(256, 2048, 512, 9, 6) is None and fused_moe_bytes(256, 2000, 512, 1, 6) is None
+    assert fused_moe_bytes(32, 512, 128, 1, 6) is None and fused_moe_bytes(32, 512, 256 * 3, 1, 6, False) is not None
 
 
 def test_the_one_launch_attention_front_fits_and_does_not_spill():

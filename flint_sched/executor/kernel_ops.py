@@ -32,7 +32,8 @@ from flint_sched.kernels.embedding import embed_tokens
 from flint_sched.kernels.grouped import grouped_gate_up, grouped_linear
 from flint_sched.kernels.grouped_moe import moe_grouped
 from flint_sched.kernels.linear import MAX_TOKENS, gate_up_silu, linear, weight_format
-from flint_sched.kernels.moe import fused_moe_bytes, moe_down, moe_fused, moe_gate_up, route, router_normalizes
+from flint_sched.kernels.moe import (fused_moe_bytes, fused_slots, moe_down, moe_fused, moe_gate_up, route,
+                                     router_normalizes)
 from flint_sched.kernels.norm import rms_norm
 from flint_sched.kernels.prefill_attention import (
     PrefillMetadata,
@@ -74,12 +75,12 @@ FOLD_NORMS = False
 # weights, tried beside it, lost: 2.33 -> 2.84 at batch 1, 3.3 -> 5.9 at 4.)
 ROUTER_NORMS = True
 
-# Fused steps with NVFP4 experts run each MoE block (the norm before it, the router, gate/up, down)
-# as one launch (kernels/moe.py `moe_fused`, cuda/moe_fused.cu): every cluster routes for itself,
-# each CTA copies the chosen experts' weights it needs into shared memory at once, and down waits on
-# gate/up through a grid-wide counter instead of a kernel boundary; the same bits as ROUTER_NORMS'
-# three launches. Built without a GPU (session 33): off until its GPU tests pass and
-# benchmarks/ab_decode.py measures it at 1-6 requests.
+# Fused steps run each MoE block (the norm before it, the router, gate/up, down) as one launch
+# (kernels/moe.py `moe_fused`, cuda/moe_fused.cu): every cluster routes for itself, each CTA copies
+# the chosen NVFP4 experts' weights it needs into shared memory at once (BF16: reads them from
+# global memory, asked of L2 once routed), and down waits on gate/up through a grid-wide counter
+# instead of a kernel boundary; the same bits as ROUTER_NORMS' three launches. Built without a GPU
+# (session 33): off until its GPU tests pass and benchmarks/ab_decode.py measures it.
 FUSED_MOE = False
 
 # Fused steps with an NVFP4 q/k/v weight run the input norm, q/k/v, the Q/K norms, RoPE and the K/V
@@ -394,11 +395,11 @@ class KernelOps:
         return isinstance(x, Unnormed) and ROUTER_NORMS and router_normalizes(*router.shape, self.rows)
 
     def _fused_moe(self, x: torch.Tensor | Unnormed, router: torch.Tensor, experts: list, shared: list) -> bool:
-        """Whether the MoE block runs as one launch (FUSED_MOE: NVFP4 experts, shapes it takes)."""
+        """Whether the MoE block runs as one launch (FUSED_MOE, shapes it takes)."""
         c = self.c
-        return (FUSED_MOE and isinstance(x, Unnormed) and weight_format(*experts, *shared) == "nvfp4"
+        return (FUSED_MOE and isinstance(x, Unnormed)
                 and fused_moe_bytes(router.shape[0], c.hidden_size, c.moe_intermediate_size, self.rows,
-                                    c.num_experts_per_tok) is not None)
+                                    c.num_experts_per_tok, fused_slots(weight_format(*experts, *shared))) is not None)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.sample_rows is not None:

@@ -221,28 +221,43 @@ def moe(x: torch.Tensor, router_gate: torch.Tensor, router_bias: torch.Tensor, t
 FUSED_GU_SLOTS, FUSED_DOWN_SLOTS = 4, 8
 FUSED_THREADS = 256
 FUSED_MAX_SHARED = 227 * 1024 - 14 * 1024
+# NVFP4 experts' weights through shared-memory slots (moe_fused_nvfp4) or read from global memory as
+# moe_gate_up / moe_down read them (moe_fused_direct_nvfp4, as BF16 always is: a BF16 gate/up tile is
+# 64 KB); with FUSED_PREFETCH the direct kernels ask L2 for all their tiles once routed.
+FUSED_NVFP4_SLOTS = True
+FUSED_PREFETCH = 1
 # Whether each CTA asks for its down weights right after routing, beside its gate/up weights (1), or
 # after its first gate/up tile, so that gate/up's come first (0; cuda/moe_fused.cu MF_DOWN_EARLY).
 FUSED_DOWN_EARLY = 1
 
 
-def fused_moe_bytes(num_experts: int, hidden: int, intermediate: int, tokens: int, top_k: int) -> int | None:
-    """Dynamic shared memory of moe_fused_nvfp4 (its layout in cuda/moe_fused.cu), or None for
-    shapes it does not take: <= 8 tokens, <= 256 experts (the cluster router's), hidden and
-    intermediate sizes multiples of 256 (whole scale rows a bulk copy), 2-16 k-steps of 128 per
-    down row (a pass of moe_down's 16 warps covers whole experts and fits the down ring)."""
+def fused_slots(fmt: str) -> bool:
+    """Whether moe_fused takes experts of this format through shared-memory slots (NVFP4 only)."""
+    return fmt == "nvfp4" and FUSED_NVFP4_SLOTS
+
+
+def fused_moe_bytes(num_experts: int, hidden: int, intermediate: int, tokens: int, top_k: int,
+                    slots: bool = True) -> int | None:
+    """Dynamic shared memory of moe_fused (its layout in cuda/moe_fused.cu) through weight slots
+    or not, or None for shapes it does not take: <= 8 tokens, <= 256 experts (the cluster router's),
+    hidden and intermediate sizes multiples of 256 (whole scale rows a bulk copy); with slots, 2-16
+    k-steps of 128 per down row (a pass of moe_down's 16 warps covers whole experts and fits the down
+    ring)."""
     if not (1 <= tokens <= MAX_TOKENS and tokens * top_k <= MAX_PAIRS and 1 <= top_k <= min(num_experts, 32)):
         return None
-    if hidden % 256 or intermediate % 256 or hidden > MAX_HIDDEN or intermediate // 128 not in (2, 4, 8, 16):
+    if hidden % 256 or intermediate % 256 or hidden > MAX_HIDDEN:
+        return None
+    if slots and intermediate // 128 not in (2, 4, 8, 16):
         return None
     per_cta = cdiv(num_experts, CLUSTER_CTAS)
     if per_cta > 32:
         return None
     pitch = 2 * hidden + 16
     gate_up, down = slot_bytes(hidden), slot_bytes(intermediate)
-    rings = FUSED_GU_SLOTS * gate_up + FUSED_DOWN_SLOTS * down
+    rings = FUSED_GU_SLOTS * gate_up + FUSED_DOWN_SLOTS * down if slots else 0
     size = max(cdiv(per_cta, 16) * 16 * pitch, rings) + tokens * pitch + tokens * num_experts * 4 + num_experts * 4
-    size = cdiv(size, 16) * 16 + max(gate_up, 16 * 4 * 32 * 4) + down
+    red_down = 16 * 4 * 32 * 4            # moe_down's partial sums (over the shared expert's slot)
+    size = cdiv(size, 16) * 16 + (max(gate_up, red_down) + down if slots else red_down)
     return size if size <= FUSED_MAX_SHARED else None
 
 
@@ -252,8 +267,8 @@ def moe_fused(x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, route
               counters: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
               h: torch.Tensor | None = None, ids: torch.Tensor | None = None, weights: torch.Tensor | None = None,
               pdl: bool = False) -> torch.Tensor:
-    """residual + MoE(rms_norm(x, norm_weight)) in one launch (cuda/moe_fused.cu), NVFP4 experts:
-    the bits of `route(x, ..., norm_weight=)`, `moe_gate_up` and `moe_down`.
+    """residual + MoE(rms_norm(x, norm_weight)) in one launch (cuda/moe_fused.cu), NVFP4 or BF16
+    experts: the bits of `route(x, ..., norm_weight=)`, `moe_gate_up` and `moe_down`.
 
     counters: kernels/smem_tiles.py `grid_counters` (not shared with a launch that may run at the same time);
     h: the experts' activations [T, top_k + 1, I] (scratch, as moe_gate_up's output); ids / weights:
@@ -263,9 +278,9 @@ def moe_fused(x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, route
     t, k = x.shape
     e = router_gate.shape[0]
     num_experts, i = gate.shape[0], gate.shape[1]
-    if weight_format(gate, up, down, shared_gate, shared_up, shared_down) != "nvfp4":
-        raise ValueError("moe_fused takes NVFP4 experts only")
-    size = fused_moe_bytes(e, k, i, t, top_k)
+    fmt = weight_format(gate, up, down, shared_gate, shared_up, shared_down)
+    slots = fused_slots(fmt)
+    size = fused_moe_bytes(e, k, i, t, top_k, slots)
     if size is None or num_experts != e:
         raise ValueError(f"moe_fused does not take {t} tokens x hidden {k}, {e} router rows, {num_experts} experts "
                          f"of {i}, top_k {top_k} (see fused_moe_bytes)")
@@ -284,7 +299,7 @@ def moe_fused(x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, route
                  + weight_args(shared_up, "shared_up", (i, k), x.device)
                  + weight_args(shared_down, "shared_down", (k, i), x.device))
     else:
-        args += [None] * 9
+        args += [None] * (9 if fmt == "nvfp4" else 3)
     if residual is not None:
         check_tensor(residual, "residual", torch.bfloat16, (t, k), x.device, 2)
     y = output(out, "out", (t, k), x)
@@ -296,7 +311,9 @@ def moe_fused(x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, route
     if ids is not None:
         ids = _out(ids, "ids", torch.int32, (t, top_k), x)
         weights = _out(weights, "weights", torch.float32, (t, top_k), x)
-    kernel = _kernel("moe_fused.cu", "moe_fused_nvfp4", (("MF_DOWN_EARLY", FUSED_DOWN_EARLY),))
+    name = "moe_fused_nvfp4" if slots else f"moe_fused_direct_{fmt}"
+    kernel = _kernel("moe_fused.cu", name, (("MOE_GATE_UP_WARPS", gate_up_warps(fmt, t)),
+                                            ("MF_DOWN_EARLY", FUSED_DOWN_EARLY), ("MF_PREFETCH", FUSED_PREFETCH)))
     device = x.device.index
     clusters = _fused_clusters(kernel, size, device)
     kernel.launch((clusters * CLUSTER_CTAS,), (FUSED_THREADS,),

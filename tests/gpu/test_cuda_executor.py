@@ -18,7 +18,7 @@ from flint_sched.executor.dense_copies import copies_bytes
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.kernels import attention, grouped_moe
 from flint_sched.kernels.grouped import CUBLAS_MIN_ROWS_NVFP4
-from flint_sched.kernels.moe import fused_moe_bytes
+from flint_sched.kernels.moe import fused_moe_bytes, fused_slots
 from flint_sched.model.reference import FlintReference
 from flint_sched.sampling_params import SamplingParams
 from executor_checks import check_against_reference, ckpt, run  # noqa: F401 - ckpt: the fixture
@@ -216,7 +216,7 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
     (kernel_ops.FUSE_QK_ATTENTION: cuda/decode_attention_qk.cu), whose router does the norm before
     the MoE (kernel_ops.ROUTER_NORMS), or whose MoE blocks or attention fronts (input norm, q/k/v, Q/K
     norm, K/V write) are one launch each (kernel_ops.FUSED_MOE, FUSED_QKV: cuda/moe_fused.cu,
-    qkv_fused.cu; NVFP4 weights of shapes they take), give the launches' logits bit for bit, graphs
+    qkv_fused.cu; shapes they take, the front with NVFP4 weights), give the launches' logits bit for bit, graphs
     and eager, prompts on both sides of the window, 1 to 6 rows."""
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (3, 600, 37, 515, 90, 1)]
@@ -237,10 +237,10 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
             assert run.executor.ws._q_slots is not None
         elif flag == "ROUTER_NORMS":
             assert normalizing and all(normalizing)
-        elif flag == "FUSED_MOE":   # the small real-shaped NVFP4 layer only (flint-tiny's sizes: not multiples of 256)
+        elif flag == "FUSED_MOE":   # the small real-shaped layers (flint-tiny's sizes: not multiples of 256)
             c = ckpt.config
-            takes = ckpt.weight_format == "nvfp4" and fused_moe_bytes(
-                c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, 1, c.num_experts_per_tok) is not None
+            takes = fused_moe_bytes(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, 1,
+                                    c.num_experts_per_tok, fused_slots(ckpt.weight_format)) is not None
             assert (1 in one_launch) == takes and (not takes or not any(normalizing))
         else:
             c = ckpt.config

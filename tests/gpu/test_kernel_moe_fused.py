@@ -1,18 +1,21 @@
 """moe_fused (cuda/moe_fused.cu): a fused decode step's MoE block in one launch, bit for bit the
 three launches it stands for: the router that normalizes (`route(..., norm_weight=)`), `moe_gate_up`
-and `moe_down` (themselves checked against the reference in test_kernel_moe.py). Flint's shapes and
-a small real-shaped layer, 1-8 rows, with and without the shared expert, the grid as large as the GPU
-holds and small enough that every CTA takes many tiles through its rings, repeated launches and a
-CUDA graph (the counters reset themselves)."""
+and `moe_down` (themselves checked against the reference in test_kernel_moe.py). NVFP4 experts
+through shared-memory slots and read from global memory, BF16 experts; Flint's shapes and small
+real-shaped layers, 1-8 rows, with and without the shared expert, the grid as large as the GPU holds
+and small enough that every CTA takes many tiles (through its rings), repeated launches and a CUDA
+graph (the counters reset themselves)."""
 
 import importlib
 
 import pytest
 import torch
 
+from flint_sched.kernels.linear import weight_format
 from flint_sched.kernels.moe import fused_moe_bytes, moe_down, moe_fused, moe_gate_up, route
 from flint_sched.kernels.smem_tiles import grid_counters
 from gpu_checks import gen, poisoned
+from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize
 from moe_checks import make_moe
 
 moe_kernels = importlib.import_module("flint_sched.kernels.moe")   # the package exports a function `moe`
@@ -25,11 +28,25 @@ NARROW = dict(experts=32, top_k=4, hidden=512, inter=256)    # 2 k-steps a down 
 SCALING, EPS = 2.5, 1e-5
 
 
-@pytest.fixture(scope="module", params=[FLINT, SMALL, NARROW], ids=["flint", "small", "narrow"])
-def layer(request):
-    shape = request.param
-    p = make_moe("nvfp4", shape, seed=7)
+LAYERS = [("nvfp4", FLINT), ("nvfp4", SMALL), ("nvfp4", NARROW), ("bf16", FLINT), ("bf16", SMALL)]
+
+
+@pytest.fixture(scope="module", params=LAYERS, ids=[f"{f}-{n}" for f, n in
+                                                   zip(["nvfp4"] * 3 + ["bf16"] * 2, ["flint", "small", "narrow"] * 2)])
+def weights(request):
+    fmt, shape = request.param
+    p = make_moe(fmt, shape, seed=7)
     p["norm"] = (1 + 0.2 * torch.randn(shape["hidden"], device="cuda", generator=gen(8))).bfloat16()
+    return fmt, shape, p
+
+
+@pytest.fixture(params=["slots", "direct"])
+def layer(request, weights, monkeypatch):
+    """The layer's shape and weights, NVFP4 through the slots kernel or the direct one (BF16: direct)."""
+    fmt, shape, p = weights
+    if fmt == "bf16" and request.param == "slots":
+        pytest.skip("BF16 experts are read from global memory only")
+    monkeypatch.setattr(moe_kernels, "FUSED_NVFP4_SLOTS", request.param == "slots")
     return shape, p
 
 
@@ -73,7 +90,8 @@ def check_same(got, want, shared, what):
 @pytest.mark.parametrize("tokens", [1, 2, 3, 6, 8])
 def test_one_launch_is_the_three_launches_bit_for_bit(layer, tokens, shared):
     shape, p = layer
-    assert fused_moe_bytes(shape["experts"], shape["hidden"], shape["inter"], tokens, shape["top_k"]) is not None
+    assert fused_moe_bytes(shape["experts"], shape["hidden"], shape["inter"], tokens, shape["top_k"],
+                           moe_kernels.fused_slots(weight_format(p["gate"]))) is not None
     x = rows(tokens, shape["hidden"], seed=tokens)
     counters = grid_counters("cuda")
     want = three_launches(x, shape, p, shared)
@@ -91,6 +109,8 @@ def test_a_small_grid_takes_many_tiles_through_its_rings(layer, tokens, same, cl
     rings of weight slots as it goes (at 8 rows of one token, every row chose the same experts); the
     down ring asked for with gate/up's or after the first gate/up round (FUSED_DOWN_EARLY)."""
     shape, p = layer
+    if not down_early and not moe_kernels.fused_slots(weight_format(p["gate"])):
+        pytest.skip("only the slots kernel has a down ring")
     monkeypatch.setattr(moe_kernels, "_fused_clusters", lambda kernel, size, device: clusters)
     monkeypatch.setattr(moe_kernels, "FUSED_DOWN_EARLY", down_early)
     x = rows(tokens, shape["hidden"], seed=20 + tokens, same=same)
@@ -132,8 +152,12 @@ def test_bad_arguments_are_refused_before_the_launch(layer):
         moe_fused(x, *args, None, None, None, counters, out=x)
     with pytest.raises(ValueError, match="9 tokens"):
         moe_fused(rows(9, shape["hidden"], seed=2), *args, None, None, None, counters)
-    bf16 = {k: p[k].dequantize(torch.bfloat16) for k in ("gate", "up", "down")}
-    with pytest.raises(ValueError, match="NVFP4 experts only"):
-        moe_fused(x, *args[:6], bf16["gate"], bf16["up"], bf16["down"], None, None, None, counters)
+    with pytest.raises(ValueError, match="mixing NVFP4 and bf16"):
+        moe_fused(x, *args, p["shared_gate"], p["shared_up"], _other_format(p["shared_down"]), counters)
     with pytest.raises(ValueError, match="counters"):
         moe_fused(x, *args, None, None, None, torch.zeros(2, dtype=torch.int64, device="cuda"))
+
+
+def _other_format(w):
+    """The weight in the other format (a mixed call must be refused)."""
+    return w.dequantize(torch.bfloat16) if isinstance(w, NVFP4Tensor) else quantize(w.float())
