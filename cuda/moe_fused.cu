@@ -58,53 +58,6 @@ __device__ __forceinline__ void load_gate_up(u32 slot, const SlotShape& shape, c
             up.scales + r0 * (K / 16), bar);
 }
 
-// NVFP4: the tensor scales of n experts (or of the one shared expert) copied into shared memory
-// before the wait, w pointing there, so that no sum scale costs an L2 round trip after it. BF16: none.
-__device__ __forceinline__ void stage_tensor_scales(Nvfp4Weights& w, float* dst, int n) {
-  for (int e = threadIdx.x; e < n; e += blockDim.x) dst[e] = w.tensor_scale[e];
-  w.tensor_scale = dst;
-}
-__device__ __forceinline__ void stage_tensor_scales(Bf16Weights&, float*, int) {}
-
-template <class Wt>
-__device__ __forceinline__ typename Wt::X lds_x_of(u32 addr);
-template <>
-__device__ __forceinline__ Nvfp4Weights::X lds_x_of<Nvfp4Weights>(u32 addr) { return lds_x(addr); }
-template <>
-__device__ __forceinline__ uint4 lds_x_of<Bf16Weights>(u32 addr) { return lds_v4(addr); }
-template <class Wt>
-__device__ __forceinline__ typename Wt::X ld_cg_x_of(const u16* p);
-template <>
-__device__ __forceinline__ Nvfp4Weights::X ld_cg_x_of<Nvfp4Weights>(const u16* p) { return ld_cg_x(p); }
-template <>
-__device__ __forceinline__ uint4 ld_cg_x_of<Bf16Weights>(const u16* p) { return ld_cg_v4(p); }
-
-// acc += warp w's share of a tile read from global memory (rows) . token g's row in shared memory:
-// tile_partial<Wt, W, U> (gemv_tile.cuh) with the activations from shared memory, the same bits.
-template <class Wt, int W, int U>
-__device__ __forceinline__ void global_partial(float (&acc)[4], const typename Wt::Rows& rows, u32 x_row, int K,
-                                               int w, const typename Wt::Shared& sh) {
-  const int t = threadIdx.x & 3;
-  const int steps = K / Wt::KSTEP;
-  for (int s0 = w; s0 < steps; s0 += W * U) {
-    typename Wt::Frag f[U];
-    typename Wt::X xv[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {  // every weight load of the round first
-      const int s = s0 + u * W, k = s * Wt::KSTEP + t * Wt::LANE_K;
-      f[u] = s < steps ? Wt::load(rows, k) : Wt::zero();
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int s = s0 + u * W, k = s * Wt::KSTEP + t * Wt::LANE_K;
-      xv[u] = s < steps && x_row ? lds_x_of<Wt>(x_row + 2 * k) : Wt::zero_x();
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (s0 + u * W < steps) Wt::mma(acc, f[u], xv[u], sh);
-  }
-}
-
 // What the routing leaves for the experts, in static shared memory.
 struct MfLists {
   u64 bars[MF_BARS];

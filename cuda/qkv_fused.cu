@@ -27,6 +27,7 @@
 #define QF_THREADS (QF_WARPS * 32)
 #define QF_QUAD 4     // gemv.cu's warps for q/k/v at these batches (kernels/linear.py gemv_warps)
 #define QF_UNROLL 4   // gemv.cu NVFP4_UNROLL
+#define QF_BF16_UNROLL 8  // gemv.cu BF16_UNROLL
 #define QF_SLOTS 3
 #ifndef QF_MIN_CTAS
 #define QF_MIN_CTAS 1  // a define (kernels/attention.py QKV_FUSED_CTAS): 2 a SM cap the registers at 128 (a few spilled)
@@ -34,43 +35,50 @@
 static_assert(QF_WARPS == 2 * QF_QUAD, "two quads a CTA");
 static_assert(QF_THREADS == NORM_MAX_THREADS, "norm_rows_shared's CTA");
 
-// N = (H + 2G) * 128 rows in three parts (q, k, v), each with its tensor scale: rows from split1 on
-// use tensor_scale[1], from split2 on tensor_scale[2]. qkv [T, N]: scratch (the GEMV's output).
-// rope_inv_freq: null for full layers (no RoPE). counters: 2 ints, zero.
-extern "C" __global__ void __launch_bounds__(QF_THREADS, QF_MIN_CTAS)
-qkv_fused_nvfp4(u16* q_out, kv_t* k_cache, kv_t* v_cache, u16* qkv, int* counters, const u16* x,
-                const u16* norm_weight, float eps, const u8* codes, const u8* scales, const float* tensor_scale,
-                int split1, int split2, const u16* q_norm_weight, const u16* k_norm_weight, const int* positions,
-                const int* block_tables, int table_stride, const int* ring_slots, int page_rows, int num_q_heads,
-                int num_kv_heads, float qk_eps, const double* rope_inv_freq, int T, int N, int K) {
+// N = (H + 2G) * 128 rows in three parts (q, k, v), each with its tensor scale (NVFP4): rows from
+// split1 on use tensor_scale[1], from split2 on tensor_scale[2]. qkv [T, N]: scratch (the GEMV's
+// output). rope_inv_freq: null for full layers (no RoPE). counters: 2 ints, zero.
+// SLOTS: the tiles through shared-memory slots (NVFP4, at most QF_SLOTS a CTA); else read from
+// global memory as gemv.cu reads them, asked of L2 before the wait.
+template <class Wt, bool SLOTS, int U>
+__device__ __forceinline__ void qkv_fused_body(u16* q_out, kv_t* k_cache, kv_t* v_cache, u16* qkv, int* counters,
+                                               const u16* x, const u16* norm_weight, float eps, Wt wt, int split1,
+                                               int split2, const u16* q_norm_weight, const u16* k_norm_weight,
+                                               const int* positions, const int* block_tables, int table_stride,
+                                               const int* ring_slots, int page_rows, int num_q_heads, int num_kv_heads,
+                                               float qk_eps, const double* rope_inv_freq, int T, int N, int K) {
   extern __shared__ __align__(16) unsigned char qf_smem[];
   __shared__ u64 bars[QF_SLOTS];
   __shared__ float red[QF_WARPS * 4 * 32];
-  __shared__ Nvfp4Weights::Shared sh;
-  __shared__ float tensor_scales[3];  // q, k, v parts': read before the wait
+  __shared__ typename Wt::Shared sh;
+  __shared__ float tensor_scales[3];  // q, k, v parts' (NVFP4)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int C = gridDim.x, c = blockIdx.x;
   const SlotShape shape = slot_shape(K);
   const int pitch = 2 * K + 16;
-  unsigned char* x_smem = qf_smem + QF_SLOTS * shape.bytes;
+  unsigned char* x_smem = qf_smem + (SLOTS ? QF_SLOTS * shape.bytes : 0);
   float* cos_s = reinterpret_cast<float*>(x_smem + T * pitch);
   float* sin_s = cos_s + T * (HEAD_DIM / 2);
   const u32 slots = smem_addr(qf_smem);
-  const Nvfp4Weights wt{codes, scales, tensor_scales};
   const int n_tiles = N / 16, mine = c < n_tiles ? (n_tiles - 1 - c) / C + 1 : 0;
 
-  Nvfp4Weights::init_shared(sh);
-  if (threadIdx.x < 3) tensor_scales[threadIdx.x] = tensor_scale[threadIdx.x];
-  if (threadIdx.x == 0) {
+  stage_tensor_scales(wt, tensor_scales, 3);
+  Wt::init_shared(sh);
+  if (SLOTS && threadIdx.x == 0) {
     for (int i = 0; i < QF_SLOTS; ++i) mbarrier_init(smem_addr(&bars[i]), 1);
     fence_mbarrier_init();
   }
   __syncthreads();
-  // 1. before the wait: this CTA's tiles, the RoPE tables (rope_table's arithmetic), the norm weight
-  if (warp == 0)
-    for (int i = 0; i < mine; ++i)
-      slot_load_rows(slots + i * shape.bytes, shape, wt, (c + i * C) * 16, K, smem_addr(&bars[i]));
+  // 1. before the wait: this CTA's tiles (into slots, or asked of L2), the RoPE tables
+  // (rope_table's arithmetic), the norm weight
+  if constexpr (SLOTS) {
+    if (warp == 0)
+      for (int i = 0; i < mine; ++i)
+        slot_load_rows(slots + i * shape.bytes, shape, wt, (c + i * C) * 16, K, smem_addr(&bars[i]));
+  } else {
+    if (threadIdx.x < mine) wt.prefetch((c + threadIdx.x * C) * 16, 16, K);
+  }
   if (rope_inv_freq)
     for (int i = threadIdx.x; i < T * (HEAD_DIM / 2); i += blockDim.x) {
       const int b = i / (HEAD_DIM / 2), f = i - b * (HEAD_DIM / 2);
@@ -98,9 +106,14 @@ qkv_fused_nvfp4(u16* q_out, kv_t* k_cache, kv_t* v_cache, u16* qkv, int* counter
   for (int i0 = 0; i0 < mine; i0 += 2) {
     const int i = i0 + quad;
     if (i < mine) {
-      mbarrier_wait_parity(smem_addr(&bars[i]), 0);
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      slot_partial<QF_QUAD, QF_UNROLL>(acc, slots + i * shape.bytes, shape, x_row, K, wq, sh);
+      if constexpr (SLOTS) {
+        mbarrier_wait_parity(smem_addr(&bars[i]), 0);
+        slot_partial<QF_QUAD, U>(acc, slots + i * shape.bytes, shape, x_row, K, wq, sh);
+      } else {
+        const int n0 = (c + i * C) * 16;
+        global_partial<Wt, QF_QUAD, U>(acc, Wt::rows(wt, n0 + g, wt, n0 + g + 8, K), x_row, K, wq, sh);
+      }
 #pragma unroll
       for (int k = 0; k < 4; ++k) red_q[(wq * 4 + k) * 32 + lane] = acc[k];
     }
@@ -142,4 +155,33 @@ qkv_fused_nvfp4(u16* q_out, kv_t* k_cache, kv_t* v_cache, u16* qkv, int* counter
       store_kv4(k_cache + kv_offset + (head - H) * HEAD_DIM + 4 * lane,
                 make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3])));
   }
+}
+
+#define QF_COMMON_ARGS                                                                                           \
+  u16 *q_out, kv_t *k_cache, kv_t *v_cache, u16 *qkv, int *counters, const u16 *x, const u16 *norm_weight, float eps
+#define QF_TAIL_ARGS                                                                                           \
+  int split1, int split2, const u16 *q_norm_weight, const u16 *k_norm_weight, const int *positions,            \
+      const int *block_tables, int table_stride, const int *ring_slots, int page_rows, int num_q_heads,        \
+      int num_kv_heads, float qk_eps, const double *rope_inv_freq, int T, int N, int K
+#define QF_TAIL                                                                                                \
+  split1, split2, q_norm_weight, k_norm_weight, positions, block_tables, table_stride, ring_slots, page_rows, \
+      num_q_heads, num_kv_heads, qk_eps, rope_inv_freq, T, N, K
+
+extern "C" __global__ void __launch_bounds__(QF_THREADS, QF_MIN_CTAS)
+qkv_fused_nvfp4(QF_COMMON_ARGS, const u8* codes, const u8* scales, const float* tensor_scale, QF_TAIL_ARGS) {
+  qkv_fused_body<Nvfp4Weights, true, QF_UNROLL>(q_out, k_cache, v_cache, qkv, counters, x, norm_weight, eps,
+                                                Nvfp4Weights{codes, scales, tensor_scale}, QF_TAIL);
+}
+
+// The same reading the tiles from global memory (gemv.cu's loads, asked of L2 before the wait).
+extern "C" __global__ void __launch_bounds__(QF_THREADS, QF_MIN_CTAS)
+qkv_fused_direct_nvfp4(QF_COMMON_ARGS, const u8* codes, const u8* scales, const float* tensor_scale, QF_TAIL_ARGS) {
+  qkv_fused_body<Nvfp4Weights, false, QF_UNROLL>(q_out, k_cache, v_cache, qkv, counters, x, norm_weight, eps,
+                                                 Nvfp4Weights{codes, scales, tensor_scale}, QF_TAIL);
+}
+
+extern "C" __global__ void __launch_bounds__(QF_THREADS, QF_MIN_CTAS)
+qkv_fused_direct_bf16(QF_COMMON_ARGS, const u16* w, QF_TAIL_ARGS) {
+  qkv_fused_body<Bf16Weights, false, QF_BF16_UNROLL>(q_out, k_cache, v_cache, qkv, counters, x, norm_weight, eps,
+                                                     Bf16Weights{w}, QF_TAIL);
 }

@@ -107,6 +107,56 @@ __device__ __forceinline__ Nvfp4Weights::X ld_cg_x(const u16* p) {
   return x;
 }
 
+// ---- the same blocks reading their weights from global memory ---------------------------------
+
+// NVFP4: n tensor scales (experts, or the row parts of one weight) copied into shared memory before
+// the wait, w pointing there, so that no sum scale costs an L2 round trip after it. BF16: none.
+__device__ __forceinline__ void stage_tensor_scales(Nvfp4Weights& w, float* dst, int n) {
+  for (int e = threadIdx.x; e < n; e += blockDim.x) dst[e] = w.tensor_scale[e];
+  w.tensor_scale = dst;
+}
+__device__ __forceinline__ void stage_tensor_scales(Bf16Weights&, float*, int) {}
+
+// Token g's activations of a k-step: from shared memory, or written by other CTAs of this launch (L2).
+template <class Wt>
+__device__ __forceinline__ typename Wt::X lds_x_of(u32 addr);
+template <>
+__device__ __forceinline__ Nvfp4Weights::X lds_x_of<Nvfp4Weights>(u32 addr) { return lds_x(addr); }
+template <>
+__device__ __forceinline__ uint4 lds_x_of<Bf16Weights>(u32 addr) { return lds_v4(addr); }
+template <class Wt>
+__device__ __forceinline__ typename Wt::X ld_cg_x_of(const u16* p);
+template <>
+__device__ __forceinline__ Nvfp4Weights::X ld_cg_x_of<Nvfp4Weights>(const u16* p) { return ld_cg_x(p); }
+template <>
+__device__ __forceinline__ uint4 ld_cg_x_of<Bf16Weights>(const u16* p) { return ld_cg_v4(p); }
+
+// acc += warp w's share of a tile read from global memory (rows) . token g's row in shared memory:
+// tile_partial<Wt, W, U> (gemv_tile.cuh) with the activations from shared memory, the same bits.
+template <class Wt, int W, int U>
+__device__ __forceinline__ void global_partial(float (&acc)[4], const typename Wt::Rows& rows, u32 x_row, int K,
+                                               int w, const typename Wt::Shared& sh) {
+  const int t = threadIdx.x & 3;
+  const int steps = K / Wt::KSTEP;
+  for (int s0 = w; s0 < steps; s0 += W * U) {
+    typename Wt::Frag f[U];
+    typename Wt::X xv[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // every weight load of the round first
+      const int s = s0 + u * W, k = s * Wt::KSTEP + t * Wt::LANE_K;
+      f[u] = s < steps ? Wt::load(rows, k) : Wt::zero();
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int s = s0 + u * W, k = s * Wt::KSTEP + t * Wt::LANE_K;
+      xv[u] = s < steps && x_row ? lds_x_of<Wt>(x_row + 2 * k) : Wt::zero_x();
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (s0 + u * W < steps) Wt::mma(acc, f[u], xv[u], sh);
+  }
+}
+
 // Thread 0 of each CTA, after a __syncthreads that follows the CTA's stores the others will read:
 // returns once all C CTAs of the grid have arrived (every CTA must be resident: the host sizes the
 // grid from the occupancy); the last one to leave zeroes both counters for the next launch.

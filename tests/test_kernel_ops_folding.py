@@ -11,6 +11,7 @@ import torch
 from flint_sched.config import preset
 from flint_sched.executor import kernel_ops
 from flint_sched.executor.forward import forward
+from flint_sched.kernels.attention import qkv_fused_slots
 
 
 class Weights(dict):
@@ -118,13 +119,14 @@ def test_the_one_launch_moe_takes_each_moe_block_with_its_norm(monkeypatch, fmt,
         assert calls.count("norm") == 2 * layers + 1
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
-def test_the_one_launch_attention_front_takes_each_layers_input_norm(monkeypatch, fmt):
-    """kernel_ops.FUSED_QKV: with an NVFP4 q/k/v weight each layer's input norm, q/k/v and Q/K norm are
-    one qkv_fused launch over the row before the norm, its K/V written to the ring (sliding layers,
-    with RoPE) or through the block tables (full layers); BF16 keeps the launches."""
+@pytest.mark.parametrize("fmt,fits", [("nvfp4", True), ("bf16", True), ("nvfp4", False)])
+def test_the_one_launch_attention_front_takes_each_layers_input_norm(monkeypatch, fmt, fits):
+    """kernel_ops.FUSED_QKV: each layer's input norm, q/k/v and Q/K norm are one qkv_fused launch over
+    the row before the norm, its K/V written to the ring (sliding layers, with RoPE) or through the
+    block tables (full layers); NVFP4 through shared-memory slots, BF16 from global memory; shapes it
+    does not take keep the launches."""
     config = preset("flint-tiny")
-    calls, fronts = [], []
+    calls, fronts, asked = [], [], []
     stand_ins(monkeypatch, calls)
     monkeypatch.setattr(kernel_ops, "FUSED_QKV", True)
     monkeypatch.setattr(kernel_ops, "ROUTER_NORMS", False)
@@ -138,11 +140,13 @@ def test_the_one_launch_attention_front_takes_each_layers_input_norm(monkeypatch
         return q_out
 
     attn = kernel_ops.attn
-    monkeypatch.setattr(kernel_ops, "attn", SimpleNamespace(**vars(attn), qkv_fused=qkv_fused,
-                                                            qkv_fused_bytes=lambda *shape: 1))
+    monkeypatch.setattr(kernel_ops, "attn", SimpleNamespace(
+        **vars(attn), qkv_fused=qkv_fused, qkv_fused_slots=qkv_fused_slots,
+        qkv_fused_bytes=lambda *shape: asked.append(shape[-1]) or (1 if fits else None)))
     fused_forward(config)
     layers = config.num_hidden_layers
-    if fmt == "nvfp4":
+    assert asked == [fmt == "nvfp4"] * layers             # slots for NVFP4 only
+    if fits:
         assert fronts == ["sliding" if config.is_sliding(i) else "full" for i in range(layers)]
         assert not [c for c in calls if isinstance(c, tuple) and c[1] == config.q_size + 2 * config.kv_size]
         assert calls.count("norm") == layers + 1        # the post-attention norms and the final one

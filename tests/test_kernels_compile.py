@@ -219,15 +219,17 @@ def test_the_one_launch_moe_fits_a_cta_of_shared_memory_without_spills(warps):
 
 
 def test_the_one_launch_attention_front_fits_and_does_not_spill():
-    """qkv_fused_nvfp4 (cuda/qkv_fused.cu) at one CTA a SM holds everything in registers (the stack
-    frame is sincos's, as in qk_norm_rope_kv.cu), and Flint's q/k/v at 1-8 rows fits two CTAs a SM's
-    shared memory (228 KiB)."""
+    """qkv_fused's kernels (cuda/qkv_fused.cu: NVFP4 through slots, NVFP4 and BF16 direct) at one CTA
+    a SM hold everything in registers (the stack frame is sincos's, as in qk_norm_rope_kv.cu), and
+    Flint's q/k/v at 1-8 rows fits two CTAs a SM's shared memory (228 KiB)."""
     from flint_sched.kernels.attention import QKV_FUSED_MAX_SHARED, qkv_fused_bytes
     for defines in ({}, {"KV_FP8": 1}):
-        usage = _runtime.resource_usage("qkv_fused.cu", defines)["qkv_fused_nvfp4"]
-        assert usage.spill_store_bytes == usage.spill_load_bytes == 0, usage
-        assert 0 < usage.shared_bytes <= 227 * 1024 - QKV_FUSED_MAX_SHARED
-        for tokens in range(1, 9):
-            dynamic = qkv_fused_bytes(tokens, 5120, 2048)
-            assert dynamic is not None and 2 * (dynamic + usage.shared_bytes + 1024) <= 228 * 1024
+        usage = _runtime.resource_usage("qkv_fused.cu", defines)
+        for name, slots in (("qkv_fused_nvfp4", True), ("qkv_fused_direct_nvfp4", False),
+                            ("qkv_fused_direct_bf16", False)):
+            assert usage[name].spill_store_bytes == usage[name].spill_load_bytes == 0, (name, usage[name])
+            assert 0 < usage[name].shared_bytes <= 227 * 1024 - QKV_FUSED_MAX_SHARED
+            for tokens in range(1, 9):
+                dynamic = qkv_fused_bytes(tokens, 5120, 2048, slots)
+                assert dynamic is not None and 2 * (dynamic + usage[name].shared_bytes + 1024) <= 228 * 1024
     assert qkv_fused_bytes(9, 5120, 2048) is None and qkv_fused_bytes(1, 5120, 2000) is None

@@ -83,10 +83,10 @@ ROUTER_NORMS = True
 # (session 33): off until its GPU tests pass and benchmarks/ab_decode.py measures it.
 FUSED_MOE = False
 
-# Fused steps with an NVFP4 q/k/v weight run the input norm, q/k/v, the Q/K norms, RoPE and the K/V
-# write as one launch (kernels/attention.py `qkv_fused`, cuda/qkv_fused.cu: each CTA copies its q/k/v
-# tiles into shared memory before the wait, a grid-wide counter before the per-head work), the same
-# bits as the three launches. Built without a GPU (session 33): off until measured.
+# Fused steps run the input norm, q/k/v, the Q/K norms, RoPE and the K/V write as one launch
+# (kernels/attention.py `qkv_fused`, cuda/qkv_fused.cu: each CTA copies its NVFP4 q/k/v tiles into
+# shared memory before the wait (BF16: asks L2 for them), a grid-wide counter before the per-head
+# work), the same bits as the three launches. Built without a GPU (session 33): off until measured.
 FUSED_QKV = False
 
 # Fused steps run their layers as one persistent launch (kernels/decode_step.py, cuda/decode_step.cu:
@@ -254,10 +254,10 @@ class KernelOps:
                                          q_out=q, pdl=self.pdl)
 
     def _fused_qkv(self, x: torch.Tensor | Unnormed, weight, splits: tuple) -> bool:
-        """Whether the norm, q/k/v and the Q/K norm run as one launch (FUSED_QKV: NVFP4, shapes it takes)."""
+        """Whether the norm, q/k/v and the Q/K norm run as one launch (FUSED_QKV, shapes it takes)."""
         return (FUSED_QKV and self.variant == "fused" and isinstance(x, Unnormed) and len(splits) == 2
-                and weight_format(weight) == "nvfp4"
-                and attn.qkv_fused_bytes(self.rows, weight.shape[0], self.c.hidden_size) is not None)
+                and attn.qkv_fused_bytes(self.rows, weight.shape[0], self.c.hidden_size,
+                                         attn.qkv_fused_slots(weight_format(weight))) is not None)
 
     def _qkv_fused(self, i: int, x: Unnormed, weight, splits: tuple, out: torch.Tensor) -> torch.Tensor:
         c, p, inp, b = self.c, f"model.layers.{i}.self_attn.", self.inputs, self.rows

@@ -19,10 +19,10 @@ import torch
 
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.hardware import sm_count
-from flint_sched.kernels.linear import check_activations, check_row_splits, check_tensor, output, weight_args
+from flint_sched.kernels.linear import (check_activations, check_row_splits, check_tensor, output, weight_args,
+                                        weight_format)
 from flint_sched.kernels.norm import MAX_HIDDEN
 from flint_sched.kernels.smem_tiles import slot_bytes
-from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 HEAD_DIM = 128
 GROUP = 8                    # query heads per KV head
@@ -207,22 +207,30 @@ def _norm_rope_kv(qkv, q_norm_weight, k_norm_weight, positions, k_pool, v_pool, 
 
 # ---- the norm, q/k/v, Q/K norm + RoPE + KV write in one launch -----------------------------------
 
-# cuda/qkv_fused.cu: q/k/v tiles a CTA at most (QF_SLOTS), its threads, its CTAs a SM (QF_MIN_CTAS:
-# 2 cap the registers at 128, where ptxas spills a few bytes), and the dynamic shared memory it may
-# have beside its ~5.3 KiB of static.
+# cuda/qkv_fused.cu: q/k/v tiles a CTA at most through shared-memory slots (QF_SLOTS), its threads,
+# its CTAs a SM (QF_MIN_CTAS: 2 cap the registers at 128, where ptxas spills a few bytes), and the
+# dynamic shared memory it may have beside its ~5.3 KiB of static. NVFP4 tiles go through the slots
+# (QKV_FUSED_NVFP4_SLOTS) or are read from global memory as gemv.cu reads them, as BF16's always are
+# (a BF16 tile is 64 KB), asked of L2 before the wait.
 QKV_FUSED_SLOTS = 3
 QKV_FUSED_THREADS = 256
 QKV_FUSED_CTAS = 1
 QKV_FUSED_MAX_SHARED = 227 * 1024 - 8 * 1024
+QKV_FUSED_NVFP4_SLOTS = True
 
 
-def qkv_fused_bytes(tokens: int, rows: int, hidden: int) -> int | None:
-    """Dynamic shared memory of qkv_fused_nvfp4 (its layout in cuda/qkv_fused.cu), or None for shapes
-    it does not take: 1-8 tokens, hidden a multiple of 256 (whole scale rows a bulk copy) up to the
-    norm's MAX_HIDDEN, q/k/v rows a multiple of 16."""
+def qkv_fused_slots(fmt: str) -> bool:
+    """Whether qkv_fused takes a q/k/v weight of this format through shared-memory slots (NVFP4 only)."""
+    return fmt == "nvfp4" and QKV_FUSED_NVFP4_SLOTS
+
+
+def qkv_fused_bytes(tokens: int, rows: int, hidden: int, slots: bool = True) -> int | None:
+    """Dynamic shared memory of qkv_fused (its layout in cuda/qkv_fused.cu) through weight slots or
+    not, or None for shapes it does not take: 1-8 tokens, hidden a multiple of 256 (whole scale rows a
+    bulk copy) up to the norm's MAX_HIDDEN, q/k/v rows a multiple of 16."""
     if not 1 <= tokens <= 8 or hidden % 256 or hidden > MAX_HIDDEN or rows % 16:
         return None
-    size = QKV_FUSED_SLOTS * slot_bytes(hidden) + tokens * (2 * hidden + 16) + tokens * HEAD_DIM * 4
+    size = (QKV_FUSED_SLOTS * slot_bytes(hidden) if slots else 0) + tokens * (2 * hidden + 16) + tokens * HEAD_DIM * 4
     return size if size <= QKV_FUSED_MAX_SHARED else None
 
 
@@ -234,7 +242,7 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
               pdl: bool = False) -> torch.Tensor:
     """q_out [T, H, 128] of a fused decode step's rows x (before the layer's input norm), in one launch
     (cuda/qkv_fused.cu): the bits of `rms_norm`, then `linear(..., row_splits=, warps=4)` over the
-    NVFP4 q/k/v weight [(H + 2G) * 128, K], then `qk_norm_rope_kv_full` (block_tables) or
+    q/k/v weight [(H + 2G) * 128, K] (NVFP4 or bf16), then `qk_norm_rope_kv_full` (block_tables) or
     `qk_norm_rope_kv_sliding` (ring_slots, rope_theta), which writes the K/V rows too.
 
     counters: kernels/smem_tiles.py `grid_counters`, not shared with a launch that may run beside it;
@@ -245,9 +253,9 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
     g = _check_pools(k_pool, v_pool)
     h, dev = GROUP * g, x.device
     n = (h + 2 * g) * HEAD_DIM
-    if not isinstance(weight, NVFP4Tensor):
-        raise ValueError("qkv_fused takes an NVFP4 q/k/v weight only")
-    size = qkv_fused_bytes(t, n, k)
+    fmt = weight_format(weight)
+    slots = qkv_fused_slots(fmt)
+    size = qkv_fused_bytes(t, n, k, slots)
     if size is None:
         raise ValueError(f"qkv_fused does not take {t} tokens x hidden {k} (see qkv_fused_bytes)")
     check_row_splits(row_splits, n)
@@ -273,9 +281,10 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
     if k_pool.device != dev:
         raise ValueError(f"KV pools are on {k_pool.device}, expected {dev}")
     q_out = output(q_out, "q_out", (t, h, HEAD_DIM), x)
-    kernel = _kernel("qkv_fused.cu", "qkv_fused_nvfp4", kv_defines(k_pool) + (("QF_MIN_CTAS", QKV_FUSED_CTAS),))
+    name = "qkv_fused_nvfp4" if slots else f"qkv_fused_direct_{fmt}"
+    kernel = _kernel("qkv_fused.cu", name, kv_defines(k_pool) + (("QF_MIN_CTAS", QKV_FUSED_CTAS),))
     ctas = min(_resident(kernel, size, dev.index), n // 16)
-    if n // 16 > ctas * QKV_FUSED_SLOTS:
+    if slots and n // 16 > ctas * QKV_FUSED_SLOTS:
         raise ValueError(f"qkv_fused: {n // 16} tiles of q/k/v rows need more than this GPU's {ctas} resident CTAs "
                          f"x {QKV_FUSED_SLOTS} slots")
     kernel.launch((ctas,), (QKV_FUSED_THREADS,),

@@ -216,8 +216,8 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
     (kernel_ops.FUSE_QK_ATTENTION: cuda/decode_attention_qk.cu), whose router does the norm before
     the MoE (kernel_ops.ROUTER_NORMS), or whose MoE blocks or attention fronts (input norm, q/k/v, Q/K
     norm, K/V write) are one launch each (kernel_ops.FUSED_MOE, FUSED_QKV: cuda/moe_fused.cu,
-    qkv_fused.cu; shapes they take, the front with NVFP4 weights), give the launches' logits bit for bit, graphs
-    and eager, prompts on both sides of the window, 1 to 6 rows."""
+    qkv_fused.cu; shapes they take), give the launches' logits bit for bit, graphs and eager, prompts
+    on both sides of the window, 1 to 6 rows."""
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (3, 600, 37, 515, 90, 1)]
     limits = [2, 7, 3, 6, 4, 5]
@@ -244,8 +244,8 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
             assert (1 in one_launch) == takes and (not takes or not any(normalizing))
         else:
             c = ckpt.config
-            takes = ckpt.weight_format == "nvfp4" and attention.qkv_fused_bytes(
-                1, c.q_size + 2 * c.kv_size, c.hidden_size) is not None
+            takes = attention.qkv_fused_bytes(1, c.q_size + 2 * c.kv_size, c.hidden_size,
+                                              attention.qkv_fused_slots(ckpt.weight_format)) is not None
             assert (2 in one_launch) == takes
         assert out_inside == out_apart
         for (r1, p1, a), (r2, p2, b) in zip(apart, inside, strict=True):

@@ -1,9 +1,10 @@
 """qkv_fused (cuda/qkv_fused.cu): a fused decode step's input norm, q/k/v GEMV, Q/K norms, RoPE and
 K/V write in one launch, bit for bit the three launches it stands for (`rms_norm`, `linear` on 4
 warps, `qk_norm_rope_kv_sliding` / `_full`, each checked against the reference in its own tests):
-the q rows, the q/k/v rows and every byte of both KV pools. Flint's shapes and a small real-shaped
-layer, 1-8 rows (one a padding row that writes nothing), sliding and full layers, bf16 and e4m3
-caches, the fewest CTAs the slots allow, two CTAs a SM, repeated launches and a CUDA graph."""
+the q rows, the q/k/v rows and every byte of both KV pools. NVFP4 weights through shared-memory slots
+and read from global memory, BF16 weights; Flint's shapes and a small real-shaped layer, 1-8 rows (one
+a padding row that writes nothing), sliding and full layers, bf16 and e4m3 caches, the fewest CTAs
+the slots allow, two CTAs a SM, repeated launches and a CUDA graph."""
 
 import importlib
 
@@ -27,18 +28,27 @@ EPS, QK_EPS, THETA, WINDOW, BLOCK = 1e-5, 1e-6, 10000.0, 513, 16
 FP8 = torch.float8_e4m3fn
 
 
-@pytest.fixture(scope="module", params=[FLINT, SMALL], ids=["flint", "small"])
-def layer(request):
-    shape = request.param
+@pytest.fixture(scope="module", params=[("nvfp4", FLINT), ("nvfp4", SMALL), ("bf16", FLINT), ("bf16", SMALL)],
+                ids=["nvfp4-flint", "nvfp4-small", "bf16-flint", "bf16-small"])
+def weights(request):
+    fmt, shape = request.param
     k, g = shape["hidden"], shape["kv_heads"]
     gn = gen(3)
-    parts = [quantize(torch.randn(rows, k, device="cuda", generator=gn) / k**0.5) for rows in (8 * g * 128, g * 128,
-                                                                                               g * 128)]
-    weight, splits = concat_rows(parts)
-    return dict(shape=shape, weight=weight, splits=splits,
+    parts = [torch.randn(rows, k, device="cuda", generator=gn) / k**0.5 for rows in (8 * g * 128, g * 128, g * 128)]
+    weight, splits = concat_rows([quantize(w) if fmt == "nvfp4" else w.bfloat16() for w in parts])
+    return dict(fmt=fmt, shape=shape, weight=weight, splits=splits,
                 norm=(1 + 0.2 * torch.randn(k, device="cuda", generator=gn)).bfloat16(),
                 q_norm=(1 + 0.3 * torch.randn(128, device="cuda", generator=gn)).bfloat16(),
                 k_norm=(1 + 0.3 * torch.randn(128, device="cuda", generator=gn)).bfloat16())
+
+
+@pytest.fixture(params=["slots", "direct"])
+def layer(request, weights, monkeypatch):
+    """NVFP4 tiles through the slots kernel or the direct one (BF16: direct)."""
+    if weights["fmt"] == "bf16" and request.param == "slots":
+        pytest.skip("a BF16 q/k/v weight is read from global memory only")
+    monkeypatch.setattr(attention, "QKV_FUSED_NVFP4_SLOTS", request.param == "slots")
+    return weights
 
 
 def case(layer, tokens, sliding, kv_dtype, seed):
@@ -94,7 +104,7 @@ def check_same(got, want, what):
 @pytest.mark.parametrize("tokens", [1, 2, 3, 6, 8])
 def test_one_launch_is_the_three_launches_bit_for_bit(layer, tokens, sliding, kv_dtype):
     k, g = layer["shape"]["hidden"], layer["shape"]["kv_heads"]
-    assert qkv_fused_bytes(tokens, 10 * g * 128, k) is not None
+    assert qkv_fused_bytes(tokens, 10 * g * 128, k, attention.qkv_fused_slots(layer["fmt"])) is not None
     x, positions, where, pools = case(layer, tokens, sliding, kv_dtype, seed=tokens)
     want = launches(layer, x, positions, where, pools)
     counters = grid_counters("cuda")
@@ -144,8 +154,7 @@ def test_bad_arguments_are_refused_before_the_launch(layer):
         qkv_fused(x, *args)
     with pytest.raises(ValueError, match="rope_theta must be positive"):
         qkv_fused(x, *args, **where)
-    with pytest.raises(ValueError, match="NVFP4"):
-        bf16 = torch.zeros(tuple(layer["weight"].shape), dtype=torch.bfloat16, device="cuda")
-        qkv_fused(x, *args[:2], bf16, *args[3:], **where, rope_theta=THETA)
+    with pytest.raises(ValueError, match="row_splits must be"):
+        qkv_fused(x, *args[:3], (128,), *args[4:], **where, rope_theta=THETA)
     with pytest.raises(ValueError, match="counters"):
         qkv_fused(x, *args[:-1], torch.zeros(2, dtype=torch.int64, device="cuda"), **where, rope_theta=THETA)
