@@ -1,4 +1,4 @@
-// The MoE block of a fused decode step in one launch (T <= 8 rows, NVFP4 experts):
+// The MoE block of a fused decode step in one launch (T <= 8 rows, NVFP4 or BF16 experts):
 //   y = residual + MoE(rms_norm(x)), the bits of router_topk_cluster_norm, moe_gate_up and moe_down.
 //
 // Three launches take ~18 µs a layer at batch 1 against ~3.5 µs for their bytes: the experts'
@@ -15,6 +15,9 @@
 //      moe_gate_up CTA does (same k-steps per warp, same order), store h; a grid-wide counter.
 //   4. Down from shared memory: a CTA owns 16 outputs, each warp runs two of moe_down's 16 warps
 //      (same items, same order); the partial sums meet as in moe_down, + the residual.
+// moe_fused_direct_{nvfp4,bf16} skip the slots (2-4): they read the weights from global memory as
+// moe_gate_up and moe_down do, each CTA asking L2 for all its tiles once routed (MF_PREFETCH). A
+// BF16 gate/up tile is 64 KB: BF16 takes this path only.
 //
 // Work: gate/up item j (the grid's items: the shared expert's I/8 tiles, then each routed expert's
 // in first-occurrence order) goes to CTA j % C; down tile n (outputs 16n .. 16n + 15) to CTA n % C.
