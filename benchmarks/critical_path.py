@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from flint_sched.benchmarks import latency
+from flint_sched.benchmarks.ab_decode import set_constants
 from flint_sched.benchmarks.kernel_breakdown import critical_path, format_breakdown, layer_timeline
 from flint_sched.executor import graphs as step_graphs
 from flint_sched.executor import kernel_ops as ko
@@ -150,6 +151,13 @@ def host_times(executor, plan, steps: int = 50) -> str:
             + f"; replays back to back {1e6 * back_to_back:.1f} µs each")
 
 
+def layer_marker() -> str:
+    """The kernel launched once a layer that starts a time line: the Q/K norm's, wherever it runs."""
+    if ko.FUSED_QKV:
+        return "qkv_fused"
+    return "decode_attention_qk" if ko.FUSE_QK_ATTENTION else "qk_norm_rope_kv"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     latency.add_arguments(parser)
@@ -164,7 +172,12 @@ def main() -> int:
                         help="also time the step with these first-graph sizes (executor.graph_segments; 0: one graph)")
     parser.add_argument("--min-split-keys", default="",
                         help="also time the step with each of these attention MIN_SPLIT_KEYS (e.g. 64,128,256)")
+    parser.add_argument("--set", default="", metavar="ASSIGNMENTS",
+                        help="module constants set first, as an ab_decode.py variant's body "
+                             "(e.g. flint_sched.executor.kernel_ops.FUSED_MOE=True)")
     args = parser.parse_args()
+    if args.set:
+        set_constants(args.set, "--set")
     classes = [c for c in args.classes.split(",") if c]
     if unknown := set(classes) - set(CLASSES):
         parser.error(f"unknown classes {sorted(unknown)}; choose from {', '.join(CLASSES)}")
@@ -181,7 +194,7 @@ def main() -> int:
             print(format_breakdown(critical_path(lambda plan=plan: executor.execute(plan)), full, top=20), flush=True)
             print("  host: " + host_times(executor, plan), flush=True)
             for layer in latency._ints(args.timeline):
-                print(layer_timeline(lambda plan=plan: executor.execute(plan), "qk_norm_rope_kv", layer), flush=True)
+                print(layer_timeline(lambda plan=plan: executor.execute(plan), layer_marker(), layer), flush=True)
             for layers in latency._ints(args.first_graph_layers):
                 default = executor.graphs.segments
                 executor.graphs.segments = step_graphs.graph_segments(executor.config.num_hidden_layers, layers)
