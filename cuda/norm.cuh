@@ -20,13 +20,18 @@ __device__ __forceinline__ float block_sum(float v) {
   return total;
 }
 
-// The weight is never the previous kernel's output: load it before pdl_wait.
-__device__ __forceinline__ void norm_weight_load(uint4 (&wv)[NORM_MAX_VEC], const u16* weight, int num_vec) {
+// The weight is never the previous kernel's output: load it before pdl_wait. V: each thread stands
+// for V threads of a CTA V times as large, threadIdx.x + j * blockDim.x (norm_rows_shared), their
+// vectors at wv[j * NORM_MAX_VEC + i].
+template <int V = 1>
+__device__ __forceinline__ void norm_weight_load(uint4 (&wv)[V * NORM_MAX_VEC], const u16* weight, int num_vec) {
 #pragma unroll
-  for (int i = 0; i < NORM_MAX_VEC; ++i) {
-    const int v = threadIdx.x + i * blockDim.x;
-    if (v < num_vec) wv[i] = *reinterpret_cast<const uint4*>(weight + 8 * v);
-  }
+  for (int j = 0; j < V; ++j)
+#pragma unroll
+    for (int i = 0; i < NORM_MAX_VEC; ++i) {
+      const int v = threadIdx.x + j * blockDim.x + i * V * blockDim.x;
+      if (v < num_vec) wv[j * NORM_MAX_VEC + i] = *reinterpret_cast<const uint4*>(weight + 8 * v);
+    }
 }
 
 // s[i][0..7] <- the 8 values of bf16 words w; returns sum_sq + their squares (in order).
@@ -63,27 +68,32 @@ __device__ __forceinline__ void norm_store(u16* out_row, const float (&s)[NORM_M
 // Rows x_smem [T][pitch] (bf16, raw, T <= 8) become rms_norm(x, weight) in place, with rmsnorm.cu's
 // arithmetic in its order (a thread's vectors v = threadIdx.x + i * 256 summed with norm_unpack, then
 // warp_sum, then the warps in order: the bits of `rms_norm`'s launch, whose CTA has 256 threads, or
-// fewer whose missing warps add exact zeros here). Every thread of a 256-thread CTA calls it. WRITE:
-// vectors v % parts == part of each row are also stored to `normed` [T][K] (the CTAs of a cluster
-// writing the rows out between them).
-template <bool WRITE = true>
-__device__ __forceinline__ void norm_rows_shared(unsigned char* x_smem, int pitch, const uint4 (&wv)[NORM_MAX_VEC],
+// fewer whose missing warps add exact zeros here). Every thread of the CTA calls it; its
+// blockDim.x * V threads are those 256 (V: each thread stands for threadIdx.x + j * blockDim.x,
+// j < V, and holds their weights as norm_weight_load<V> loads them). WRITE: vectors v % parts ==
+// part of each row are also stored to `normed` [T][K] (the CTAs of a cluster writing the rows out
+// between them).
+template <bool WRITE = true, int V = 1>
+__device__ __forceinline__ void norm_rows_shared(unsigned char* x_smem, int pitch, const uint4 (&wv)[V * NORM_MAX_VEC],
                                                  u16* normed, int part, int parts, int T, int K, float eps) {
   __shared__ float warp_sums[8][NORM_MAX_THREADS / 32];
-  const int num_vec = K / 8, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int num_vec = K / 8, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, threads = V * blockDim.x;
   for (int b = 0; b < T; ++b) {
-    float sum_sq = 0.0f;
 #pragma unroll
-    for (int i = 0; i < NORM_MAX_VEC; ++i) {
-      const int v = threadIdx.x + i * blockDim.x;
-      if (v >= num_vec) break;
-      const uint4 xv = *reinterpret_cast<const uint4*>(x_smem + b * pitch + 16 * v);
-      const u32 w[4] = {xv.x, xv.y, xv.z, xv.w};
-      float s[8];
-      sum_sq = norm_unpack(s, w, sum_sq);
+    for (int j = 0; j < V; ++j) {
+      float sum_sq = 0.0f;
+#pragma unroll
+      for (int i = 0; i < NORM_MAX_VEC; ++i) {
+        const int v = threadIdx.x + j * blockDim.x + i * threads;
+        if (v >= num_vec) break;
+        const uint4 xv = *reinterpret_cast<const uint4*>(x_smem + b * pitch + 16 * v);
+        const u32 w[4] = {xv.x, xv.y, xv.z, xv.w};
+        float s[8];
+        sum_sq = norm_unpack(s, w, sum_sq);
+      }
+      sum_sq = warp_sum(sum_sq);
+      if (lane == 0) warp_sums[b][warp + j * (blockDim.x >> 5)] = sum_sq;
     }
-    sum_sq = warp_sum(sum_sq);
-    if (lane == 0) warp_sums[b][warp] = sum_sq;
   }
   __syncthreads();
   for (int b = 0; b < T; ++b) {
@@ -91,19 +101,21 @@ __device__ __forceinline__ void norm_rows_shared(unsigned char* x_smem, int pitc
     for (int w = 0; w < NORM_MAX_THREADS / 32; ++w) total += warp_sums[b][w];
     const float inv = rsqrtf(total / K + eps);
 #pragma unroll
-    for (int i = 0; i < NORM_MAX_VEC; ++i) {
-      const int v = threadIdx.x + i * blockDim.x;
-      if (v >= num_vec) break;
-      uint4* at = reinterpret_cast<uint4*>(x_smem + b * pitch + 16 * v);
-      const uint4 xv = *at;
-      const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w}, ww[4] = {wv[i].x, wv[i].y, wv[i].z, wv[i].w};
-      u32 o[4];
+    for (int j = 0; j < V; ++j)
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        o[j] = pack_bf16x2(bf16x2_lo(xw[j]) * inv * bf16x2_lo(ww[j]), bf16x2_hi(xw[j]) * inv * bf16x2_hi(ww[j]));
-      *at = make_uint4(o[0], o[1], o[2], o[3]);
-      if (WRITE && v % parts == part) *reinterpret_cast<uint4*>(normed + (size_t)b * K + 8 * v) = *at;
-    }
+      for (int i = 0; i < NORM_MAX_VEC; ++i) {
+        const int v = threadIdx.x + j * blockDim.x + i * threads;
+        if (v >= num_vec) break;
+        uint4* at = reinterpret_cast<uint4*>(x_smem + b * pitch + 16 * v);
+        const uint4 xv = *at, wvi = wv[j * NORM_MAX_VEC + i];
+        const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w}, ww[4] = {wvi.x, wvi.y, wvi.z, wvi.w};
+        u32 o[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          o[k] = pack_bf16x2(bf16x2_lo(xw[k]) * inv * bf16x2_lo(ww[k]), bf16x2_hi(xw[k]) * inv * bf16x2_hi(ww[k]));
+        *at = make_uint4(o[0], o[1], o[2], o[3]);
+        if (WRITE && v % parts == part) *reinterpret_cast<uint4*>(normed + (size_t)b * K + 8 * v) = *at;
+      }
   }
   __syncthreads();
 }

@@ -157,6 +157,126 @@ __device__ __forceinline__ void qkv_fused_body(u16* q_out, kv_t* k_cache, kv_t* 
   }
 }
 
+// ---- the same with a cluster a head: no grid-wide counter ----------------------------------------
+// qkv_heads_*: a cluster of QH_CTAS CTAs a head (q heads, then k, then v), CTA r its rows
+// 16 r .. 16 r + 15, one 4-warp quad a CTA (gemv's CTA: the same bits). Each CTA normalizes the rows
+// itself (norm_rows_shared on 128 threads standing for rmsnorm.cu's 256), computes its tile and
+// stores it into CTA 0's shared memory (distributed shared memory); after the cluster's barrier CTA 0's
+// warps do the head's Q/K norm, RoPE and K/V write (qk_norm_rope_kv_cta's warp). No CTA waits on
+// another cluster, so the grid needs no residency and the dependents are released at once.
+// Shared memory (kernels/attention.py qkv_heads_bytes): slot (SLOTS) | x [T][2K + 16] |
+// the head's rows [T][128] bf16 (CTA 0's) | cos [T][64] | sin [T][64].
+#define QH_CTAS (HEAD_DIM / 16)
+#define QH_THREADS (QF_QUAD * 32)
+static_assert(QH_THREADS * 2 == NORM_MAX_THREADS, "two of rmsnorm.cu's threads a thread");
+
+template <class Wt, bool SLOTS, int U>
+__device__ __forceinline__ void qkv_heads_body(u16* q_out, kv_t* k_cache, kv_t* v_cache, u16* qkv, const u16* x,
+                                               const u16* norm_weight, float eps, Wt wt, int split1, int split2,
+                                               const u16* q_norm_weight, const u16* k_norm_weight,
+                                               const int* positions, const int* block_tables, int table_stride,
+                                               const int* ring_slots, int page_rows, int num_q_heads, int num_kv_heads,
+                                               float qk_eps, const double* rope_inv_freq, int T, int N, int K) {
+  extern __shared__ __align__(16) unsigned char qh_smem[];
+  __shared__ u64 bar;
+  __shared__ float red[QF_QUAD * 4 * 32];
+  __shared__ typename Wt::Shared sh;
+  __shared__ float tensor_scales[3];  // q, k, v parts' (NVFP4)
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const u32 rank = cluster_ctarank();
+  const int head = blockIdx.x / QH_CTAS, n0 = blockIdx.x * 16;
+  const SlotShape shape = slot_shape(K);
+  const int pitch = 2 * K + 16;
+  unsigned char* x_smem = qh_smem + (SLOTS ? shape.bytes : 0);
+  u16* head_rows = reinterpret_cast<u16*>(x_smem + T * pitch);
+  float* cos_s = reinterpret_cast<float*>(head_rows + T * HEAD_DIM);
+  float* sin_s = cos_s + T * (HEAD_DIM / 2);
+  const u32 slot = smem_addr(qh_smem);
+
+  stage_tensor_scales(wt, tensor_scales, 3);
+  Wt::init_shared(sh);
+  if (SLOTS && threadIdx.x == 0) {
+    mbarrier_init(smem_addr(&bar), 1);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  // before the wait: the tile (into the slot, or asked of L2); CTA 0 the RoPE tables; the norm weight
+  if constexpr (SLOTS) {
+    if (warp == 0) slot_load_rows(slot, shape, wt, n0, K, smem_addr(&bar));
+  } else {
+    if (threadIdx.x == 0) wt.prefetch(n0, 16, K);
+  }
+  if (rank == 0 && rope_inv_freq)
+    for (int i = threadIdx.x; i < T * (HEAD_DIM / 2); i += blockDim.x) {
+      const int b = i / (HEAD_DIM / 2), f = i - b * (HEAD_DIM / 2);
+      double sin_a, cos_a;
+      sincos((double)positions[b] * rope_inv_freq[f], &sin_a, &cos_a);
+      cos_s[i] = (float)cos_a;
+      sin_s[i] = (float)sin_a;
+    }
+  cluster_arrive_relaxed();  // every CTA has started: waited on before writing into CTA 0
+  uint4 wv[2 * NORM_MAX_VEC];
+  norm_weight_load<2>(wv, norm_weight, K / 8);
+
+  pdl_wait();
+  pdl_launch_dependents();
+  for (int i = threadIdx.x; i < T * (K / 8); i += blockDim.x) {
+    const int b = i / (K / 8), v = i - b * (K / 8);
+    *reinterpret_cast<uint4*>(x_smem + b * pitch + 16 * v) = ld_act_v4(x + (size_t)b * K + 8 * v);
+  }
+  __syncthreads();
+  norm_rows_shared<false, 2>(x_smem, pitch, wv, nullptr, 0, 1, T, K, eps);
+
+  // the tile: gemv's 4-warp CTA, its epilogue into CTA 0's rows of the head (and qkv)
+  const u32 x_row = g < T ? smem_addr(x_smem + g * pitch) : 0u;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if constexpr (SLOTS) {
+    mbarrier_wait_parity(smem_addr(&bar), 0);
+    slot_partial<QF_QUAD, U>(acc, slot, shape, x_row, K, warp, sh);
+  } else {
+    global_partial<Wt, QF_QUAD, U>(acc, Wt::rows(wt, n0 + g, wt, n0 + g + 8, K), x_row, K, warp, sh);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) red[(warp * 4 + k) * 32 + lane] = acc[k];
+  __syncthreads();
+  cluster_wait_acquire();
+  const int r = threadIdx.x >> 3, b = threadIdx.x & 7;
+  if (b < T) {
+    const int n = n0 + r;
+    const u16 v = f32_to_bf16(tile_sum<QF_QUAD>(red, r, b) * wt.sum_scale((n >= split1) + (n >= split2)));
+    if (qkv) qkv[(size_t)b * N + n] = v;
+    st_cluster_u16(cluster_map(smem_addr(head_rows + b * HEAD_DIM + rank * 16 + r), 0), v);
+  }
+  cluster_arrive_release();
+  cluster_wait_acquire();
+  if (rank != 0) return;
+
+  // CTA 0: the head's rows, qk_norm_rope_kv_cta's warp each
+  const int H = num_q_heads, G = num_kv_heads;
+  for (int bt = warp; bt < T; bt += QF_QUAD) {
+    const int p = positions[bt];
+    const uint2 raw = *reinterpret_cast<const uint2*>(head_rows + bt * HEAD_DIM + 4 * lane);
+    const long long kv_offset =
+        p >= 0 ? KvPages(block_tables, table_stride, ring_slots, page_rows, bt).row(p) * G * HEAD_DIM : 0;
+    if (head >= H + G) {  // v: copied as is
+      if (p >= 0) store_kv4(v_cache + kv_offset + (head - H - G) * HEAD_DIM + 4 * lane, raw);
+      continue;
+    }
+    const bool is_q = head < H;
+    float xs[4], w[4], y[4];
+    load_bf16x4((is_q ? q_norm_weight : k_norm_weight) + 4 * lane, w);
+    xs[0] = bf16x2_lo(raw.x), xs[1] = bf16x2_hi(raw.x), xs[2] = bf16x2_lo(raw.y), xs[3] = bf16x2_hi(raw.y);
+    norm_rope_lanes(xs, w, qk_eps, rope_inv_freq != nullptr, cos_s + bt * (HEAD_DIM / 2),
+                    sin_s + bt * (HEAD_DIM / 2), lane, y);
+    if (is_q)
+      store_bf16x4(q_out + ((size_t)bt * H + head) * HEAD_DIM + 4 * lane, y);
+    else if (p >= 0)
+      store_kv4(k_cache + kv_offset + (head - H) * HEAD_DIM + 4 * lane,
+                make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3])));
+  }
+}
+
 #define QF_COMMON_ARGS                                                                                           \
   u16 *q_out, kv_t *k_cache, kv_t *v_cache, u16 *qkv, int *counters, const u16 *x, const u16 *norm_weight, float eps
 #define QF_TAIL_ARGS                                                                                           \
@@ -183,5 +303,26 @@ qkv_fused_direct_nvfp4(QF_COMMON_ARGS, const u8* codes, const u8* scales, const 
 extern "C" __global__ void __launch_bounds__(QF_THREADS, QF_MIN_CTAS)
 qkv_fused_direct_bf16(QF_COMMON_ARGS, const u16* w, QF_TAIL_ARGS) {
   qkv_fused_body<Bf16Weights, false, QF_BF16_UNROLL>(q_out, k_cache, v_cache, qkv, counters, x, norm_weight, eps,
+                                                     Bf16Weights{w}, QF_TAIL);
+}
+
+extern "C" __global__ void __cluster_dims__(QH_CTAS, 1, 1) __launch_bounds__(QH_THREADS)
+qkv_heads_nvfp4(u16* q_out, kv_t* k_cache, kv_t* v_cache, u16* qkv, const u16* x, const u16* norm_weight, float eps,
+                const u8* codes, const u8* scales, const float* tensor_scale, QF_TAIL_ARGS) {
+  qkv_heads_body<Nvfp4Weights, true, QF_UNROLL>(q_out, k_cache, v_cache, qkv, x, norm_weight, eps,
+                                                Nvfp4Weights{codes, scales, tensor_scale}, QF_TAIL);
+}
+
+extern "C" __global__ void __cluster_dims__(QH_CTAS, 1, 1) __launch_bounds__(QH_THREADS)
+qkv_heads_direct_nvfp4(u16* q_out, kv_t* k_cache, kv_t* v_cache, u16* qkv, const u16* x, const u16* norm_weight,
+                       float eps, const u8* codes, const u8* scales, const float* tensor_scale, QF_TAIL_ARGS) {
+  qkv_heads_body<Nvfp4Weights, false, QF_UNROLL>(q_out, k_cache, v_cache, qkv, x, norm_weight, eps,
+                                                 Nvfp4Weights{codes, scales, tensor_scale}, QF_TAIL);
+}
+
+extern "C" __global__ void __cluster_dims__(QH_CTAS, 1, 1) __launch_bounds__(QH_THREADS)
+qkv_heads_direct_bf16(u16* q_out, kv_t* k_cache, kv_t* v_cache, u16* qkv, const u16* x, const u16* norm_weight,
+                      float eps, const u16* w, QF_TAIL_ARGS) {
+  qkv_heads_body<Bf16Weights, false, QF_BF16_UNROLL>(q_out, k_cache, v_cache, qkv, x, norm_weight, eps,
                                                      Bf16Weights{w}, QF_TAIL);
 }

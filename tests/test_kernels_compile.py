@@ -219,9 +219,10 @@ def test_the_one_launch_moe_fits_a_cta_of_shared_memory_without_spills(warps):
 
 
 def test_the_one_launch_attention_front_fits_and_does_not_spill():
-    """qkv_fused's kernels (cuda/qkv_fused.cu: NVFP4 through slots, NVFP4 and BF16 direct) at one CTA
-    a SM hold everything in registers (the stack frame is sincos's, as in qk_norm_rope_kv.cu), and
-    Flint's q/k/v at 1-8 rows fits two CTAs a SM's shared memory (228 KiB)."""
+    """qkv_fused's kernels (cuda/qkv_fused.cu: NVFP4 through slots, NVFP4 and BF16 direct; a grid on a
+    counter and a cluster a head) hold everything in registers (the stack frame is sincos's, as in
+    qk_norm_rope_kv.cu). Flint's q/k/v at 1-8 rows fits two grid CTAs a SM's shared memory (228 KiB),
+    and three of the cluster kind's, registers included (320 CTAs in one wave)."""
     from flint_sched.kernels.attention import QKV_FUSED_MAX_SHARED, qkv_fused_bytes
     for defines in ({}, {"KV_FP8": 1}):
         usage = _runtime.resource_usage("qkv_fused.cu", defines)
@@ -230,6 +231,14 @@ def test_the_one_launch_attention_front_fits_and_does_not_spill():
             assert usage[name].spill_store_bytes == usage[name].spill_load_bytes == 0, (name, usage[name])
             assert 0 < usage[name].shared_bytes <= 227 * 1024 - QKV_FUSED_MAX_SHARED
             for tokens in range(1, 9):
-                dynamic = qkv_fused_bytes(tokens, 5120, 2048, slots)
+                dynamic = qkv_fused_bytes(tokens, 5120, 2048, slots, heads=False)
                 assert dynamic is not None and 2 * (dynamic + usage[name].shared_bytes + 1024) <= 228 * 1024
+        for name, slots in (("qkv_heads_nvfp4", True), ("qkv_heads_direct_nvfp4", False),
+                            ("qkv_heads_direct_bf16", False)):
+            # a cluster a head: Flint's 320 CTAs of 128 threads in one wave of 132 SMs (3 a SM)
+            assert usage[name].spill_store_bytes == usage[name].spill_load_bytes == 0, (name, usage[name])
+            assert usage[name].registers * 128 * 3 <= 65536, (name, usage[name])
+            for tokens in range(1, 9):
+                dynamic = qkv_fused_bytes(tokens, 5120, 2048, slots, heads=True)
+                assert dynamic is not None and 3 * (dynamic + usage[name].shared_bytes + 1024) <= 228 * 1024
     assert qkv_fused_bytes(9, 5120, 2048) is None and qkv_fused_bytes(1, 5120, 2000) is None

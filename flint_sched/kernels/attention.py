@@ -217,6 +217,12 @@ QKV_FUSED_THREADS = 256
 QKV_FUSED_CTAS = 1
 QKV_FUSED_MAX_SHARED = 227 * 1024 - 8 * 1024
 QKV_FUSED_NVFP4_SLOTS = True
+# The kernels with a cluster of 8 CTAs a head (qkv_heads_*: one 16-row tile and 128 threads a CTA, the
+# head's rows met in CTA 0's shared memory; no grid-wide counter, no residency needed) or the grid of
+# resident CTAs with a counter before the per-head work (qkv_fused_*). An A/B until measured.
+QKV_FUSED_HEADS = True
+QKV_HEADS_THREADS = 128
+QKV_HEADS_CTAS = 8            # cuda/qkv_fused.cu QH_CTAS: a head's 128 rows, 16 a CTA
 
 
 def qkv_fused_slots(fmt: str) -> bool:
@@ -224,13 +230,18 @@ def qkv_fused_slots(fmt: str) -> bool:
     return fmt == "nvfp4" and QKV_FUSED_NVFP4_SLOTS
 
 
-def qkv_fused_bytes(tokens: int, rows: int, hidden: int, slots: bool = True) -> int | None:
-    """Dynamic shared memory of qkv_fused (its layout in cuda/qkv_fused.cu) through weight slots or
-    not, or None for shapes it does not take: 1-8 tokens, hidden a multiple of 256 (whole scale rows a
-    bulk copy) up to the norm's MAX_HIDDEN, q/k/v rows a multiple of 16."""
-    if not 1 <= tokens <= 8 or hidden % 256 or hidden > MAX_HIDDEN or rows % 16:
+def qkv_fused_bytes(tokens: int, rows: int, hidden: int, slots: bool = True, heads: bool | None = None) -> int | None:
+    """Dynamic shared memory of qkv_fused's kernel (its layout in cuda/qkv_fused.cu; heads: the cluster
+    a head, None: QKV_FUSED_HEADS) through weight slots or not, or None for shapes it does not take:
+    1-8 tokens, hidden a multiple of 256 (whole scale rows a bulk copy) up to the norm's MAX_HIDDEN,
+    q/k/v rows whole heads of 128."""
+    if not 1 <= tokens <= 8 or hidden % 256 or hidden > MAX_HIDDEN or rows % HEAD_DIM:
         return None
-    size = (QKV_FUSED_SLOTS * slot_bytes(hidden) if slots else 0) + tokens * (2 * hidden + 16) + tokens * HEAD_DIM * 4
+    heads = QKV_FUSED_HEADS if heads is None else heads
+    tiles = 1 if heads else QKV_FUSED_SLOTS
+    size = (tiles * slot_bytes(hidden) if slots else 0) + tokens * (2 * hidden + 16) + tokens * HEAD_DIM * 4
+    if heads:
+        size += tokens * HEAD_DIM * 2          # the head's rows, in CTA 0
     return size if size <= QKV_FUSED_MAX_SHARED else None
 
 
@@ -245,9 +256,10 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
     q/k/v weight [(H + 2G) * 128, K] (NVFP4 or bf16), then `qk_norm_rope_kv_full` (block_tables) or
     `qk_norm_rope_kv_sliding` (ring_slots, rope_theta), which writes the K/V rows too.
 
-    counters: kernels/smem_tiles.py `grid_counters`, not shared with a launch that may run beside it;
-    qkv: where the q/k/v rows go [T, (H + 2G) * 128] (scratch). The grid is as many CTAs as the GPU
-    holds at once, so no other kernel may hold SMs for good while it runs."""
+    QKV_FUSED_HEADS: a cluster of 8 CTAs a head; else a grid of as many CTAs as the GPU holds at once,
+    waiting on `counters` (kernels/smem_tiles.py `grid_counters`, not shared with a launch that may
+    run beside it), so that no other kernel may hold SMs for good while it runs. qkv: where the q/k/v
+    rows go [T, (H + 2G) * 128] (scratch)."""
     check_activations(x)
     t, k = x.shape
     g = _check_pools(k_pool, v_pool)
@@ -281,16 +293,21 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
     if k_pool.device != dev:
         raise ValueError(f"KV pools are on {k_pool.device}, expected {dev}")
     q_out = output(q_out, "q_out", (t, h, HEAD_DIM), x)
-    name = "qkv_fused_nvfp4" if slots else f"qkv_fused_direct_{fmt}"
+    tail = [*w_args, I32(row_splits[0]), I32(row_splits[1]), q_norm_weight, k_norm_weight, positions, block_tables,
+            I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(h), I32(g), F32(qk_eps), inv_freq, I32(t), I32(n),
+            I32(k)]
+    kind = "heads" if QKV_FUSED_HEADS else "fused"
+    name = f"qkv_{kind}_nvfp4" if slots else f"qkv_{kind}_direct_{fmt}"
     kernel = _kernel("qkv_fused.cu", name, kv_defines(k_pool) + (("QF_MIN_CTAS", QKV_FUSED_CTAS),))
+    if QKV_FUSED_HEADS:     # a cluster a head
+        kernel.launch((n // 16,), (QKV_HEADS_THREADS,), [q_out, k_pool, v_pool, qkv, x, norm_weight, F32(eps), *tail],
+                      shared_bytes=size, pdl=pdl, device=dev.index)
+        return q_out
     ctas = min(_resident(kernel, size, dev.index), n // 16)
     if slots and n // 16 > ctas * QKV_FUSED_SLOTS:
         raise ValueError(f"qkv_fused: {n // 16} tiles of q/k/v rows need more than this GPU's {ctas} resident CTAs "
                          f"x {QKV_FUSED_SLOTS} slots")
-    kernel.launch((ctas,), (QKV_FUSED_THREADS,),
-                  [q_out, k_pool, v_pool, qkv, counters, x, norm_weight, F32(eps), *w_args, I32(row_splits[0]),
-                   I32(row_splits[1]), q_norm_weight, k_norm_weight, positions, block_tables, I32(table_stride),
-                   ring_slots, I32(k_pool.shape[1]), I32(h), I32(g), F32(qk_eps), inv_freq, I32(t), I32(n), I32(k)],
+    kernel.launch((ctas,), (QKV_FUSED_THREADS,), [q_out, k_pool, v_pool, qkv, counters, x, norm_weight, F32(eps), *tail],
                   shared_bytes=size, pdl=pdl, device=dev.index)
     return q_out
 

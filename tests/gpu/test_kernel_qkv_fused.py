@@ -1,10 +1,11 @@
 """qkv_fused (cuda/qkv_fused.cu): a fused decode step's input norm, q/k/v GEMV, Q/K norms, RoPE and
 K/V write in one launch, bit for bit the three launches it stands for (`rms_norm`, `linear` on 4
 warps, `qk_norm_rope_kv_sliding` / `_full`, each checked against the reference in its own tests):
-the q rows, the q/k/v rows and every byte of both KV pools. NVFP4 weights through shared-memory slots
-and read from global memory, BF16 weights; Flint's shapes and a small real-shaped layer, 1-8 rows (one
-a padding row that writes nothing), sliding and full layers, bf16 and e4m3 caches, the fewest CTAs
-the slots allow, two CTAs a SM, repeated launches and a CUDA graph."""
+the q rows, the q/k/v rows and every byte of both KV pools. A cluster a head and a grid on a counter;
+NVFP4 weights through shared-memory slots and read from global memory, BF16 weights; Flint's shapes
+and a small real-shaped layer, 1-8 rows (one a padding row that writes nothing), sliding and full
+layers, bf16 and e4m3 caches, the fewest CTAs the slots allow, two CTAs a SM, repeated launches and a
+CUDA graph."""
 
 import importlib
 
@@ -42,12 +43,15 @@ def weights(request):
                 k_norm=(1 + 0.3 * torch.randn(128, device="cuda", generator=gn)).bfloat16())
 
 
-@pytest.fixture(params=["slots", "direct"])
+@pytest.fixture(params=["slots-heads", "direct-heads", "slots-grid", "direct-grid"])
 def layer(request, weights, monkeypatch):
-    """NVFP4 tiles through the slots kernel or the direct one (BF16: direct)."""
-    if weights["fmt"] == "bf16" and request.param == "slots":
+    """NVFP4 tiles through shared-memory slots or read from global memory (BF16: read), by a cluster a
+    head (QKV_FUSED_HEADS) or by a grid of resident CTAs on a counter."""
+    path, kind = request.param.split("-")
+    if weights["fmt"] == "bf16" and path == "slots":
         pytest.skip("a BF16 q/k/v weight is read from global memory only")
-    monkeypatch.setattr(attention, "QKV_FUSED_NVFP4_SLOTS", request.param == "slots")
+    monkeypatch.setattr(attention, "QKV_FUSED_NVFP4_SLOTS", path == "slots")
+    monkeypatch.setattr(attention, "QKV_FUSED_HEADS", kind == "heads")
     return weights
 
 
@@ -111,13 +115,15 @@ def test_one_launch_is_the_three_launches_bit_for_bit(layer, tokens, sliding, kv
     for launch in range(3):
         check_same(one_launch(layer, x, positions, where, pools, counters, pdl=launch > 0), want,
                    f"T={tokens} launch {launch}")
-        assert counters.tolist() == [0, 0], "the last CTA through leaves the counters zero"
+        assert counters.tolist() == [0, 0], "the counters stay (the grid kind: are left) zero"
 
 
 @pytest.mark.parametrize("grid", ["fewest", "two-a-sm"])
 def test_other_grids(layer, grid, monkeypatch):
-    """The fewest CTAs whose slots hold every tile (several tiles a CTA, the last CTAs one fewer), and
-    two CTAs a SM (QKV_FUSED_CTAS = 2: registers capped at 128)."""
+    """The grid kind: the fewest CTAs whose slots hold every tile (several tiles a CTA, the last CTAs one
+    fewer), and two CTAs a SM (QKV_FUSED_CTAS = 2: registers capped at 128)."""
+    if attention.QKV_FUSED_HEADS:
+        pytest.skip("a cluster a head has one grid")
     n_tiles = layer["weight"].shape[0] // 16
     if grid == "fewest":
         monkeypatch.setattr(attention, "_resident", lambda kernel, size, device: -(-n_tiles // attention.QKV_FUSED_SLOTS))
