@@ -14,7 +14,8 @@
 //   4. Warp-tasks (row b, head): the Q/K norm, RoPE and the K/V write, as qk_norm_rope_kv_cta's warps.
 //
 // Every CTA of the grid must be resident at once (the counter): the host sizes the grid from the
-// occupancy, and the dependents (attention) are released only past the counter.
+// occupancy, and the dependents (attention) are released only past the counter. qkv_heads_*
+// (below) do the same with a cluster a head and no counter.
 //
 // Shared memory (dynamic; kernels/attention.py qkv_fused_bytes mirrors it):
 //   slots [QF_SLOTS][16 rows of K] | x [T][2K + 16] | cos [T][64] | sin [T][64]
