@@ -84,9 +84,10 @@ ROUTER_NORMS = True
 FUSED_MOE = False
 
 # Fused steps run the input norm, q/k/v, the Q/K norms, RoPE and the K/V write as one launch
-# (kernels/attention.py `qkv_fused`, cuda/qkv_fused.cu: each CTA copies its NVFP4 q/k/v tiles into
-# shared memory before the wait (BF16: asks L2 for them), a grid-wide counter before the per-head
-# work), the same bits as the three launches. Built without a GPU (session 33): off until measured.
+# (kernels/attention.py `qkv_fused`, cuda/qkv_fused.cu: a cluster of 8 CTAs a head, each CTA's
+# NVFP4 q/k/v tile copied into shared memory before the wait (BF16: asked of L2), the head's rows met
+# in CTA 0 for its Q/K norm and K/V write), the same bits as the three launches. Built without a GPU
+# (session 33): off until measured.
 FUSED_QKV = False
 
 # Fused steps run their layers as one persistent launch (kernels/decode_step.py, cuda/decode_step.cu:
