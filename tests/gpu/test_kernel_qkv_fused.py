@@ -62,6 +62,8 @@ def case(layer, tokens, sliding, kv_dtype, seed):
     positions = torch.randint(0, 5000, (tokens,), device="cuda", generator=gn).int()
     if tokens > 2:
         positions[1] = -1                     # a padding row: its K/V is not written
+    if sliding and tokens > 3:
+        positions[2] = 262_143                # RoPE at the longest context (the ring keeps p % rows)
     if sliding:
         where = dict(ring_slots=torch.randperm(tokens + 2, device="cuda", generator=gn)[:tokens].int())
         shape = (tokens + 2, WINDOW, g, 128)
