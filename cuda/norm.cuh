@@ -65,6 +65,16 @@ __device__ __forceinline__ void norm_store(u16* out_row, const float (&s)[NORM_M
   }
 }
 
+// Every thread of the CTA: rows x [T][K] (bf16, written by the previous kernel: after the wait) into
+// x_smem [T][pitch], 16 bytes a load; then a barrier. The rows norm_rows_shared normalizes.
+__device__ __forceinline__ void stage_rows_shared(unsigned char* x_smem, int pitch, const u16* x, int T, int K) {
+  for (int i = threadIdx.x; i < T * (K / 8); i += blockDim.x) {
+    const int b = i / (K / 8), c = i - b * (K / 8);
+    *reinterpret_cast<uint4*>(x_smem + b * pitch + 16 * c) = ld_act_v4(x + (size_t)b * K + 8 * c);
+  }
+  __syncthreads();
+}
+
 // Rows x_smem [T][pitch] (bf16, raw, T <= 8) become rms_norm(x, weight) in place, with rmsnorm.cu's
 // arithmetic in its order (a thread's vectors v = threadIdx.x + i * 256 summed with norm_unpack, then
 // warp_sum, then the warps in order: the bits of `rms_norm`'s launch, whose CTA has 256 threads, or

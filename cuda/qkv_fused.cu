@@ -36,6 +36,36 @@
 static_assert(QF_WARPS == 2 * QF_QUAD, "two quads a CTA");
 static_assert(QF_THREADS == NORM_MAX_THREADS, "norm_rows_shared's CTA");
 
+// One warp: row b's head `head` of the q/k/v rows (raw: lane l's dims 4l .. 4l + 3), as a warp of
+// qk_norm_rope_kv_cta: q and k normalized (and rotated, with the RoPE tables of the rows), q into
+// q_out, the k row and the v row into the cache at positions[b] (none for a padding row, p < 0).
+__device__ __forceinline__ void head_row_out(uint2 raw, int b, int head, u16* q_out, kv_t* k_cache, kv_t* v_cache,
+                                             const u16* q_norm_weight, const u16* k_norm_weight,
+                                             const int* positions, const int* block_tables, int table_stride,
+                                             const int* ring_slots, int page_rows, int H, int G, float eps,
+                                             bool rope, const float* cos_s, const float* sin_s) {
+  const int lane = threadIdx.x & 31, p = positions[b];
+  const long long kv_offset =
+      p >= 0 ? KvPages(block_tables, table_stride, ring_slots, page_rows, b).row(p) * G * HEAD_DIM : 0;
+  if (head >= H + G) {  // v: copied as is
+    if (p >= 0) store_kv4(v_cache + kv_offset + (head - H - G) * HEAD_DIM + 4 * lane, raw);
+    return;
+  }
+  const bool is_q = head < H;
+  float xs[4], w[4], y[4];
+  load_bf16x4((is_q ? q_norm_weight : k_norm_weight) + 4 * lane, w);
+  xs[0] = bf16x2_lo(raw.x), xs[1] = bf16x2_hi(raw.x), xs[2] = bf16x2_lo(raw.y), xs[3] = bf16x2_hi(raw.y);
+  norm_rope_lanes(xs, w, eps, rope, cos_s + b * (HEAD_DIM / 2), sin_s + b * (HEAD_DIM / 2), lane, y);
+  if (is_q)
+    store_bf16x4(q_out + ((size_t)b * H + head) * HEAD_DIM + 4 * lane, y);
+  else if (p >= 0)
+    store_kv4(k_cache + kv_offset + (head - H) * HEAD_DIM + 4 * lane,
+              make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3])));
+}
+#define QF_HEAD_OUT                                                                                             \
+  q_out, k_cache, v_cache, q_norm_weight, k_norm_weight, positions, block_tables, table_stride, ring_slots,     \
+      page_rows, num_q_heads, num_kv_heads, qk_eps, rope_inv_freq != nullptr, cos_s, sin_s
+
 // N = (H + 2G) * 128 rows in three parts (q, k, v), each with its tensor scale (NVFP4): rows from
 // split1 on use tensor_scale[1], from split2 on tensor_scale[2]. qkv [T, N]: scratch (the GEMV's
 // output). rope_inv_freq: null for full layers (no RoPE). counters: 2 ints, zero.
@@ -81,23 +111,13 @@ __device__ __forceinline__ void qkv_fused_body(u16* q_out, kv_t* k_cache, kv_t* 
     if (threadIdx.x < mine) wt.prefetch((c + threadIdx.x * C) * 16, 16, K);
   }
   if (rope_inv_freq)
-    for (int i = threadIdx.x; i < T * (HEAD_DIM / 2); i += blockDim.x) {
-      const int b = i / (HEAD_DIM / 2), f = i - b * (HEAD_DIM / 2);
-      double sin_a, cos_a;
-      sincos((double)positions[b] * rope_inv_freq[f], &sin_a, &cos_a);
-      cos_s[i] = (float)cos_a;
-      sin_s[i] = (float)sin_a;
-    }
+    rope_tables(cos_s, sin_s, positions, T, rope_inv_freq);
   uint4 wv[NORM_MAX_VEC];
   norm_weight_load(wv, norm_weight, K / 8);
 
   // 2. the rows, normalized in place
   pdl_wait();
-  for (int i = threadIdx.x; i < T * (K / 8); i += blockDim.x) {
-    const int b = i / (K / 8), v = i - b * (K / 8);
-    *reinterpret_cast<uint4*>(x_smem + b * pitch + 16 * v) = ld_act_v4(x + (size_t)b * K + 8 * v);
-  }
-  __syncthreads();
+  stage_rows_shared(x_smem, pitch, x, T, K);
   norm_rows_shared<false>(x_smem, pitch, wv, nullptr, 0, 1, T, K, eps);
 
   // 3. q/k/v: quad q takes the CTA's tiles 2r + q (gemv's 4-warp CTA, its epilogue)
@@ -132,29 +152,13 @@ __device__ __forceinline__ void qkv_fused_body(u16* q_out, kv_t* k_cache, kv_t* 
   pdl_launch_dependents();  // every CTA of ours is resident by now
 
   // 4. warp-tasks (row b, head): qk_norm_rope_kv_cta's warp, its q/k/v row read from L2
-  const int H = num_q_heads, G = num_kv_heads, heads = H + 2 * G;
+  const int heads = num_q_heads + 2 * num_kv_heads;
   for (int task = c * QF_WARPS + warp; task < T * heads; task += C * QF_WARPS) {
-    const int b = task / heads, head = task - b * heads, p = positions[b];
+    const int b = task / heads, head = task - b * heads;
     const u16* src = qkv + (size_t)b * heads * HEAD_DIM + head * HEAD_DIM + 4 * lane;
-    const long long kv_offset =
-        p >= 0 ? KvPages(block_tables, table_stride, ring_slots, page_rows, b).row(p) * G * HEAD_DIM : 0;
     uint2 raw;
     asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(raw.x), "=r"(raw.y) : "l"(src) : "memory");
-    if (head >= H + G) {  // v: copied as is
-      if (p >= 0) store_kv4(v_cache + kv_offset + (head - H - G) * HEAD_DIM + 4 * lane, raw);
-      continue;
-    }
-    const bool is_q = head < H;
-    float xs[4], w[4], y[4];
-    load_bf16x4((is_q ? q_norm_weight : k_norm_weight) + 4 * lane, w);
-    xs[0] = bf16x2_lo(raw.x), xs[1] = bf16x2_hi(raw.x), xs[2] = bf16x2_lo(raw.y), xs[3] = bf16x2_hi(raw.y);
-    norm_rope_lanes(xs, w, qk_eps, rope_inv_freq != nullptr, cos_s + b * (HEAD_DIM / 2), sin_s + b * (HEAD_DIM / 2),
-                    lane, y);
-    if (is_q)
-      store_bf16x4(q_out + ((size_t)b * H + head) * HEAD_DIM + 4 * lane, y);
-    else if (p >= 0)
-      store_kv4(k_cache + kv_offset + (head - H) * HEAD_DIM + 4 * lane,
-                make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3])));
+    head_row_out(raw, b, head, QF_HEAD_OUT);
   }
 }
 
@@ -209,24 +213,14 @@ __device__ __forceinline__ void qkv_heads_body(u16* q_out, kv_t* k_cache, kv_t* 
     if (threadIdx.x == 0) wt.prefetch(n0, 16, K);
   }
   if (rank == 0 && rope_inv_freq)
-    for (int i = threadIdx.x; i < T * (HEAD_DIM / 2); i += blockDim.x) {
-      const int b = i / (HEAD_DIM / 2), f = i - b * (HEAD_DIM / 2);
-      double sin_a, cos_a;
-      sincos((double)positions[b] * rope_inv_freq[f], &sin_a, &cos_a);
-      cos_s[i] = (float)cos_a;
-      sin_s[i] = (float)sin_a;
-    }
+    rope_tables(cos_s, sin_s, positions, T, rope_inv_freq);
   cluster_arrive_relaxed();  // every CTA has started: waited on before writing into CTA 0
   uint4 wv[2 * NORM_MAX_VEC];
   norm_weight_load<2>(wv, norm_weight, K / 8);
 
   pdl_wait();
   pdl_launch_dependents();
-  for (int i = threadIdx.x; i < T * (K / 8); i += blockDim.x) {
-    const int b = i / (K / 8), v = i - b * (K / 8);
-    *reinterpret_cast<uint4*>(x_smem + b * pitch + 16 * v) = ld_act_v4(x + (size_t)b * K + 8 * v);
-  }
-  __syncthreads();
+  stage_rows_shared(x_smem, pitch, x, T, K);
   norm_rows_shared<false, 2>(x_smem, pitch, wv, nullptr, 0, 1, T, K, eps);
 
   // the tile: gemv's 4-warp CTA, its epilogue into CTA 0's rows of the head (and qkv)
@@ -254,28 +248,8 @@ __device__ __forceinline__ void qkv_heads_body(u16* q_out, kv_t* k_cache, kv_t* 
   if (rank != 0) return;
 
   // CTA 0: the head's rows, qk_norm_rope_kv_cta's warp each
-  const int H = num_q_heads, G = num_kv_heads;
-  for (int bt = warp; bt < T; bt += QF_QUAD) {
-    const int p = positions[bt];
-    const uint2 raw = *reinterpret_cast<const uint2*>(head_rows + bt * HEAD_DIM + 4 * lane);
-    const long long kv_offset =
-        p >= 0 ? KvPages(block_tables, table_stride, ring_slots, page_rows, bt).row(p) * G * HEAD_DIM : 0;
-    if (head >= H + G) {  // v: copied as is
-      if (p >= 0) store_kv4(v_cache + kv_offset + (head - H - G) * HEAD_DIM + 4 * lane, raw);
-      continue;
-    }
-    const bool is_q = head < H;
-    float xs[4], w[4], y[4];
-    load_bf16x4((is_q ? q_norm_weight : k_norm_weight) + 4 * lane, w);
-    xs[0] = bf16x2_lo(raw.x), xs[1] = bf16x2_hi(raw.x), xs[2] = bf16x2_lo(raw.y), xs[3] = bf16x2_hi(raw.y);
-    norm_rope_lanes(xs, w, qk_eps, rope_inv_freq != nullptr, cos_s + bt * (HEAD_DIM / 2),
-                    sin_s + bt * (HEAD_DIM / 2), lane, y);
-    if (is_q)
-      store_bf16x4(q_out + ((size_t)bt * H + head) * HEAD_DIM + 4 * lane, y);
-    else if (p >= 0)
-      store_kv4(k_cache + kv_offset + (head - H) * HEAD_DIM + 4 * lane,
-                make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3])));
-  }
+  for (int bt = warp; bt < T; bt += QF_QUAD)
+    head_row_out(*reinterpret_cast<const uint2*>(head_rows + bt * HEAD_DIM + 4 * lane), bt, head, QF_HEAD_OUT);
 }
 
 #define QF_COMMON_ARGS                                                                                           \

@@ -142,11 +142,7 @@ __device__ __forceinline__ void router_load_gate(const RouterSmem& s, const u16*
 template <bool NORM, bool WRITE = true>
 __device__ __forceinline__ void router_stage_x(const RouterSmem& s, const u16* x, const uint4 (&wv)[NORM_MAX_VEC],
                                                u16* normed, u32 rank, int T, int K, float eps) {
-  for (int i = threadIdx.x; i < T * (K / 8); i += blockDim.x) {
-    const int b = i / (K / 8), c = i - b * (K / 8);
-    *reinterpret_cast<uint4*>(s.x + b * s.pitch + 16 * c) = ld_act_v4(x + (size_t)b * K + 8 * c);
-  }
-  __syncthreads();
+  stage_rows_shared(s.x, s.pitch, x, T, K);
   if constexpr (NORM) norm_rows_shared<WRITE>(s.x, s.pitch, wv, normed, rank, RC_CTAS, T, K, eps);
 }
 
