@@ -221,9 +221,9 @@ class KernelOps:
     def qkv(self, i: int, x: torch.Tensor | Unnormed):
         c, p = self.c, f"model.layers.{i}.self_attn."
         weight, splits = self.k.qkv[i]
-        out = torch.empty(self.rows, c.q_size + 2 * c.kv_size, dtype=torch.bfloat16, device=self.hidden.device)
         if self._fused_qkv(x, weight, splits):
-            return self._qkv_fused(i, x, weight, splits, out)
+            return self._qkv_fused(i, x, weight, splits)
+        out = torch.empty(self.rows, c.q_size + 2 * c.kv_size, dtype=torch.bfloat16, device=self.hidden.device)
         if self._gemv(self.rows, weight):
             qkv = self._gemv_linear(x, weight, out=out, row_splits=splits)
         else:
@@ -260,9 +260,9 @@ class KernelOps:
                 and attn.qkv_fused_bytes(self.rows, weight.shape[0], self.c.hidden_size,
                                          attn.qkv_fused_slots(weight_format(weight))) is not None)
 
-    def _qkv_fused(self, i: int, x: Unnormed, weight, splits: tuple, out: torch.Tensor) -> torch.Tensor:
+    def _qkv_fused(self, i: int, x: Unnormed, weight, splits: tuple) -> torch.Tensor:
         c, p, inp, b = self.c, f"model.layers.{i}.self_attn.", self.inputs, self.rows
-        q = torch.empty(b, c.num_attention_heads, c.head_dim, dtype=torch.bfloat16, device=out.device)
+        q = torch.empty(b, c.num_attention_heads, c.head_dim, dtype=torch.bfloat16, device=x.h.device)
         kv = self.k.kv
         if c.is_sliding(i):
             pools, where = kv.ring[kv.ring_index[i]], dict(ring_slots=inp.ring_slots[:b], rope_theta=c.rope_theta)
@@ -270,7 +270,7 @@ class KernelOps:
             pools, where = kv.full[kv.full_index[i]], dict(block_tables=inp.block_tables[:b])
         return attn.qkv_fused(x.h, self.w[x.weight], self.eps, weight, splits, self.w[p + "q_norm.weight"],
                               self.w[p + "k_norm.weight"], inp.positions[:b], pools[0], pools[1], c.rms_norm_eps,
-                              self.ws.qkv_counters, qkv=out, q_out=q, pdl=self.pdl, **where)
+                              self.ws.qkv_counters, q_out=q, pdl=self.pdl, **where)
 
     def attention(self, i: int, q) -> torch.Tensor:
         c, b = self.c, self.rows

@@ -259,7 +259,7 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
     QKV_FUSED_HEADS: a cluster of 8 CTAs a head; else a grid of as many CTAs as the GPU holds at once,
     waiting on `counters` (kernels/smem_tiles.py `grid_counters`, not shared with a launch that may
     run beside it), so that no other kernel may hold SMs for good while it runs. qkv: where the q/k/v
-    rows go [T, (H + 2G) * 128] (scratch)."""
+    rows go [T, (H + 2G) * 128] (scratch; the cluster kind writes them only when given)."""
     check_activations(x)
     t, k = x.shape
     g = _check_pools(k_pool, v_pool)
@@ -288,7 +288,8 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
             raise ValueError(f"rope_theta must be positive, got {rope_theta}")
         check_tensor(ring_slots, "ring_slots", torch.int32, (t,), dev, 4)
         table_stride, inv_freq = 0, rope_inv_freq(float(rope_theta), dev)
-    qkv = output(qkv, "qkv", (t, n), x)
+    if qkv is not None or not QKV_FUSED_HEADS:      # the cluster kind keeps the rows in shared memory
+        qkv = output(qkv, "qkv", (t, n), x)
     _check_qkv(qkv, q_norm_weight, k_norm_weight, positions, t, g, dev)
     if k_pool.device != dev:
         raise ValueError(f"KV pools are on {k_pool.device}, expected {dev}")
@@ -453,8 +454,10 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
 
 
 def _check_qkv(qkv, q_norm_weight, k_norm_weight, positions, b: int, g: int, dev: torch.device) -> None:
-    """The Q/K norm operation's inputs: q/k/v rows [b, (8g + 2g) * 128], norm weights [128], positions [b]."""
-    check_tensor(qkv, "qkv", torch.bfloat16, (b, (GROUP * g + 2 * g) * HEAD_DIM), dev)
+    """The Q/K norm operation's inputs: q/k/v rows [b, (8g + 2g) * 128] (or None: not in memory), norm
+    weights [128], positions [b]."""
+    if qkv is not None:
+        check_tensor(qkv, "qkv", torch.bfloat16, (b, (GROUP * g + 2 * g) * HEAD_DIM), dev)
     check_tensor(q_norm_weight, "q_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
     check_tensor(k_norm_weight, "k_norm_weight", torch.bfloat16, (HEAD_DIM,), dev)
     check_tensor(positions, "positions", torch.int32, (b,), dev, 4)
