@@ -23,6 +23,28 @@
 #define BF16_UNROLL 8
 #define NVFP4_UNROLL 4
 
+// The slot of token b that chose expert e among its A (e < 0: the shared expert, slot A), or -1.
+__device__ __forceinline__ int moe_slot_of(const int* pair_expert, int b, int A, int e) {
+  int slot = e < 0 ? A : -1;
+  for (int s = 0; s < A && slot < 0; ++s)
+    if (pair_expert[b * A + s] == e) slot = s;
+  return slot;
+}
+
+// One down item into a warp's accumulators: part = W . x of the item (one k-step of one expert),
+// acc += its coefficient x part (tokens 2t and 2t + 1: this lane's columns).
+template <class Wt>
+__device__ __forceinline__ void moe_down_accumulate(float (&acc)[4], const typename Wt::Frag& frag,
+                                                    const typename Wt::X& x, float c_even, float c_odd,
+                                                    const typename Wt::Shared& sh) {
+  float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  Wt::mma(part, frag, x, sh);
+  acc[0] = fmaf(c_even, part[0], acc[0]);
+  acc[1] = fmaf(c_odd, part[1], acc[1]);
+  acc[2] = fmaf(c_even, part[2], acc[2]);
+  acc[3] = fmaf(c_odd, part[3], acc[3]);
+}
+
 template <class Wt, int U>
 __device__ __forceinline__ void moe_gate_up(int tile, int pair, u16* h, const u16* x, const int* ids, const Wt& gate,
                                             const Wt& up, const Wt& shared_gate, const Wt& shared_up,
@@ -59,9 +81,7 @@ __device__ __forceinline__ void moe_gate_up(int tile, int pair, u16* h, const u1
   __syncthreads();
   const int j = threadIdx.x >> 3, b = threadIdx.x & 7, n = j0 + j;
   if (j >= 8 || n >= I || b >= T) return;
-  int slot = shared ? A : -1;
-  for (int s = 0; s < A && slot < 0; ++s)
-    if (pair_expert[b * A + s] == e) slot = s;
+  const int slot = moe_slot_of(pair_expert, b, A, shared ? -1 : e);
   if (slot < 0) return;  // token b did not choose this expert
   const float gv = tile_sum<MOE_GATE_UP_WARPS>(red, j, b) * wg.sum_scale();
   const float uv = tile_sum<MOE_GATE_UP_WARPS>(red, j + 8, b) * wu.sum_scale();
@@ -190,13 +210,8 @@ __device__ __forceinline__ void moe_down(int tile, u16* y, const u16* h, const i
 #pragma unroll
     for (int i = 0; i < U; ++i) {
       if (f0 + i * MOE_DOWN_WARPS < items) {
-        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (!X_BATCH) xv[0] = xk[i] ? Wt::load_x(xk[i]) : Wt::zero_x();
-        Wt::mma(part, frag[i], xv[X_BATCH ? i : 0], sh);
-        acc[0] = fmaf(c_even[i], part[0], acc[0]);
-        acc[1] = fmaf(c_odd[i], part[1], acc[1]);
-        acc[2] = fmaf(c_even[i], part[2], acc[2]);
-        acc[3] = fmaf(c_odd[i], part[3], acc[3]);
+        moe_down_accumulate<Wt>(acc, frag[i], xv[X_BATCH ? i : 0], c_even[i], c_odd[i], sh);
       }
     }
   }

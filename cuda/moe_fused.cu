@@ -236,9 +236,7 @@ __device__ __forceinline__ void moe_fused_body(u16* y, u16* h, const u16* x, con
     if (i < gu_items && j < 8 && b < T) {  // moe_gate_up's epilogue
       int tile;
       const int e = gu_expert(i, tile);
-      int slot = e < 0 ? A : -1;
-      for (int a = 0; a < A && slot < 0; ++a)
-        if (l.route_ids[b * A + a] == e) slot = a;
+      const int slot = moe_slot_of(l.route_ids, b, A, e);
       if (slot >= 0) {
         const float gv = tile_sum<GU_W>(red_q, j, b) * (e < 0 ? sgate.sum_scale() : gate.sum_scale(e));
         const float uv = tile_sum<GU_W>(red_q, j + 8, b) * (e < 0 ? sup.sum_scale() : up.sum_scale(e));
@@ -257,16 +255,6 @@ __device__ __forceinline__ void moe_fused_body(u16* y, u16* h, const u16* x, con
   for (int m = 0; m < d_tiles; ++m) {
     const int n0 = (c + m * C) * 16;
     float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-    // one item into moe_down's accumulator order: part = W . x of the item, acc += coef x part
-    auto accumulate = [&](float (&a)[4], const typename Wt::Frag& fr, const typename Wt::X& xv, int u) {
-      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      Wt::mma(part, fr, xv, sh);
-      const float c_even = l.coef[u][2 * t], c_odd = l.coef[u][2 * t + 1];
-      a[0] = fmaf(c_even, part[0], a[0]);
-      a[1] = fmaf(c_odd, part[1], a[1]);
-      a[2] = fmaf(c_even, part[2], a[2]);
-      a[3] = fmaf(c_odd, part[3], a[3]);
-    };
     auto h_of = [&](int u, int k) {
       const int sl = l.slot_of[u][g];
       return sl >= 0 ? ld_cg_x_of<Wt>(h + ((size_t)g * (A + 1) + sl) * I + k) : Wt::zero_x();
@@ -286,7 +274,8 @@ __device__ __forceinline__ void moe_fused_body(u16* y, u16* h, const u16* x, con
               slot = d_ring + (q % MF_DOWN_SLOTS) * d_shape.bytes;
               mbarrier_wait_parity(bar(3 + MF_GU_SLOTS + q % MF_DOWN_SLOTS), (q / MF_DOWN_SLOTS) & 1);
             }
-            accumulate(acc[v], slot_frag(slot, d_shape, g, k), h_of(u, k), u);
+            moe_down_accumulate<Wt>(acc[v], slot_frag(slot, d_shape, g, k), h_of(u, k), l.coef[u][2 * t],
+                                    l.coef[u][2 * t + 1], sh);
           }
         }
         __syncthreads();
@@ -319,7 +308,9 @@ __device__ __forceinline__ void moe_fused_body(u16* y, u16* h, const u16* x, con
 #pragma unroll
           for (int i = 0; i < U_DOWN; ++i) {
             const int f = f0 + i * MF_DOWN_VW;
-            if (f < items) accumulate(acc[v], fr[i], xv[i], f / steps);
+            if (f < items)
+              moe_down_accumulate<Wt>(acc[v], fr[i], xv[i], l.coef[f / steps][2 * t], l.coef[f / steps][2 * t + 1],
+                                      sh);
           }
         }
     }
