@@ -7,25 +7,9 @@
 // Grid (splits, B): each CTA scans `chunk` logits of one row and writes one packed candidate
 //   (order_key(value) << 32) | (0xFFFFFFFF - index)      larger = better, ties -> lower index
 // to `partial` [B][splits]; the last CTA to take the ticket reduces every row and resets it.
-#include "common.cuh"
+#include "argmax.cuh"
 
 #define ARGMAX_THREADS 256
-
-__device__ __forceinline__ u64 argmax_candidate(float v, int index) {
-  u32 u = __float_as_uint(v);
-  if (v == 0.0f) u = 0u;  // -0 ties with +0
-  u32 key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  if (v != v) key = 0xFFFFFFFFu;
-  return ((u64)key << 32) | (u64)(0xFFFFFFFFu - (u32)index);
-}
-
-__device__ __forceinline__ u64 u64_max(u64 a, u64 b) { return a > b ? a : b; }
-
-__device__ __forceinline__ u64 warp_max_u64(u64 v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v = u64_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
-  return v;
-}
 
 __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
 #pragma unroll

@@ -11,6 +11,12 @@
 // that each SM keeps enough loads in flight. GEMV_GROUPS (1-4): 8-token groups; tokens 8g..8g+7
 // are mma column group g, every group fed by the same decoded weights (3-4 groups: at most 8
 // warps, kernels/linear.py gemv_warps).
+// gemv_*_argmax (the LM head of a decode step): also ids[b] = argmax_n y[b, n] of y as stored, with
+// argmax.cu's order, without a second pass over y: each CTA's best of its 16 rows goes to best[b]
+// by atomicMax on the packed candidate (argmax.cuh), and the last CTA to take the ticket writes
+// the ids and zeroes best and the ticket for the next launch (graph replays). Where *active is 0
+// (every row samples) only y is written.
+#include "argmax.cuh"
 #include "gemv_tile.cuh"
 #include "norm.cuh"  // norm_unpack
 
@@ -46,10 +52,50 @@ __device__ __forceinline__ void gemv_partials(float* red, const typename Wt::Row
 // norm's launch: x times norm_w on load, the sums times each row's inverse RMS, which the CTA takes
 // from x itself after its k-loop (the rows are in L1 / L2 by then). Roundings differ from the two
 // launches' (x * w rounded to bf16 instead of x * inv_rms * w): within bf16 tolerance, not equal.
-template <class Wt, int U, class Out = u16, bool NORM = false>
+// Where the LM head's folded argmax goes (gemv_*_argmax): best [B] and ticket zero between launches.
+struct Pick {
+  u64* best;
+  u32* ticket;
+  void* ids;
+  int ids_int64;
+  const int* active;
+};
+
+// Threads 0-127 (every one, a named barrier), each with its candidates of tokens grp * 8 + (lane & 7)
+// over its row: the CTA's best of each token into pick.best, then the ticket; the last CTA writes
+// the ids and resets best and the ticket.
+__device__ __forceinline__ void pick_tokens(const u64 (&cand)[GEMV_GROUPS], int B, const Pick& pick) {
+  __shared__ u32 is_last;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int grp = 0; grp < GEMV_GROUPS; ++grp) {  // a warp's 4 rows of one token: lanes j, j + 8, j + 16, j + 24
+    u64 c = cand[grp];
+    c = u64_max(c, __shfl_xor_sync(0xFFFFFFFFu, c, 8));
+    c = u64_max(c, __shfl_xor_sync(0xFFFFFFFFu, c, 16));
+    const int b = grp * 8 + lane;
+    if (lane < 8 && b < B && c != 0ull) atomicMax(pick.best + b, c);
+  }
+  __threadfence();
+  asm volatile("bar.sync 1, 128;" ::: "memory");
+  if (threadIdx.x == 0) is_last = atomicAdd(pick.ticket, 1u) == gridDim.x - 1;
+  asm volatile("bar.sync 1, 128;" ::: "memory");
+  if (!is_last) return;
+  __threadfence();
+  if (threadIdx.x < B) {
+    const u64 m = atomicExch(pick.best + threadIdx.x, 0ull);
+    const u32 index = 0xFFFFFFFFu - (u32)(m & 0xFFFFFFFFu);
+    if (pick.ids_int64)
+      static_cast<long long*>(pick.ids)[threadIdx.x] = index;
+    else
+      static_cast<int*>(pick.ids)[threadIdx.x] = (int)index;
+  }
+  if (threadIdx.x == 0) *pick.ticket = 0u;
+}
+
+template <class Wt, int U, class Out = u16, bool NORM = false, bool ARGMAX = false>
 __device__ __forceinline__ void gemv(int tile, Out* y, const u16* x, const Wt& wt, const u16* residual,
                                      int B, int N, int K, int split1, int split2,
-                                     const u16* norm_w = nullptr, float eps = 0.0f) {
+                                     const u16* norm_w = nullptr, float eps = 0.0f, const Pick& pick = {}) {
   __shared__ float red[GEMV_GROUPS * GEMV_RED];
   __shared__ typename Wt::Shared sh;
   __shared__ float inv_rms[NORM ? 8 * GEMV_GROUPS : 1];
@@ -77,19 +123,26 @@ __device__ __forceinline__ void gemv(int tile, Out* y, const u16* x, const Wt& w
     __syncthreads();
   }
   const int r = threadIdx.x >> 3, n = n0 + r;  // threads 0..127: 16 rows x 8 tokens of a group
-  if (r >= 16 || n >= N) return;
+  if (r >= 16 || (!ARGMAX && n >= N)) return;
+  [[maybe_unused]] u64 cand[GEMV_GROUPS] = {};  // ARGMAX: y[b, n] as stored, packed with n
 #pragma unroll
   for (int grp = 0; grp < GEMV_GROUPS; ++grp) {
     const int j = threadIdx.x & 7, b = grp * 8 + j;
-    if (b >= B) break;
+    if (b >= B || (ARGMAX && n >= N)) break;
     float v = tile_sum<GEMV_WARPS>(red + grp * GEMV_RED, r, j) * wt.sum_scale((n >= split1) + (n >= split2));
     if constexpr (NORM) v *= inv_rms[b];
     if (residual) v += bf16_to_f32(residual[(size_t)b * N + n]);
     if constexpr (sizeof(Out) == 4) {
       y[(size_t)b * N + n] = v;
     } else {
-      y[(size_t)b * N + n] = f32_to_bf16(v);
+      const u16 stored = f32_to_bf16(v);
+      y[(size_t)b * N + n] = stored;
+      v = bf16_to_f32(stored);
     }
+    if constexpr (ARGMAX) cand[grp] = argmax_candidate(v, n);
+  }
+  if constexpr (ARGMAX) {
+    if (!pick.active || *pick.active != 0) pick_tokens(cand, B, pick);
   }
 }
 
@@ -134,6 +187,22 @@ gemv_nvfp4(u16* y, const u16* x, const u8* codes, const u8* scales, const float*
            const u16* residual, int B, int N, int K, int split1, int split2) {
   gemv<Nvfp4Weights, NVFP4_UNROLL>(blockIdx.x, y, x, Nvfp4Weights{codes, scales, tensor_scale}, residual, B, N, K,
                                    split1, split2);
+}
+
+// The LM head with the greedy choice folded in (see Pick)
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_bf16_argmax(u16* y, const u16* x, const u16* w, int B, int N, int K, u64* best, u32* ticket, void* ids,
+                 int ids_int64, const int* active) {
+  gemv<Bf16Weights, BF16_UNROLL, u16, false, true>(blockIdx.x, y, x, Bf16Weights{w}, nullptr, B, N, K, N, N, nullptr,
+                                                   0.0f, Pick{best, ticket, ids, ids_int64, active});
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_nvfp4_argmax(u16* y, const u16* x, const u8* codes, const u8* scales, const float* tensor_scale, int B, int N,
+                  int K, u64* best, u32* ticket, void* ids, int ids_int64, const int* active) {
+  gemv<Nvfp4Weights, NVFP4_UNROLL, u16, false, true>(blockIdx.x, y, x, Nvfp4Weights{codes, scales, tensor_scale},
+                                                     nullptr, B, N, K, N, N, nullptr, 0.0f,
+                                                     Pick{best, ticket, ids, ids_int64, active});
 }
 
 // rms_norm(x, norm_w, eps) . W^T in one launch (see gemv's NORM)

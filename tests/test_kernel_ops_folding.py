@@ -1,4 +1,4 @@
-"""kernel_ops.FOLD_NORMS, ROUTER_NORMS and FUSED_MOE on the CPU: the fused path's forward over recording stand-ins
+"""kernel_ops.FOLD_NORMS, ROUTER_NORMS, FUSED_MOE, FUSED_QKV and LM_HEAD_ARGMAX on the CPU: the fused path's forward over recording stand-ins
 for the kernels, counting which RMSNorms launch and which GEMVs and routers take a norm's weight (the
 kernels themselves are checked on the GPU: tests/gpu/test_kernel_linear.py, test_kernel_moe.py,
 test_cuda_executor.py)."""
@@ -57,7 +57,7 @@ def fused_forward(config, rows=2):
         full_index=list(range(c.num_hidden_layers)))
     weights = kernel_ops.KernelWeights(c, Weights(c), qkv, kv, SimpleNamespace(router=None, attention=None,
                                                                                argmax=None, moe_counters=None,
-                                                                               qkv_counters=None))
+                                                                               qkv_counters=None, pick="pick"))
     inputs = SimpleNamespace(num_rows=None, tokens=None, sources=None, sampled=None, table_scatter=None,
                              positions=torch.zeros(rows), ring_slots=torch.zeros(rows),
                              block_tables=torch.zeros(rows, 1), seq_lens=torch.zeros(rows), max_model_len=64,
@@ -152,3 +152,27 @@ def test_the_one_launch_attention_front_takes_each_layers_input_norm(monkeypatch
         assert calls.count("norm") == layers + 1        # the post-attention norms and the final one
     else:
         assert fronts == [] and calls.count("norm") == 2 * layers + 1
+
+
+@pytest.mark.parametrize("folded", [False, True])
+def test_the_lm_head_makes_the_greedy_choice_itself(monkeypatch, folded):
+    """kernel_ops.LM_HEAD_ARGMAX: the LM head's GEMV writes the step's greedy tokens (into next_tokens,
+    over the pick workspace, gated by the inputs' argmax flag) and no argmax launches; off, it does."""
+    config = preset("flint-tiny")
+    calls, heads = [], []
+    stand_ins(monkeypatch, calls)
+    monkeypatch.setattr(kernel_ops, "LM_HEAD_ARGMAX", folded)
+    monkeypatch.setattr(kernel_ops, "greedy", lambda logits, out, **kw: calls.append("greedy") or out)
+
+    def linear(x, w, out, pdl, norm_weight=None, argmax_out=None, argmax_workspace=None, argmax_active=None, **kw):
+        if w.shape[0] == config.vocab_size:
+            heads.append((argmax_out is not None, argmax_workspace, argmax_active))
+            if argmax_out is not None:
+                assert argmax_out.shape == (2,) and argmax_out.dtype == torch.int32
+        return out
+
+    monkeypatch.setattr(kernel_ops, "linear", linear)
+    logits = fused_forward(config)
+    assert logits.shape == (2, config.vocab_size)
+    assert heads == [(True, "pick", None) if folded else (False, None, None)]
+    assert calls.count("greedy") == (0 if folded else 1)

@@ -159,6 +159,19 @@ def test_gemv_register_table_matches_the_builds():
         assert table == -(-most // unit) * unit, (fmt, groups, most, table)
 
 
+def test_the_lm_heads_folded_argmax_fits_the_gemv_register_table():
+    """gemv_*_argmax (the LM head with its greedy choice) builds without spills at the warp counts
+    gemv_warps picks, within kernels/linear.py REGISTERS, so the waves it is sized by still hold."""
+    import importlib
+
+    linear_mod = importlib.import_module("flint_sched.kernels.linear")
+    for (fmt, groups), table in linear_mod.REGISTERS.items():
+        for warps in (4, 8, 16) if groups <= 2 else (4, 8):
+            use = _runtime.resource_usage("gemv.cu", {"GEMV_WARPS": warps, "X_BATCH": linear_mod.x_batch(fmt),
+                                                      "GEMV_GROUPS": groups})[f"gemv_{fmt}_argmax"]
+            assert use.registers <= table and use.spill_store_bytes == use.stack_bytes == 0, (fmt, groups, warps, use)
+
+
 def test_every_launch_shape_of_flint_uses_a_compiled_variant():
     """The warps each launcher picks for Flint's shapes, at every decode batch size, are among the
     variants CI compiles; BF16 q/k/v stays at 4 warps (one wave of CTAs, see gemv_warps)."""

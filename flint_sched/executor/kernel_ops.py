@@ -90,6 +90,12 @@ FUSED_MOE = False
 # (session 33): off until measured.
 FUSED_QKV = False
 
+# Steps whose LM head runs on the GEMVs make the greedy choice in the LM head's launch (kernels/linear.py
+# `argmax_out`: each CTA's best row of each token by atomicMax, the last CTA writes the ids) instead
+# of an argmax launch that reads the logits again: one dependent hop a step fewer, the same ids.
+# Built without a GPU (session 34): off until measured.
+LM_HEAD_ARGMAX = False
+
 # Fused steps run their layers as one persistent launch (kernels/decode_step.py, cuda/decode_step.cu:
 # the kernels' bodies as tasks on counters, no kernel boundaries; the step one graph of a few
 # launches: cuda_executor._decode); the LM head stays as it is. Prepared without a GPU (session 30): off until measured against the
@@ -409,7 +415,11 @@ class KernelOps:
         if rows == 0:
             return self.logits_out[:0]
         normed = self.rms_norm(h, "model.norm.weight")
+        active = None if self.inputs is None else self.inputs.argmax
+        w = self.w["lm_head.weight"]
+        if LM_HEAD_ARGMAX and self._gemv(rows, w):
+            return linear(normed, w, out=self.logits_out[:rows], pdl=self.pdl, argmax_out=self.next_tokens[:rows],
+                          argmax_workspace=self.ws.pick, argmax_active=active)
         logits = self._dense(normed, "lm_head.weight", self.logits_out[:rows])
-        greedy(logits, out=self.next_tokens[:rows], workspace=self.ws.argmax, pdl=self.pdl,
-               active=None if self.inputs is None else self.inputs.argmax)
+        greedy(logits, out=self.next_tokens[:rows], workspace=self.ws.argmax, pdl=self.pdl, active=active)
         return logits

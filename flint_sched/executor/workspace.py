@@ -14,7 +14,7 @@ from flint_sched.config import FlintConfig
 from flint_sched.kernels import attention as attn
 from flint_sched.kernels.grouped_moe import moe_routing_workspace
 from flint_sched.kernels.moe import router_workspace
-from flint_sched.kernels.sampling import argmax_workspace
+from flint_sched.kernels.sampling import argmax_workspace, pick_workspace
 from flint_sched.kernels.smem_tiles import grid_counters
 
 
@@ -34,6 +34,7 @@ class Workspaces:
         # the grid-wide counters of the one-launch blocks (kernel_ops.FUSED_MOE, FUSED_QKV)
         self.moe_counters, self.qkv_counters = grid_counters(device), grid_counters(device)
         self.argmax = argmax_workspace(max(max_rows, max_seqs), c.vocab_size, device)
+        self.pick = pick_workspace(max(max_rows, max_seqs), device)  # the LM head's own argmax (LM_HEAD_ARGMAX)
         self.moe_routing = self._routing(max_rows, device)
         # Prompt steps replayed from graphs (up to prompt_graph_rows rows) share one, kept for good:
         # the graphs hold its addresses.

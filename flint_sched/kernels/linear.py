@@ -194,11 +194,17 @@ def check_row_splits(row_splits: tuple[int, ...], n: int) -> None:
 def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None,
            out: torch.Tensor | None = None, pdl: bool = False, row_splits: tuple[int, ...] = (),
            out_dtype: torch.dtype = torch.bfloat16, warps: int | None = None,
-           norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
+           norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
+           argmax_out: torch.Tensor | None = None, argmax_workspace: torch.Tensor | None = None,
+           argmax_active: torch.Tensor | None = None) -> torch.Tensor:
     """y[B, N] = x @ W^T (+ residual), fp32 sums, one bf16 rounding. `row_splits`: from `concat_rows`.
     out_dtype fp32 (bf16 W, no residual): y unrounded, the router's logits. `warps`: per CTA (4, 8
     or 16), else `gemv_warps`. norm_weight [K]: y = rms_norm(x, norm_weight, norm_eps) @ W^T in the
-    same launch (cuda/gemv.cu's NORM: bf16 roundings differ from the norm's own launch)."""
+    same launch (cuda/gemv.cu's NORM: bf16 roundings differ from the norm's own launch).
+    argmax_out [B] int32 / int64 (the LM head; bf16 y, no residual, norm or row splits): also
+    argmax_out[b] = argmax of y[b] as stored, torch.argmax's choice, in the same launch
+    (kernels/sampling.py pick_workspace: zeroed once, left zeroed by each launch). argmax_active:
+    int32 [1]; where it holds 0 when the kernel runs, only y is written (sampling.greedy's `active`)."""
     check_activations(x, max_tokens=GEMV_MAX_TOKENS)
     b, k = x.shape
     n = weight.shape[0]
@@ -217,6 +223,9 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
         if f32:
             raise ValueError("a folded norm writes bf16")
         check_tensor(norm_weight, "norm_weight", torch.bfloat16, (k,), x.device)
+    pick = [] if argmax_out is None else pick_args(argmax_out, argmax_workspace, argmax_active, b, x.device)
+    if pick and (f32 or residual is not None or row_splits or norm_weight is not None):
+        raise ValueError("the folded argmax takes a bf16 GEMV without residual, row splits or norm")
     y = output(out, "out", (b, n), x, out_dtype)
     tiles, num_groups = cdiv(n, TILE_ROWS), groups(b)
     if warps not in (None, 4, 8, 16) or warps == 16 and num_groups > 2:
@@ -228,9 +237,26 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     name = "gemv_bf16_f32" if f32 else f"gemv_{fmt}"
     if norm_weight is not None:
         name, args = name + "_norm", [*args, norm_weight, F32(norm_eps)]
+    if pick:
+        name, args = name + "_argmax", [y, x, *w_args, I32(b), I32(n), I32(k), *pick]
     _kernel(name, warps, x_batch(fmt), num_groups).launch((tiles,), (32 * warps,), args, pdl=pdl,
                                                           device=x.device.index)
     return y
+
+
+def pick_args(ids: torch.Tensor, workspace: torch.Tensor | None, active: torch.Tensor | None, b: int,
+              device: torch.device) -> list:
+    """The folded argmax's kernel arguments (best, ticket, ids, ids are int64, active), checked."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError("argmax_out must be an int32 or int64 tensor")
+    check_tensor(ids, "argmax_out", ids.dtype, (b,), device, ids.element_size())
+    if (not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.int64 or workspace.dim() != 1
+            or workspace.numel() < b + 1):
+        raise ValueError(f"argmax_workspace must be int64 with >= {b + 1} elements (sampling.pick_workspace)")
+    check_tensor(workspace, "argmax_workspace", torch.int64, (workspace.numel(),), device, 8)
+    if active is not None:
+        check_tensor(active, "argmax_active", torch.int32, (1,), device, 4)
+    return [workspace, workspace[workspace.numel() - 1:], ids, I32(ids.dtype == torch.int64), active]
 
 
 def gate_up_args(gate: Weight, up: Weight, k: int, device: torch.device) -> tuple[int, str, list]:

@@ -43,6 +43,13 @@ def argmax_workspace(max_batch: int, vocab: int, device: torch.device | str) -> 
     return torch.zeros(max_batch * -(-vocab // MIN_CHUNK) + 1, dtype=torch.int64, device=device)
 
 
+def pick_workspace(max_batch: int, device: torch.device | str) -> torch.Tensor:
+    """int64 zeros: the LM head's folded argmax (linear's argmax_out), the best candidate of each
+    row, then the ticket (last element). Each launch leaves it zeroed for the next one; it must not
+    share memory with argmax_workspace, whose candidates stay behind."""
+    return torch.zeros(max_batch + 1, dtype=torch.int64, device=device)
+
+
 def greedy(logits: torch.Tensor, out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.int32,
            workspace: torch.Tensor | None = None, pdl: bool = False,
            active: torch.Tensor | None = None) -> torch.Tensor:

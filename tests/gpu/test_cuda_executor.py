@@ -209,15 +209,17 @@ def test_dense_bf16_copies_change_no_logit(ckpt, monkeypatch):
         assert (r1, p1) == (r2, p2) and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("flag", ["FUSE_QK_ATTENTION", "ROUTER_NORMS", "FUSED_MOE", "FUSED_QKV"],
-                         ids=["qk_norm_inside", "router_norms", "one_launch_moe", "one_launch_attention_front"])
+@pytest.mark.parametrize("flag", ["FUSE_QK_ATTENTION", "ROUTER_NORMS", "FUSED_MOE", "FUSED_QKV", "LM_HEAD_ARGMAX"],
+                         ids=["qk_norm_inside", "router_norms", "one_launch_moe", "one_launch_attention_front",
+                              "lm_head_argmax"])
 def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag):
     """Fused decode steps whose attention kernels do the Q/K norms, RoPE and K/V write
     (kernel_ops.FUSE_QK_ATTENTION: cuda/decode_attention_qk.cu), whose router does the norm before
     the MoE (kernel_ops.ROUTER_NORMS), or whose MoE blocks or attention fronts (input norm, q/k/v, Q/K
     norm, K/V write) are one launch each (kernel_ops.FUSED_MOE, FUSED_QKV: cuda/moe_fused.cu,
-    qkv_fused.cu; shapes they take), give the launches' logits bit for bit, graphs and eager, prompts
-    on both sides of the window, 1 to 6 rows."""
+    qkv_fused.cu; shapes they take), or whose LM head makes the greedy choice itself
+    (kernel_ops.LM_HEAD_ARGMAX), give the launches' logits and tokens bit for bit, graphs and eager,
+    prompts on both sides of the window, 1 to 6 rows."""
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (3, 600, 37, 515, 90, 1)]
     limits = [2, 7, 3, 6, 4, 5]
@@ -230,6 +232,10 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
     monkeypatch.setattr(kernel_ops, "moe_fused", lambda *a, **kw: one_launch.append(1) or moe_fused(*a, **kw))
     qkv_fused = attention.qkv_fused
     monkeypatch.setattr(attention, "qkv_fused", lambda *a, **kw: one_launch.append(2) or qkv_fused(*a, **kw))
+    linear, greedy = kernel_ops.linear, kernel_ops.greedy
+    monkeypatch.setattr(kernel_ops, "linear", lambda *a, **kw: one_launch.append(
+        3 if kw.get("argmax_out") is not None else 0) or linear(*a, **kw))
+    monkeypatch.setattr(kernel_ops, "greedy", lambda *a, **kw: one_launch.append(4) or greedy(*a, **kw))
     for graphs in (True, False):
         inside, out_inside, _ = run(ckpt, prompts, limits, seqs=6, budget=4096, use_graphs=graphs)
         assert "fused" in run.paths
@@ -242,6 +248,8 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
             takes = fused_moe_bytes(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, 1,
                                     c.num_experts_per_tok, fused_slots(ckpt.weight_format)) is not None
             assert (1 in one_launch) == takes and (not takes or not any(normalizing))
+        elif flag == "LM_HEAD_ARGMAX":  # every step's LM head runs on the GEMVs here (<= 16 rows)
+            assert 3 in one_launch and 4 not in one_launch
         else:
             c = ckpt.config
             takes = attention.qkv_fused_bytes(1, c.q_size + 2 * c.kv_size, c.hidden_size,
