@@ -274,6 +274,8 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
     if len(row_splits) != 2:
         raise ValueError(f"row_splits must be (q rows, q + k rows), got {row_splits}")
     w_args = weight_args(weight, "weight", (n, k), dev, 3)
+    if slots and w_args[1].data_ptr() % 16:
+        raise ValueError("weight.block_scales must start at a 16-byte aligned address (bulk copies)")
     check_tensor(norm_weight, "norm_weight", torch.bfloat16, (k,), dev)
     check_tensor(counters, "counters", torch.int32, (2,), dev, 4)
     if (block_tables is None) == (ring_slots is None):
@@ -294,17 +296,19 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
     if k_pool.device != dev:
         raise ValueError(f"KV pools are on {k_pool.device}, expected {dev}")
     q_out = output(q_out, "q_out", (t, h, HEAD_DIM), x)
+    check_tensor(q_out, "q_out", torch.bfloat16, (t, h, HEAD_DIM), dev)     # 8-byte stores
     tail = [*w_args, I32(row_splits[0]), I32(row_splits[1]), q_norm_weight, k_norm_weight, positions, block_tables,
             I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(h), I32(g), F32(qk_eps), inv_freq, I32(t), I32(n),
             I32(k)]
     kind = "heads" if QKV_FUSED_HEADS else "fused"
     name = f"qkv_{kind}_nvfp4" if slots else f"qkv_{kind}_direct_{fmt}"
     kernel = _kernel("qkv_fused.cu", name, kv_defines(k_pool) + (("QF_MIN_CTAS", QKV_FUSED_CTAS),))
-    if QKV_FUSED_HEADS:     # a cluster a head
+    if QKV_FUSED_HEADS:     # a cluster a head; _resident sets the carveout (shared memory first: 3 CTAs a SM)
+        _resident(kernel, QKV_HEADS_THREADS, size, dev.index)
         kernel.launch((n // 16,), (QKV_HEADS_THREADS,), [q_out, k_pool, v_pool, qkv, x, norm_weight, F32(eps), *tail],
                       shared_bytes=size, pdl=pdl, device=dev.index)
         return q_out
-    ctas = min(_resident(kernel, size, dev.index), n // 16)
+    ctas = min(_resident(kernel, QKV_FUSED_THREADS, size, dev.index), n // 16)
     if slots and n // 16 > ctas * QKV_FUSED_SLOTS:
         raise ValueError(f"qkv_fused: {n // 16} tiles of q/k/v rows need more than this GPU's {ctas} resident CTAs "
                          f"x {QKV_FUSED_SLOTS} slots")
@@ -314,9 +318,10 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
 
 
 @functools.cache
-def _resident(kernel: Kernel, shared_bytes: int, device: int | None) -> int:
-    """CTAs of a one-launch block the GPU holds at once (every one waits on all the others)."""
-    return kernel.resident_blocks(QKV_FUSED_THREADS, shared_bytes, device) * sm_count()
+def _resident(kernel: Kernel, threads: int, shared_bytes: int, device: int | None) -> int:
+    """CTAs of a one-launch block the GPU holds at once (the grid kind: every one waits on all the
+    others), with the shared-memory carveout set in favour of shared memory (once per kernel)."""
+    return kernel.resident_blocks(threads, shared_bytes, device) * sm_count()
 
 
 # ---- split-KV attention ------------------------------------------------------------------------

@@ -300,12 +300,15 @@ def moe_fused(x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, route
                  + weight_args(shared_down, "shared_down", (k, i), x.device))
     else:
         args += [None] * (9 if fmt == "nvfp4" else 3)
+    if slots and any(scales is not None and scales.data_ptr() % 16 for scales in args[1::3]):
+        raise ValueError("NVFP4 block_scales must start at 16-byte aligned addresses (bulk copies)")
     if residual is not None:
         check_tensor(residual, "residual", torch.bfloat16, (t, k), x.device, 2)
     y = output(out, "out", (t, k), x)
     if y.data_ptr() == x.data_ptr():
         raise ValueError("out must not be x: every CTA reads all of x")
     h = output(h, "h", (t, top_k + 1, i), x)
+    check_tensor(h, "h", torch.bfloat16, (t, top_k + 1, i), x.device)      # read back 16 bytes at a time
     if (ids is None) != (weights is None):
         raise ValueError("give both ids and weights, or neither")
     if ids is not None:

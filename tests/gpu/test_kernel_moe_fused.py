@@ -156,6 +156,16 @@ def test_bad_arguments_are_refused_before_the_launch(layer):
         moe_fused(x, *args, p["shared_gate"], p["shared_up"], _other_format(p["shared_down"]), counters)
     with pytest.raises(ValueError, match="counters"):
         moe_fused(x, *args, None, None, None, torch.zeros(2, dtype=torch.int64, device="cuda"))
+    t, a, i = 2, shape["top_k"], shape["inter"]
+    unaligned = torch.empty(t * (a + 1) * i + 1, dtype=torch.bfloat16, device="cuda")[1:].view(t, a + 1, i)
+    with pytest.raises(ValueError, match="h must start at a 16-byte"):
+        moe_fused(x, *args, None, None, None, counters, h=unaligned)
+    if isinstance(p["down"], NVFP4Tensor) and moe_kernels.FUSED_NVFP4_SLOTS:   # a bulk copy's source
+        w = p["down"]
+        shifted = torch.empty(w.block_scales.numel() + 2, dtype=torch.uint8, device="cuda")[2:]
+        moved = NVFP4Tensor(w.codes, shifted.view(w.block_scales.shape).copy_(w.block_scales), w.tensor_scale)
+        with pytest.raises(ValueError, match="block_scales must start at 16-byte"):
+            moe_fused(x, *args[:-1], moved, None, None, None, counters)
 
 
 def _other_format(w):

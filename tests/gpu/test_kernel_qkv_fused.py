@@ -128,7 +128,8 @@ def test_other_grids(layer, grid, monkeypatch):
         pytest.skip("a cluster a head has one grid")
     n_tiles = layer["weight"].shape[0] // 16
     if grid == "fewest":
-        monkeypatch.setattr(attention, "_resident", lambda kernel, size, device: -(-n_tiles // attention.QKV_FUSED_SLOTS))
+        monkeypatch.setattr(attention, "_resident",
+                            lambda kernel, threads, size, device: -(-n_tiles // attention.QKV_FUSED_SLOTS))
     else:
         monkeypatch.setattr(attention, "QKV_FUSED_CTAS", 2)
     x, positions, where, pools = case(layer, 5, True, torch.bfloat16, seed=11)
@@ -166,3 +167,14 @@ def test_bad_arguments_are_refused_before_the_launch(layer):
         qkv_fused(x, *args[:3], (128,), *args[4:], **where, rope_theta=THETA)
     with pytest.raises(ValueError, match="counters"):
         qkv_fused(x, *args[:-1], torch.zeros(2, dtype=torch.int64, device="cuda"), **where, rope_theta=THETA)
+    t, h = x.shape[0], 8 * layer["shape"]["kv_heads"]
+    unaligned = torch.empty(t * h * 128 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(t, h, 128)
+    with pytest.raises(ValueError, match="q_out"):
+        qkv_fused(x, *args, **where, rope_theta=THETA, q_out=unaligned)
+    if layer["fmt"] == "nvfp4" and attention.QKV_FUSED_NVFP4_SLOTS:   # a bulk copy's source: 16-byte aligned
+        w = layer["weight"]
+        shifted = torch.empty(w.block_scales.numel() + 2, dtype=torch.uint8, device="cuda")[2:]
+        shifted = shifted.view(w.block_scales.shape).copy_(w.block_scales)
+        moved = type(w)(w.codes, shifted, w.tensor_scale)
+        with pytest.raises(ValueError, match="block_scales must start at a 16-byte"):
+            qkv_fused(x, *args[:2], moved, *args[3:], **where, rope_theta=THETA)
