@@ -271,3 +271,21 @@ def test_mixed_steps_choose_the_hybrid_expert_gemms(monkeypatch):
         weights = dummy_checkpoint(config, fmt, seed=0).weights
         expected = fmt == "nvfp4" and config.hidden_size % 512 == 0 and config.moe_intermediate_size % 512 == 0
         assert hybrid_available(config, weights) == expected
+
+
+def test_clearing_the_graphs_takes_the_fused_limit_again(monkeypatch):
+    """benchmarks/ab_decode.py's variants of FUSED_PATH_MAX_BATCH: clear_graphs re-takes the limits
+    (the fused path up to the new bound, a graph for each batch size up to it)."""
+    ex = object.__new__(CudaExecutor)
+    ex.config, ex.device = preset("flint-tiny"), torch.device("cpu")
+    moe = next(i for i in range(ex.config.num_hidden_layers) if ex.config.is_moe(i))
+    ex.w = {f"model.layers.{moe}.mlp.experts.gate_proj.weight": torch.zeros(2, 8, 8, dtype=torch.bfloat16)}
+    ex.grouped_batch_sizes = (16, 32)
+    ex.graphs = SimpleNamespace(pool=None, clear=lambda: None)
+    ex.sampler = SimpleNamespace(graphs={}, pool=None)
+    monkeypatch.setitem(cuda_executor.FUSED_PATH_MAX_BATCH, "bf16", 3)
+    ex.clear_graphs()
+    assert ex.limits == ExecutorLimits(3, (1, 2, 3, 16, 32))
+    monkeypatch.setitem(cuda_executor.FUSED_PATH_MAX_BATCH, "bf16", 8)
+    ex.clear_graphs()
+    assert ex.limits.fused_max_batch == 8 and ex.limits.graph_batch_sizes[:8] == tuple(range(1, 9))

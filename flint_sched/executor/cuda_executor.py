@@ -138,8 +138,7 @@ class CudaExecutor:
         self.grouped_batch_sizes = grouped_batch_sizes
         max_rows = max((FUSED_MAX_BATCH, *grouped_batch_sizes))
         self.w = {name: _kernel_weight(t, self.device) for name, t in weights.items()}
-        fused = FUSED_PATH_MAX_BATCH[expert_format(config, self.w) or "bf16"]
-        self.limits = ExecutorLimits(fused, tuple(range(1, fused + 1)) + grouped_batch_sizes)
+        self.limits = self._limits()
         qkv = {i: self._fuse_qkv(f"model.layers.{i}.self_attn.") for i in range(config.num_hidden_layers)}
         self.prompt_graph_tokens = tuple(sorted(prompt_graph_tokens)) if use_graphs else ()
         self.ws = Workspaces(config, max_rows, kv_cache.ring.shape[2], self.device,
@@ -165,12 +164,20 @@ class CudaExecutor:
         self.layer_outputs: list[torch.Tensor] | None = None
         self.last_logits: torch.Tensor | None = None
 
+    def _limits(self) -> ExecutorLimits:
+        """The fused path up to FUSED_PATH_MAX_BATCH of the experts' format, graphs of every batch size."""
+        fused = FUSED_PATH_MAX_BATCH[expert_format(self.config, self.w) or "bf16"]
+        return ExecutorLimits(fused, tuple(range(1, fused + 1)) + self.grouped_batch_sizes)
+
     def clear_graphs(self) -> None:
         """Drop the captured steps and sampling graphs (a benchmark changing kernels between
-        captures); the next steps capture them again, in a new pool."""
+        captures); the next steps capture them again, in a new pool. The limits are taken again
+        from FUSED_PATH_MAX_BATCH (benchmarks/ab_decode.py variants; an engine's scheduler keeps
+        the limits it was built with, and builds no variants)."""
         self.graphs.clear()
         self.sampler.graphs.clear()
         self.sampler.pool = self.graphs.pool if self.device.type == "cuda" else None
+        self.limits = self._limits()
 
     @property
     def kv(self) -> KVCache:
