@@ -122,6 +122,25 @@ __device__ __forceinline__ void st_cluster_u32(u32 addr, u32 v) {
 __device__ __forceinline__ void st_cluster_f32(u32 addr, float v) {
   asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
+// A 4-byte store into another CTA's shared memory (addr from cluster_map) that completes 4 bytes of
+// that CTA's mbarrier (remote_bar, from cluster_map too): the reader waits on its barrier instead of
+// a cluster barrier, and the writer may exit at once. The barrier must be initialized (and its init
+// fenced) before a cluster barrier phase the writer has waited on.
+__device__ __forceinline__ void st_async_u32(u32 addr, u32 v, u32 remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(addr), "r"(v),
+               "r"(remote_bar)
+               : "memory");
+}
+// mbarrier_wait_parity at cluster scope: what other CTAs wrote with st_async_u32 is visible after it.
+__device__ __forceinline__ void mbarrier_wait_parity_cluster(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar), "r"(parity) : "memory");
+}
 __device__ __forceinline__ void st_cluster_v4(u32 addr, uint4 v) {
   asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w)

@@ -171,6 +171,12 @@ __device__ __forceinline__ void qkv_fused_body(u16* q_out, kv_t* k_cache, kv_t* 
 // another cluster, so the grid needs no residency and the dependents are released at once.
 // Shared memory (kernels/attention.py qkv_heads_bytes): slot (SLOTS) | x [T][2K + 16] |
 // the head's rows [T][128] bf16 (CTA 0's) | cos [T][64] | sin [T][64].
+// QH_ST_ASYNC (kernels/attention.py QKV_HEADS_ST_ASYNC): the tiles' rows reach CTA 0 by st.async, two
+// rows a word, counted in bytes on CTA 0's mbarrier, which CTA 0 waits on; the other CTAs leave at
+// once. No second cluster barrier, whose release costs each CTA a MEMBAR.GPU. The same rows.
+#ifndef QH_ST_ASYNC
+#define QH_ST_ASYNC 0
+#endif
 #define QH_CTAS (HEAD_DIM / 16)
 #define QH_THREADS (QF_QUAD * 32)
 static_assert(QH_THREADS * 2 == NORM_MAX_THREADS, "two of rmsnorm.cu's threads a thread");
@@ -201,10 +207,22 @@ __device__ __forceinline__ void qkv_heads_body(u16* q_out, kv_t* k_cache, kv_t* 
 
   stage_tensor_scales(wt, tensor_scales, 3);
   Wt::init_shared(sh);
+#if QH_ST_ASYNC
+  __shared__ u64 rows_bar;  // CTA 0's: the head's rows have all come (8 CTAs x 16 rows x T x 2 bytes)
+  if (threadIdx.x == 0) {
+    if (SLOTS) mbarrier_init(smem_addr(&bar), 1);
+    if (rank == 0) {
+      mbarrier_init(smem_addr(&rows_bar), 1);
+      mbarrier_arrive_expect_tx(smem_addr(&rows_bar), QH_CTAS * 16 * T * 2);
+    }
+    fence_mbarrier_init();  // before the cluster's arrive below: the other CTAs store after their wait
+  }
+#else
   if (SLOTS && threadIdx.x == 0) {
     mbarrier_init(smem_addr(&bar), 1);
     fence_mbarrier_init();
   }
+#endif
   __syncthreads();
   // before the wait: the tile (into the slot, or asked of L2); CTA 0 the RoPE tables; the norm weight
   if constexpr (SLOTS) {
@@ -237,6 +255,20 @@ __device__ __forceinline__ void qkv_heads_body(u16* q_out, kv_t* k_cache, kv_t* 
   __syncthreads();
   cluster_wait_acquire();
   const int r = threadIdx.x >> 3, b = threadIdx.x & 7;
+#if QH_ST_ASYNC
+  u32 v = 0u;
+  if (b < T) {
+    const int n = n0 + r;
+    v = f32_to_bf16(tile_sum<QF_QUAD>(red, r, b) * wt.sum_scale((n >= split1) + (n >= split2)));
+    if (qkv) qkv[(size_t)b * N + n] = (u16)v;
+  }
+  const u32 next = __shfl_down_sync(0xFFFFFFFFu, v, 8);  // row r + 1 of token b (r even: lane + 8, same warp)
+  if (b < T && (r & 1) == 0)
+    st_async_u32(cluster_map(smem_addr(head_rows + b * HEAD_DIM + rank * 16 + r), 0), v | (next << 16),
+                 cluster_map(smem_addr(&rows_bar), 0));
+  if (rank != 0) return;
+  mbarrier_wait_parity_cluster(smem_addr(&rows_bar), 0);
+#else
   if (b < T) {
     const int n = n0 + r;
     const u16 v = f32_to_bf16(tile_sum<QF_QUAD>(red, r, b) * wt.sum_scale((n >= split1) + (n >= split2)));
@@ -246,6 +278,7 @@ __device__ __forceinline__ void qkv_heads_body(u16* q_out, kv_t* k_cache, kv_t* 
   cluster_arrive_release();
   cluster_wait_acquire();
   if (rank != 0) return;
+#endif
 
   // CTA 0: the head's rows, qk_norm_rope_kv_cta's warp each
   for (int bt = warp; bt < T; bt += QF_QUAD)

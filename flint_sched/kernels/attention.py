@@ -221,6 +221,10 @@ QKV_FUSED_NVFP4_SLOTS = True
 # head's rows met in CTA 0's shared memory; no grid-wide counter, no residency needed) or the grid of
 # resident CTAs with a counter before the per-head work (qkv_fused_*). An A/B until measured.
 QKV_FUSED_HEADS = True
+# The cluster kind's tiles reach CTA 0 by st.async, counted on CTA 0's mbarrier, instead of DSMEM
+# stores and a second cluster barrier (whose release is a MEMBAR.GPU in every CTA; cuda/qkv_fused.cu
+# QH_ST_ASYNC): the same rows. An A/B until measured.
+QKV_HEADS_ST_ASYNC = False
 QKV_HEADS_THREADS = 128
 QKV_HEADS_CTAS = 8            # cuda/qkv_fused.cu QH_CTAS: a head's 128 rows, 16 a CTA
 
@@ -302,7 +306,8 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
             I32(k)]
     kind = "heads" if QKV_FUSED_HEADS else "fused"
     name = f"qkv_{kind}_nvfp4" if slots else f"qkv_{kind}_direct_{fmt}"
-    kernel = _kernel("qkv_fused.cu", name, kv_defines(k_pool) + (("QF_MIN_CTAS", QKV_FUSED_CTAS),))
+    kernel = _kernel("qkv_fused.cu", name, kv_defines(k_pool) + (("QF_MIN_CTAS", QKV_FUSED_CTAS),
+                                                                 ("QH_ST_ASYNC", int(QKV_HEADS_ST_ASYNC))))
     if QKV_FUSED_HEADS:     # a cluster a head; _resident sets the carveout (shared memory first: 3 CTAs a SM)
         _resident(kernel, QKV_HEADS_THREADS, size, dev.index)
         kernel.launch((n // 16,), (QKV_HEADS_THREADS,), [q_out, k_pool, v_pool, qkv, x, norm_weight, F32(eps), *tail],

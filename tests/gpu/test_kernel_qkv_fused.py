@@ -43,15 +43,18 @@ def weights(request):
                 k_norm=(1 + 0.3 * torch.randn(128, device="cuda", generator=gn)).bfloat16())
 
 
-@pytest.fixture(params=["slots-heads", "direct-heads", "slots-grid", "direct-grid"])
+@pytest.fixture(params=["slots-heads", "direct-heads", "slots-heads_st", "direct-heads_st", "slots-grid",
+                        "direct-grid"])
 def layer(request, weights, monkeypatch):
     """NVFP4 tiles through shared-memory slots or read from global memory (BF16: read), by a cluster a
-    head (QKV_FUSED_HEADS) or by a grid of resident CTAs on a counter."""
+    head (QKV_FUSED_HEADS; heads_st: the rows to CTA 0 by st.async, QKV_HEADS_ST_ASYNC) or by a grid of
+    resident CTAs on a counter."""
     path, kind = request.param.split("-")
     if weights["fmt"] == "bf16" and path == "slots":
         pytest.skip("a BF16 q/k/v weight is read from global memory only")
     monkeypatch.setattr(attention, "QKV_FUSED_NVFP4_SLOTS", path == "slots")
-    monkeypatch.setattr(attention, "QKV_FUSED_HEADS", kind == "heads")
+    monkeypatch.setattr(attention, "QKV_FUSED_HEADS", kind != "grid")
+    monkeypatch.setattr(attention, "QKV_HEADS_ST_ASYNC", kind == "heads_st")
     return weights
 
 
