@@ -63,7 +63,7 @@ __device__ __forceinline__ void load_gate_up(u32 slot, const SlotShape& shape, c
 
 // What the routing leaves for the experts, in static shared memory.
 struct MfLists {
-  u64 bars[MF_BARS];
+  u64 bars[MF_BARS + RC_ST_ASYNC];  // RC_ST_ASYNC: the last counts the router's scores (router_scores_bar)
   float red[MF_WARPS * 4 * 32];  // the router's partial sums, then gate/up's
   int route_ids[MOE_MAX_PAIRS];
   float route_weights[MOE_MAX_PAIRS];
@@ -112,6 +112,7 @@ __device__ __forceinline__ void moe_fused_body(u16* y, u16* h, const u16* x, con
   Wt::init_shared(sh);
   if (threadIdx.x == 0) {
     for (int i = 0; i < MF_BARS; ++i) mbarrier_init(bar(i), 1);
+    router_scores_bar(bar(MF_BARS), true, T, E);
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -132,7 +133,7 @@ __device__ __forceinline__ void moe_fused_body(u16* y, u16* h, const u16* x, con
   // 1. route: the normed rows in x's place, every CTA of the cluster given all the scores
   pdl_wait();
   router_stage_x<true, false>(s, x, wv, nullptr, rank, T, H, eps);
-  router_scores(s, l.red, bar(0), T, E, H, 0, RC_CTAS - 1);
+  router_scores(s, l.red, bar(0), T, E, H, 0, RC_CTAS - 1, bar(MF_BARS));
   for (int tok = warp; tok < T; tok += MF_WARPS)
     router_select(l.route_ids + tok * A, l.route_weights + tok * A, s.scores + tok * E, s.bias, E, A, scaling);
   __syncthreads();

@@ -88,6 +88,12 @@ router_topk(int* ids, float* weights, const u16* x, const u16* gate, const float
 // ---- cluster router ------------------------------------------------------------------------------
 
 #define RC_CTAS 8       // kernels/moe.py CLUSTER_CTAS: one cluster, portable size
+// RC_ST_ASYNC (kernels/moe.py ROUTER_ST_ASYNC): the scores reach the CTAs that select by st.async,
+// counted in bytes on each one's own mbarrier (router_scores_bar), instead of DSMEM stores and a
+// second cluster barrier (whose release costs every CTA a MEMBAR.GPU); the others leave at once.
+#ifndef RC_ST_ASYNC
+#define RC_ST_ASYNC 0
+#endif
 #define RC_WARPS 8
 #define RC_MAX_TILES 2  // 16-row tiles per CTA: E <= RC_CTAS * 32
 
@@ -146,12 +152,22 @@ __device__ __forceinline__ void router_stage_x(const RouterSmem& s, const u16* x
   if constexpr (NORM) norm_rows_shared<WRITE>(s.x, s.pitch, wv, normed, rank, RC_CTAS, T, K, eps);
 }
 
+// RC_ST_ASYNC, thread 0 before its fence_mbarrier_init and the cluster's first arrive: the barrier
+// on which a CTA that receives the scores counts their T x E x 4 bytes.
+__device__ __forceinline__ void router_scores_bar(u32 scores_bar, bool receives, int T, int E) {
+  if (RC_ST_ASYNC && receives) {
+    mbarrier_init(scores_bar, 1);
+    mbarrier_arrive_expect_tx(scores_bar, (u32)(T * E * 4));
+  }
+}
+
 // Every thread: this CTA's logits on tensor cores (D[16 rows][8 tokens] += W . x^T, once the gate
 // rows have landed on `bar`), their sigmoid into the scores of cluster CTAs first_rank..last_rank
 // (distributed shared memory). Called after a cluster_arrive_relaxed of this CTA (every CTA has
-// started before any writes); returns once every CTA's scores are in place.
+// started before any writes); returns once every CTA's scores are in place in those CTAs (RC_ST_ASYNC:
+// in this CTA, if it is one of them; scores_bar as router_scores_bar made it).
 __device__ __forceinline__ void router_scores(const RouterSmem& s, float* red, u32 bar, int T, int E, int K,
-                                              u32 first_rank, u32 last_rank) {
+                                              u32 first_rank, u32 last_rank, u32 scores_bar = 0u) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   mbarrier_wait_parity(bar, 0);
   // Warp -> (tile, k range)
@@ -183,10 +199,21 @@ __device__ __forceinline__ void router_scores(const RouterSmem& s, float* red, u
     for (int w = first; w < first + warps_per_tile; ++w) logit += red[(w * 4 + i) * 32 + src_lane];
     const float score = 1.0f / (1.0f + expf(-logit));
     const u32 at = smem_addr(s.scores + b * E + s.e0 + r);
-    for (u32 q = first_rank; q <= last_rank; ++q) st_cluster_f32(cluster_map(at, q), score);
+    for (u32 q = first_rank; q <= last_rank; ++q) {
+#if RC_ST_ASYNC
+      st_async_u32(cluster_map(at, q), __float_as_uint(score), cluster_map(scores_bar, q));
+#else
+      st_cluster_f32(cluster_map(at, q), score);
+#endif
+    }
   }
+#if RC_ST_ASYNC
+  const u32 rank = cluster_ctarank();
+  if (rank >= first_rank && rank <= last_rank) mbarrier_wait_parity_cluster(scores_bar, 0);
+#else
   cluster_arrive_release();
   cluster_wait_acquire();
+#endif
 }
 
 // NORM: x is the residual stream h; the router reads rms_norm(h, norm_weight), which it also
@@ -198,14 +225,23 @@ __device__ __forceinline__ void router_cluster(int* ids, float* weights, const u
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ u64 bar;
   __shared__ float red[RC_WARPS * 4 * 32];
+#if RC_ST_ASYNC
+  __shared__ u64 scores_bar;
+#endif
   pdl_launch_dependents();
   const u32 rank = cluster_ctarank();
   const RouterSmem s = router_smem(smem, rank, T, E, K);
 
   // Before the wait: this CTA's gate rows, CTA 0 also the bias.
   const u32 bar_addr = smem_addr(&bar);
+#if RC_ST_ASYNC
+  const u32 scores_addr = smem_addr(&scores_bar);
+#else
+  const u32 scores_addr = 0u;
+#endif
   if (threadIdx.x == 0) {
     mbarrier_init(bar_addr, 1);
+    router_scores_bar(scores_addr, rank == 0, T, E);
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -218,7 +254,7 @@ __device__ __forceinline__ void router_cluster(int* ids, float* weights, const u
 
   pdl_wait();
   router_stage_x<NORM>(s, x, wv, normed, rank, T, K, eps);
-  router_scores(s, red, bar_addr, T, E, K, 0, 0);
+  router_scores(s, red, bar_addr, T, E, K, 0, 0, scores_addr);
   if (rank != 0) return;
   for (int tok = threadIdx.x >> 5; tok < T; tok += RC_WARPS)
     router_select(ids + tok * A, weights + tok * A, s.scores + tok * E, s.bias, E, A, scaling);

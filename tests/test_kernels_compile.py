@@ -67,7 +67,8 @@ def test_resource_usage_reports_registers_and_spills():
 @pytest.mark.parametrize("source,defines", [
     ("moe_routing.cu", {"ROUTER_MAX_EXPERTS": 256}), ("moe_routing.cu", {"ROUTER_MAX_EXPERTS": 1024}),
     ("moe_routing.cu", {"ROUTER_MAX_EXPERTS": 1024, "MASK_TOKENS": 0}), ("rmsnorm.cu", {}), ("argmax.cu", {}),
-    ("embedding.cu", {}), ("gemv_chain.cu", {"GEMV_WARPS": 16, "X_BATCH": 0})])
+    ("embedding.cu", {}), ("gemv_chain.cu", {"GEMV_WARPS": 16, "X_BATCH": 0}),
+    ("router.cu", {"ROUTER_MAX_EXPERTS": 256}), ("router.cu", {"ROUTER_MAX_EXPERTS": 256, "RC_ST_ASYNC": 1})])
 def test_small_kernels_do_not_spill(source, defines):
     """The routing (split-K logit parts held at once for 256 experts, one part at a time for 1024),
     norms, argmax / sampling and embedding builds keep everything in registers."""
@@ -214,13 +215,15 @@ def test_the_argmax_workspace_holds_every_split_count(waves, monkeypatch):
         assert b * splits + 1 <= size and splits * chunk >= vocab and chunk % 8 == 0
 
 
+@pytest.mark.parametrize("st_async", [0, 1])
 @pytest.mark.parametrize("warps", [4, 8])
-def test_the_one_launch_moe_fits_a_cta_of_shared_memory_without_spills(warps):
-    """moe_fused's kernels (cuda/moe_fused.cu: NVFP4 through slots, NVFP4 and BF16 direct) hold
-    everything in registers, and their static shared memory plus kernels/moe.py fused_moe_bytes for
-    Flint's MoE at 1-8 rows fit the 227 KiB a CTA may have (the budget FUSED_MAX_SHARED assumes)."""
+def test_the_one_launch_moe_fits_a_cta_of_shared_memory_without_spills(warps, st_async):
+    """moe_fused's kernels (cuda/moe_fused.cu: NVFP4 through slots, NVFP4 and BF16 direct; the
+    router's scores by DSMEM stores or st.async) hold everything in registers, and their static shared
+    memory plus kernels/moe.py fused_moe_bytes for Flint's MoE at 1-8 rows fit the 227 KiB a CTA may
+    have (the budget FUSED_MAX_SHARED assumes)."""
     from flint_sched.kernels.moe import FUSED_MAX_SHARED, fused_moe_bytes
-    usage = _runtime.resource_usage("moe_fused.cu", {"MOE_GATE_UP_WARPS": warps})
+    usage = _runtime.resource_usage("moe_fused.cu", {"MOE_GATE_UP_WARPS": warps, "RC_ST_ASYNC": st_async})
     for name, slots in (("moe_fused_nvfp4", True), ("moe_fused_direct_nvfp4", False), ("moe_fused_direct_bf16", False)):
         assert usage[name].spill_store_bytes == usage[name].spill_load_bytes == 0, (name, usage[name])
         assert 0 < usage[name].shared_bytes <= 227 * 1024 - FUSED_MAX_SHARED

@@ -33,6 +33,10 @@ CLUSTER_MAX_SHARED = 200 * 1024    # its dynamic shared memory at most (the H200
 # (an A/B switch for benchmarks/ab_decode.py: the cluster launch left the GPU idle around it when it
 # also sorted, at 9-16 rows, RESULTS.md session 14; here it won at batch 1 and 8 in session 3).
 CLUSTER_ROUTER = True
+# The cluster router's scores (and moe_fused's) reach the CTAs that select by st.async, counted on
+# their own mbarriers, instead of DSMEM stores and a second cluster barrier, whose release costs every
+# CTA a MEMBAR.GPU (cuda/router.cu RC_ST_ASYNC): the same scores. An A/B until measured.
+ROUTER_ST_ASYNC = False
 # Warps of a moe_down CTA (cuda/moe.cu MOE_DOWN_WARPS; one CTA per 16 outputs). 16 warps take
 # ~48 K registers, so a down CTA can only start on an SM once gate/up's CTAs leave it; 8 or 4 would
 # fit beside them, but lose: NVFP4 at 1K, ms a step at 1 / 4 / 6 requests, 16 warps 2.01 / 3.02 /
@@ -108,7 +112,7 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
             if normed.data_ptr() == x.data_ptr():
                 raise ValueError("normed must not be x: every CTA reads all of x while the others write")
             name, args = "router_topk_cluster_norm", args + [norm_weight, normed, F32(norm_eps)]
-        _kernel("router.cu", name, (("ROUTER_MAX_EXPERTS", 256),)).launch(
+        _kernel("router.cu", name, (("ROUTER_MAX_EXPERTS", 256), ("RC_ST_ASYNC", int(ROUTER_ST_ASYNC)))).launch(
             (CLUSTER_CTAS,), (ROUTER_THREADS,), args, shared_bytes=shared, pdl=pdl, device=x.device.index)
         return ids, weights
     if norm_weight is not None:
@@ -316,6 +320,7 @@ def moe_fused(x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, route
         weights = _out(weights, "weights", torch.float32, (t, top_k), x)
     name = "moe_fused_nvfp4" if slots else f"moe_fused_direct_{fmt}"
     kernel = _kernel("moe_fused.cu", name, (("MOE_GATE_UP_WARPS", gate_up_warps(fmt, t)),
+                                            ("RC_ST_ASYNC", int(ROUTER_ST_ASYNC)),
                                             ("MF_DOWN_EARLY", FUSED_DOWN_EARLY), ("MF_PREFETCH", FUSED_PREFETCH)))
     device = x.device.index
     clusters = _fused_clusters(kernel, size, device)

@@ -119,11 +119,21 @@ def check_router(x, gate, bias, top_k, ids, weights, what):
         assert len(got) == top_k, f"{what}: token {b} chose duplicate experts {ids[b].tolist()}"
 
 
+@pytest.fixture(params=[False, True], ids=["dsmem", "st_async"])
+def router_st_async(request, monkeypatch):
+    """The cluster router's scores to CTA 0 by DSMEM stores and a cluster barrier, or by st.async
+    counted on CTA 0's mbarrier (kernels/moe.py ROUTER_ST_ASYNC)."""
+    monkeypatch.setattr(moe_kernels, "ROUTER_ST_ASYNC", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("cluster", [True, False], ids=["cluster", "ticket"])
 @pytest.mark.parametrize("shape", [REAL, TINY, ODD], ids=["real", "tiny", "odd"])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_router_matches_reference(tokens, shape, cluster):
+def test_router_matches_reference(tokens, shape, cluster, router_st_async):
     """Both router kernels: the one-cluster one (gate in shared memory) and the ticket one."""
+    if router_st_async and not cluster:
+        pytest.skip("st.async is the cluster router's")
     e, k = shape["experts"], shape["hidden"]
     g = gen(tokens)
     x = torch.randn(tokens, k, device="cuda", generator=g).bfloat16()
@@ -141,7 +151,7 @@ def test_router_matches_reference(tokens, shape, cluster):
 
 @pytest.mark.parametrize("shape", [REAL, TINY, ODD], ids=["real", "tiny", "odd"])
 @pytest.mark.parametrize("tokens", [1, 2, 5, 8])
-def test_router_that_normalizes_matches_the_norm_then_the_router(tokens, shape):
+def test_router_that_normalizes_matches_the_norm_then_the_router(tokens, shape, router_st_async):
     """route(h, ..., norm_weight=): the norm before the MoE inside the cluster router. Its normed rows
     are the norm kernel's bit for bit, and so are the ids and weights of routing those rows."""
     e, k = shape["experts"], shape["hidden"]

@@ -101,6 +101,30 @@ def test_one_launch_is_the_three_launches_bit_for_bit(layer, tokens, shared):
         assert counters.tolist() == [0, 0], "the last CTA through leaves the counters zero"
 
 
+@pytest.mark.parametrize("tokens,clusters", [(1, None), (8, None), (3, 1)])
+def test_the_scores_by_st_async_change_nothing(layer, tokens, clusters, monkeypatch):
+    """kernels/moe.py ROUTER_ST_ASYNC: every CTA of a cluster gets the router's scores by st.async,
+    counted on its own mbarrier, instead of DSMEM stores and a cluster barrier: the same bits, on the
+    whole grid and on one cluster, repeated (PDL) and in a graph."""
+    shape, p = layer
+    if clusters is not None:
+        monkeypatch.setattr(moe_kernels, "_fused_clusters", lambda kernel, size, device: clusters)
+    x = rows(tokens, shape["hidden"], seed=40 + tokens)
+    counters = grid_counters("cuda")
+    monkeypatch.setattr(moe_kernels, "ROUTER_ST_ASYNC", False)
+    want = three_launches(x, shape, p, True)
+    monkeypatch.setattr(moe_kernels, "ROUTER_ST_ASYNC", True)
+    for launch in range(2):
+        check_same(one_launch(x, shape, p, True, counters, pdl=launch > 0), want, True, f"T={tokens} st.async")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = one_launch(x, shape, p, True, counters, pdl=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    check_same(out, want, True, f"T={tokens} st.async, graph")
+    assert counters.tolist() == [0, 0]
+
+
 @pytest.mark.parametrize("down_early", [1, 0], ids=["down-early", "down-late"])
 @pytest.mark.parametrize("clusters", [1, 2, 3])
 @pytest.mark.parametrize("tokens,same", [(1, False), (6, False), (8, True)], ids=["1", "6", "8-same-rows"])
