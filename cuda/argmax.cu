@@ -114,12 +114,11 @@ __device__ __forceinline__ void argmax_rows(void* out, int out_int64, const void
   if (threadIdx.x == 0) {
     for (int w = 1; w < ARGMAX_THREADS / 32; ++w) best = u64_max(best, warp_best[w]);
     partial[(size_t)row * splits + split] = best;
-    __threadfence();
-    is_last = atomicAdd(ticket, 1u) == (u32)(splits * B - 1);
+    is_last = ticket_arrive(ticket) == (u32)(splits * B - 1);
   }
   __syncthreads();
   if (!is_last) return;
-  __threadfence();
+  ticket_acquire();
   for (int r = warp; r < B; r += ARGMAX_THREADS / 32) {
     u64 m = 0;
     for (int s = lane; s < splits; s += 32) m = u64_max(m, ld_cg_u64(partial + (size_t)r * splits + s));

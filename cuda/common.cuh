@@ -196,6 +196,32 @@ __device__ __forceinline__ void pdl_wait() { step_wait(); }
 __device__ __forceinline__ void pdl_wait() { griddep_wait(); }
 #endif
 
+// "The last CTA finishes" tickets and grid counters: one thread counts its CTA in, after a barrier
+// that follows the CTA's stores the others will read (so they are its stores too, for the ordering).
+// TICKET_ACQ_REL (a define: kernels/tickets.py): one atomic with release (those stores before the
+// count) and acquire (the others' stores before this thread's later reads, and through the next
+// barrier its CTA's), as cutlass's semaphores order theirs; 0: __threadfence() (fence.sc.gpu) before
+// a relaxed atomicAdd, and ticket_acquire's second one after it. Returns the count before.
+#ifndef TICKET_ACQ_REL
+#define TICKET_ACQ_REL 0
+#endif
+__device__ __forceinline__ u32 ticket_arrive(u32* ticket) {
+#if TICKET_ACQ_REL
+  u32 before;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(ticket) : "memory");
+  return before;
+#else
+  __threadfence();
+  return atomicAdd(ticket, 1u);
+#endif
+}
+// After ticket_arrive (or a counter's acquire load): before reading what the other CTAs stored.
+__device__ __forceinline__ void ticket_acquire() {
+#if !TICKET_ACQ_REL
+  __threadfence();
+#endif
+}
+
 // A counter another CTA bumps (after __threadfence() and atomicAdd): this load is ordered before
 // the thread's later loads (gpu scope), so what the other CTA wrote before its bump is seen.
 __device__ __forceinline__ int ld_acquire_gpu(const int* p) {

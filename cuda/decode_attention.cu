@@ -283,11 +283,10 @@ __device__ __forceinline__ void merge_partials(const float* first, int count, in
 __device__ __forceinline__ bool take_ticket(u32* ticket, int arrivals, int* flag) {
   ATTN_SYNC();
   if (threadIdx.x == 0) {
-    __threadfence();
-    const bool last = atomicAdd(ticket, 1u) == (u32)(arrivals - 1);
+    const bool last = ticket_arrive(ticket) == (u32)(arrivals - 1);
     if (last) {
       *ticket = 0u;
-      __threadfence();
+      ticket_acquire();
     }
     *flag = last;
   }

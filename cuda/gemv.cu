@@ -75,12 +75,11 @@ __device__ __forceinline__ void pick_tokens(const u64 (&cand)[GEMV_GROUPS], int 
     const int b = grp * 8 + lane;
     if (lane < 8 && b < B && c != 0ull) atomicMax(pick.best + b, c);
   }
-  __threadfence();
   asm volatile("bar.sync 1, 128;" ::: "memory");
-  if (threadIdx.x == 0) is_last = atomicAdd(pick.ticket, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) is_last = ticket_arrive(pick.ticket) == gridDim.x - 1;
   asm volatile("bar.sync 1, 128;" ::: "memory");
   if (!is_last) return;
-  __threadfence();
+  ticket_acquire();
   if (threadIdx.x < B) {
     const u64 m = atomicExch(pick.best + threadIdx.x, 0ull);
     const u32 index = 0xFFFFFFFFu - (u32)(m & 0xFFFFFFFFu);

@@ -161,8 +161,7 @@ __device__ __forceinline__ void global_partial(float (&acc)[4], const typename W
 // returns once all C CTAs of the grid have arrived (every CTA must be resident: the host sizes the
 // grid from the occupancy); the last one to leave zeroes both counters for the next launch.
 __device__ __forceinline__ void grid_barrier(int* counters, int C) {
-  __threadfence();
-  atomicAdd(counters, 1);
+  ticket_arrive(reinterpret_cast<u32*>(counters));
   u64 start = 0;
   for (u32 spins = 1; ld_acquire_gpu(counters) < C; ++spins) {
     if (spins % 4096 == 0) {  // a CTA that never came (the grid not resident): an error, not a hang
@@ -172,7 +171,7 @@ __device__ __forceinline__ void grid_barrier(int* counters, int C) {
       if (now - start > 10000000000ull) __trap();
     }
   }
-  __threadfence();
+  ticket_acquire();
   if (atomicAdd(counters + 1, 1) == C - 1) {
     counters[0] = 0;
     counters[1] = 0;

@@ -258,3 +258,18 @@ def test_the_one_launch_attention_front_fits_and_does_not_spill():
                 dynamic = qkv_fused_bytes(tokens, 5120, 2048, slots, heads=True)
                 assert dynamic is not None and 3 * (dynamic + usage[name].shared_bytes + 1024) <= 228 * 1024
     assert qkv_fused_bytes(9, 5120, 2048) is None and qkv_fused_bytes(1, 5120, 2000) is None
+
+
+@pytest.mark.parametrize("source,defines", [
+    ("decode_attention.cu", {"ATTN_MIN_SPLIT_KEYS": 64}), ("decode_attention.cu", {"ATTN_MIN_SPLIT_KEYS": 64, "KV_FP8": 1}),
+    ("argmax.cu", {}), ("gemv.cu", {"GEMV_WARPS": 8, "X_BATCH": 1}), ("gemv.cu", {"GEMV_WARPS": 4, "X_BATCH": 0}),
+    ("moe_fused.cu", {"MOE_GATE_UP_WARPS": 4}), ("qkv_fused.cu", {})])
+def test_acq_rel_tickets_cost_no_registers(source, defines):
+    """kernels/tickets.py ACQ_REL: the kernels that take tickets or grid counters build without spills
+    and with at most the registers of their fence.sc builds (decode attention's 3 CTAs a SM hold)."""
+    sc = _runtime.resource_usage(source, {**defines, "TICKET_ACQ_REL": 0})
+    acq_rel = _runtime.resource_usage(source, {**defines, "TICKET_ACQ_REL": 1})
+    assert set(sc) == set(acq_rel)
+    for name, usage in acq_rel.items():
+        assert usage.spill_store_bytes <= sc[name].spill_store_bytes, (name, usage, sc[name])
+        assert usage.registers <= max(sc[name].registers, 8 * -(-sc[name].registers // 8)), (name, usage, sc[name])

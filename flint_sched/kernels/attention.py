@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flint_sched.kernels import tickets
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.hardware import sm_count
 from flint_sched.kernels.linear import (check_activations, check_row_splits, check_tensor, output, weight_args,
@@ -307,7 +308,8 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
     kind = "heads" if QKV_FUSED_HEADS else "fused"
     name = f"qkv_{kind}_nvfp4" if slots else f"qkv_{kind}_direct_{fmt}"
     kernel = _kernel("qkv_fused.cu", name, kv_defines(k_pool) + (("QF_MIN_CTAS", QKV_FUSED_CTAS),
-                                                                 ("QH_ST_ASYNC", int(QKV_HEADS_ST_ASYNC))))
+                                                                 ("QH_ST_ASYNC", int(QKV_HEADS_ST_ASYNC)),
+                                                                 *tickets.defines()))
     if QKV_FUSED_HEADS:     # a cluster a head; _resident sets the carveout (shared memory first: 3 CTAs a SM)
         _resident(kernel, QKV_HEADS_THREADS, size, dev.index)
         kernel.launch((n // 16,), (QKV_HEADS_THREADS,), [q_out, k_pool, v_pool, qkv, x, norm_weight, F32(eps), *tail],
@@ -441,7 +443,7 @@ def _attention(q, k_pool, v_pool, block_tables, table_stride, ring_slots, window
     fp8 = k_pool.dtype == torch.float8_e4m3fn
     stages = (("ATTN_STAGES", FP8_STAGES),) if fp8 else ()
     cp_async = (("ATTN_CP_ASYNC", 1),) if k_pool.dtype in CP_ASYNC_DTYPES else ()
-    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *cp_async, *kv_defines(k_pool), *stages)
+    defines = (("ATTN_MIN_SPLIT_KEYS", MIN_SPLIT_KEYS), *cp_async, *kv_defines(k_pool), *stages, *tickets.defines())
     attend = [k_pool, v_pool, block_tables, I32(table_stride), ring_slots, I32(k_pool.shape[1]), I32(window),
               seq_lens, I32(one_below), sinks, I32(sinks.dtype == torch.bfloat16), F32(scale * LOG2E), workspace,
               workspace[TICKET_SLOTS:]]

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from flint_sched.kernels import tickets
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.hardware import sm_count
 from flint_sched.quant.nvfp4 import NVFP4Tensor
@@ -50,8 +51,9 @@ def x_batch(fmt: str) -> int:
 
 
 @functools.cache
-def _kernel(name: str, warps: int, batch_x: int, groups: int = 1) -> Kernel:
-    return compile_kernel("gemv.cu", name, {"GEMV_WARPS": warps, "X_BATCH": batch_x, "GEMV_GROUPS": groups})
+def _kernel(name: str, warps: int, batch_x: int, groups: int = 1, extra: tuple = ()) -> Kernel:
+    return compile_kernel("gemv.cu", name, {"GEMV_WARPS": warps, "X_BATCH": batch_x, "GEMV_GROUPS": groups,
+                                            **dict(extra)})
 
 
 def groups(tokens: int) -> int:
@@ -237,9 +239,11 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     name = "gemv_bf16_f32" if f32 else f"gemv_{fmt}"
     if norm_weight is not None:
         name, args = name + "_norm", [*args, norm_weight, F32(norm_eps)]
+    extra = ()
     if pick:
         name, args = name + "_argmax", [y, x, *w_args, I32(b), I32(n), I32(k), *pick]
-    _kernel(name, warps, x_batch(fmt), num_groups).launch((tiles,), (32 * warps,), args, pdl=pdl,
+        extra = tickets.defines()
+    _kernel(name, warps, x_batch(fmt), num_groups, extra).launch((tiles,), (32 * warps,), args, pdl=pdl,
                                                           device=x.device.index)
     return y
 

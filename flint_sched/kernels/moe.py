@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from flint_sched.kernels import tickets
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.linear import (MAX_TOKENS, Weight, cdiv, check_activations, check_tensor, output,
                                         weight_args, weight_format, x_batch)
@@ -321,7 +322,8 @@ def moe_fused(x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, route
     name = "moe_fused_nvfp4" if slots else f"moe_fused_direct_{fmt}"
     kernel = _kernel("moe_fused.cu", name, (("MOE_GATE_UP_WARPS", gate_up_warps(fmt, t)),
                                             ("RC_ST_ASYNC", int(ROUTER_ST_ASYNC)),
-                                            ("MF_DOWN_EARLY", FUSED_DOWN_EARLY), ("MF_PREFETCH", FUSED_PREFETCH)))
+                                            ("MF_DOWN_EARLY", FUSED_DOWN_EARLY), ("MF_PREFETCH", FUSED_PREFETCH),
+                                            *tickets.defines()))
     device = x.device.index
     clusters = _fused_clusters(kernel, size, device)
     kernel.launch((clusters * CLUSTER_CTAS,), (FUSED_THREADS,),

@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from flint_sched.kernels import tickets
 from flint_sched.kernels._runtime import I32, I64, Kernel, compile_kernel
 from flint_sched.kernels.hardware import sm_count
 from flint_sched.kernels.linear import check_tensor
@@ -24,8 +25,8 @@ MIN_CHUNK = 2048           # logits per CTA at least (one pass of 256 threads x 
 
 
 @functools.cache
-def _kernel(name: str) -> Kernel:
-    return compile_kernel("argmax.cu", name)
+def _kernel(name: str, defines: tuple = ()) -> Kernel:
+    return compile_kernel("argmax.cu", name, dict(defines))
 
 
 def argmax_splits(batch: int, vocab: int) -> tuple[int, int]:
@@ -107,7 +108,7 @@ def _scan(kind: str, logits, out, out_dtype, workspace, pdl, extra) -> torch.Ten
     esize = logits.element_size()
     vec_ok = logits.data_ptr() % 16 == 0 and (logits.stride(0) * esize) % 16 == 0
     name = f"{kind}_bf16" if logits.dtype == torch.bfloat16 else f"{kind}_f32"
-    _kernel(name).launch(
+    _kernel(name, tickets.defines()).launch(
         (splits, b), (THREADS,),
         [out, I32(out.dtype == torch.int64), logits, I64(logits.stride(0)), I32(v), I32(chunk), I32(vec_ok),
          workspace, workspace[workspace.numel() - 1:], *extra],

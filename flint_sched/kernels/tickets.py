@@ -1,0 +1,20 @@
+"""How the kernels' "last CTA finishes" tickets and grid-wide counters order memory (cuda/common.cuh
+ticket_arrive / ticket_acquire): the decode attention's split merge, the argmax, the LM head's own
+argmax and the one-launch blocks' grid counters.
+
+ACQ_REL False: the counting thread runs __threadfence() (fence.sc.gpu, MEMBAR.SC.GPU) before a
+relaxed atomicAdd, and the last CTA a second one before it reads. True: one atomic with release and
+acquire semantics (MEMBAR.ALL.GPU before it, no fence after), the order cutlass's semaphores use.
+The same values either way; an A/B until measured (benchmarks/ab_decode.py
+`flint_sched.kernels.tickets.ACQ_REL=True`). Launchers read it at each launch (`defines`), so a
+variant compiles its own kernels.
+"""
+
+from __future__ import annotations
+
+ACQ_REL = False
+
+
+def defines() -> tuple[tuple[str, int], ...]:
+    """The compile define of the kernels that take tickets."""
+    return (("TICKET_ACQ_REL", int(ACQ_REL)),)

@@ -1,0 +1,121 @@
+"""kernels/tickets.py ACQ_REL: the "last CTA finishes" tickets and grid counters ordered by one
+acquire-release atomic instead of fence.sc.gpu on each side. The values do not depend on it, so each
+kernel that takes tickets must give the same bits both ways, launched again and again (the tickets
+and counters reset themselves) and under PDL: decode attention (one and two merge levels, padding
+requests), greedy argmax, the LM head's own argmax, and the one-launch blocks' grid counters."""
+
+import importlib
+
+import pytest
+import torch
+
+from flint_sched.kernels import tickets
+from flint_sched.kernels.attention import (TICKET_SLOTS, attention_workspace, decode_attention_full,
+                                           decode_attention_sliding)
+from flint_sched.kernels.linear import linear
+from flint_sched.kernels.moe import moe_fused
+from flint_sched.kernels.sampling import greedy, pick_workspace
+from flint_sched.kernels.smem_tiles import grid_counters
+from gpu_checks import gen
+from moe_checks import make_moe
+
+moe_kernels = importlib.import_module("flint_sched.kernels.moe")
+
+pytestmark = pytest.mark.gpu
+
+G, H, D, BLOCK = 4, 32, 128, 16
+
+
+def both_ways(monkeypatch, run):
+    """run() with fence.sc tickets, then three times with acquire-release ones: all equal."""
+    monkeypatch.setattr(tickets, "ACQ_REL", False)
+    want = run()
+    monkeypatch.setattr(tickets, "ACQ_REL", True)
+    for _ in range(3):
+        got = run()
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("lens,num_splits", [([1000], None), ([100_000], None), ([0, 513, 4097, 3], None),
+                                             ([700, 4097], 128)], ids=["1k", "100k-two-levels", "mixed", "forced"])
+def test_decode_attention_full(monkeypatch, lens, num_splits):
+    g = gen(1)
+    blocks_each = -(-max(lens) // BLOCK)
+    pool = len(lens) * blocks_each + 1
+    k = torch.randn(pool, BLOCK, G, D, device="cuda", generator=g).bfloat16()
+    v = torch.randn(pool, BLOCK, G, D, device="cuda", generator=g).bfloat16()
+    tables = torch.randperm(pool, device="cuda", generator=g)[:len(lens) * blocks_each].int().view(len(lens), -1)
+    q = torch.randn(len(lens), H, D, device="cuda", generator=g).bfloat16()
+    sinks = torch.randn(H, device="cuda", generator=g).bfloat16()
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ws = attention_workspace("cuda", max_splits=num_splits)
+
+    def run():
+        out = torch.full_like(q, float("nan"))
+        decode_attention_full(q, k, v, tables, seq_lens, sinks, ws, max(lens), out=out, num_splits=num_splits,
+                              pdl=True)
+        torch.cuda.synchronize()
+        assert int(ws[:TICKET_SLOTS].view(torch.int32).abs().sum()) == 0, "tickets not reset"
+        return [out]
+
+    both_ways(monkeypatch, run)
+
+
+def test_decode_attention_sliding(monkeypatch):
+    g = gen(2)
+    lens = [513, 2000, 1]
+    k = torch.randn(len(lens), 513, G, D, device="cuda", generator=g).bfloat16()
+    v = torch.randn_like(k)
+    q = torch.randn(len(lens), H, D, device="cuda", generator=g).bfloat16()
+    sinks = torch.randn(H, device="cuda", generator=g).bfloat16()
+    slots = torch.arange(len(lens), dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ws = attention_workspace("cuda")
+
+    def run():
+        out = torch.full_like(q, float("nan"))
+        decode_attention_sliding(q, k, v, slots, seq_lens, sinks, ws, out=out, pdl=True)
+        return [out]
+
+    both_ways(monkeypatch, run)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_greedy_and_the_lm_heads_own_argmax(monkeypatch, rows):
+    g = gen(rows)
+    logits = torch.randn(rows, 151552, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(50_000, 256, device="cuda", generator=g) / 16).bfloat16()
+    x = torch.randn(min(rows, 32), 256, device="cuda", generator=g).bfloat16()
+    workspace = pick_workspace(32, "cuda")
+
+    def run():
+        ids = greedy(logits, pdl=True)
+        head_ids = torch.full((x.shape[0],), -1, dtype=torch.int64, device="cuda")
+        y = linear(x, w, pdl=True, argmax_out=head_ids, argmax_workspace=workspace)
+        torch.cuda.synchronize()
+        assert torch.equal(ids.long(), torch.argmax(logits, -1)) and torch.equal(head_ids, torch.argmax(y, -1))
+        assert not workspace.any()
+        return [ids, head_ids, y]
+
+    both_ways(monkeypatch, run)
+
+
+@pytest.mark.parametrize("clusters", [None, 1])
+def test_the_one_launch_moe_grid_counter(monkeypatch, clusters):
+    shape = dict(experts=256, top_k=6, hidden=2048, inter=512)
+    p = make_moe("nvfp4", shape, seed=3)
+    norm = torch.ones(2048, dtype=torch.bfloat16, device="cuda")
+    if clusters is not None:
+        monkeypatch.setattr(moe_kernels, "_fused_clusters", lambda kernel, size, device: clusters)
+    x = (4 * torch.randn(3, 2048, device="cuda", generator=gen(4))).bfloat16()
+    counters = grid_counters("cuda")
+
+    def run():
+        y = moe_fused(x, norm, 1e-5, p["router"], p["bias"], 6, 2.5, p["gate"], p["up"], p["down"], p["shared_gate"],
+                      p["shared_up"], p["shared_down"], counters, residual=x, pdl=True)
+        torch.cuda.synchronize()
+        assert counters.tolist() == [0, 0]
+        return [y]
+
+    both_ways(monkeypatch, run)
