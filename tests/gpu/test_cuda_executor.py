@@ -478,3 +478,24 @@ def test_graph_sampler_calls_ahead_of_the_gpu_keep_their_own_parameters(gumbel, 
     drawn = [sampler(params).clone() for params in (cold, hot, hot, hot, hot, hot, cold, hot)]
     assert drawn[0].tolist() == [7] * 8 and drawn[6].tolist() == [7] * 8
     assert any(t != 7 for t in drawn[1].tolist() + drawn[2].tolist())   # the hot calls did draw
+
+
+@pytest.mark.parametrize("module,flag", [("flint_sched.kernels.moe", "ROUTER_ST_ASYNC"),
+                                         ("flint_sched.kernels.tickets", "ACQ_REL")],
+                         ids=["router_st_async", "acq_rel_tickets"])
+def test_fewer_fences_change_no_logit(ckpt, monkeypatch, module, flag):
+    """The cluster router's scores by st.async (kernels/moe.py ROUTER_ST_ASYNC) and the tickets'
+    acquire-release ordering (kernels/tickets.py ACQ_REL) order the same values otherwise: the
+    engine's logits and tokens bit for bit, graphs and eager, decode and prompt steps."""
+    gen = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (3, 600, 37, 515, 90, 1)]
+    limits = [2, 7, 3, 6, 4, 5]
+    target = importlib.import_module(module)
+    monkeypatch.setattr(target, flag, False)
+    want, out_want, _ = run(ckpt, prompts, limits, seqs=6, budget=4096)
+    monkeypatch.setattr(target, flag, True)
+    for graphs in (True, False):
+        got, out_got, _ = run(ckpt, prompts, limits, seqs=6, budget=4096, use_graphs=graphs)
+        assert out_got == out_want
+        for (r1, p1, a), (r2, p2, b) in zip(want, got, strict=True):
+            assert (r1, p1) == (r2, p2) and torch.equal(a, b)
