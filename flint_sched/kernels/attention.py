@@ -252,7 +252,7 @@ def qkv_fused_bytes(tokens: int, rows: int, hidden: int, slots: bool = True, hea
 
 def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, row_splits: tuple[int, int],
               q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, positions: torch.Tensor,
-              k_pool: torch.Tensor, v_pool: torch.Tensor, qk_eps: float, counters: torch.Tensor,
+              k_pool: torch.Tensor, v_pool: torch.Tensor, qk_eps: float, counters: torch.Tensor | None,
               block_tables: torch.Tensor | None = None, ring_slots: torch.Tensor | None = None,
               rope_theta: float | None = None, qkv: torch.Tensor | None = None, q_out: torch.Tensor | None = None,
               pdl: bool = False) -> torch.Tensor:
@@ -261,9 +261,10 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
     q/k/v weight [(H + 2G) * 128, K] (NVFP4 or bf16), then `qk_norm_rope_kv_full` (block_tables) or
     `qk_norm_rope_kv_sliding` (ring_slots, rope_theta), which writes the K/V rows too.
 
-    QKV_FUSED_HEADS: a cluster of 8 CTAs a head; else a grid of as many CTAs as the GPU holds at once,
-    waiting on `counters` (kernels/smem_tiles.py `grid_counters`, not shared with a launch that may
-    run beside it), so that no other kernel may hold SMs for good while it runs. qkv: where the q/k/v
+    QKV_FUSED_HEADS: a cluster of 8 CTAs a head (`counters` unused, may be None); else a grid of as
+    many CTAs as the GPU holds at once, waiting on `counters` (kernels/smem_tiles.py `grid_counters`,
+    not shared with a launch that may run beside it), so that no other kernel may hold SMs for good
+    while it runs. qkv: where the q/k/v
     rows go [T, (H + 2G) * 128] (scratch; the cluster kind writes them only when given)."""
     check_activations(x)
     t, k = x.shape
@@ -282,7 +283,8 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
     if slots and w_args[1].data_ptr() % 16:
         raise ValueError("weight.block_scales must start at a 16-byte aligned address (bulk copies)")
     check_tensor(norm_weight, "norm_weight", torch.bfloat16, (k,), dev)
-    check_tensor(counters, "counters", torch.int32, (2,), dev, 4)
+    if counters is not None or not QKV_FUSED_HEADS:     # the grid kind waits on them; a cluster a head does not
+        check_tensor(counters, "counters", torch.int32, (2,), dev, 4)
     if (block_tables is None) == (ring_slots is None):
         raise ValueError("give block_tables (a full layer) or ring_slots and rope_theta (a sliding one)")
     if block_tables is not None:
