@@ -222,7 +222,7 @@ __device__ __forceinline__ void ticket_acquire() {
 #endif
 }
 
-// A counter another CTA bumps (after __threadfence() and atomicAdd): this load is ordered before
+// A counter another CTA bumps after a release (__threadfence() and atomicAdd, or ticket_arrive): this load is ordered before
 // the thread's later loads (gpu scope), so what the other CTA wrote before its bump is seen.
 __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
   int v;

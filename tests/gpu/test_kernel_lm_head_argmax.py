@@ -22,11 +22,12 @@ def activations(b: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(b, k, device="cuda", generator=gen(seed)).bfloat16()
 
 
-def folded(x, w, ids_dtype=torch.int32, workspace=None, active=None, ids=None):
+def folded(x, w, ids_dtype=torch.int32, workspace=None, active=None, ids=None, warps=None):
     b, n = x.shape[0], w.shape[0]
     ids = torch.full((b,), -7, dtype=ids_dtype, device="cuda") if ids is None else ids
     workspace = pick_workspace(32, "cuda") if workspace is None else workspace
-    y = linear(x, w, out=poisoned(b, n), argmax_out=ids, argmax_workspace=workspace, argmax_active=active)
+    y = linear(x, w, out=poisoned(b, n), argmax_out=ids, argmax_workspace=workspace, argmax_active=active,
+               warps=warps)
     return y, ids, workspace
 
 
@@ -39,6 +40,20 @@ def test_the_folded_argmax_is_torch_argmax_of_the_same_logits(fmt, n, k, b):
     assert torch.equal(y, linear(x, w, out=poisoned(b, n)))           # the GEMV's own bits
     assert torch.equal(ids.long(), torch.argmax(y, dim=-1)), f"{fmt} B={b} N={n}"
     assert not workspace.any()                                        # left zeroed for the next launch
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("warps", [4, 8, 16])
+@pytest.mark.parametrize("n,b", [(1000, 1), (37, 9), (1000, 16), (4096, 17)])
+def test_every_warp_count_meets_at_its_barrier(fmt, warps, n, b):
+    """4, 8 and 16 warps a CTA (warps 4 and up leave before the CTA's choice; rows past N stay in it):
+    the same logits and ids as the plain GEMV's and torch.argmax's."""
+    if warps == 16 and b > 16:
+        pytest.skip("16 warps take at most two 8-token groups")
+    w, x = weight(fmt, n, 256, seed=n + warps), activations(b, 256, seed=b + warps)
+    y, ids, workspace = folded(x, w, warps=warps)
+    assert torch.equal(y, linear(x, w, out=poisoned(b, n), warps=warps))
+    assert torch.equal(ids.long(), torch.argmax(y, dim=-1)) and not workspace.any(), f"{fmt} {warps} warps"
 
 
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])

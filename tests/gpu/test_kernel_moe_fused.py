@@ -125,6 +125,21 @@ def test_the_scores_by_st_async_change_nothing(layer, tokens, clusters, monkeypa
     assert counters.tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("st_async", [False, True], ids=["dsmem", "st_async"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_a_cluster_cta_without_experts_still_gets_every_score(fmt, st_async, monkeypatch):
+    """13 experts over a cluster of 8 CTAs of 2 rows: the last holds none and sends no score, but
+    routes too (every CTA waits for all 13 x T scores)."""
+    shape = dict(experts=13, top_k=4, hidden=256, inter=256)
+    p = make_moe(fmt, shape, seed=9)
+    p["norm"] = (1 + 0.2 * torch.randn(256, device="cuda", generator=gen(10))).bfloat16()
+    monkeypatch.setattr(moe_kernels, "ROUTER_ST_ASYNC", st_async)
+    for tokens in (1, 3, 8):
+        x = rows(tokens, 256, seed=50 + tokens)
+        want = three_launches(x, shape, p, True)
+        check_same(one_launch(x, shape, p, True, grid_counters("cuda")), want, True, f"E=13 T={tokens}")
+
+
 @pytest.mark.parametrize("down_early", [1, 0], ids=["down-early", "down-late"])
 @pytest.mark.parametrize("clusters", [1, 2, 3])
 @pytest.mark.parametrize("tokens,same", [(1, False), (6, False), (8, True)], ids=["1", "6", "8-same-rows"])

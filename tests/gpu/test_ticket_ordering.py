@@ -11,8 +11,10 @@ import torch
 
 from flint_sched.kernels import tickets
 from flint_sched.kernels.attention import (TICKET_SLOTS, attention_workspace, decode_attention_full,
-                                           decode_attention_sliding)
+                                           decode_attention_sliding, qkv_fused)
+from flint_sched.kernels.linear import concat_rows
 from flint_sched.kernels.linear import linear
+from flint_sched.quant.nvfp4 import quantize
 from flint_sched.kernels.moe import moe_fused
 from flint_sched.kernels.sampling import greedy, pick_workspace
 from flint_sched.kernels.smem_tiles import grid_counters
@@ -20,6 +22,7 @@ from gpu_checks import gen
 from moe_checks import make_moe
 
 moe_kernels = importlib.import_module("flint_sched.kernels.moe")
+attention = importlib.import_module("flint_sched.kernels.attention")
 
 pytestmark = pytest.mark.gpu
 
@@ -117,5 +120,29 @@ def test_the_one_launch_moe_grid_counter(monkeypatch, clusters):
         torch.cuda.synchronize()
         assert counters.tolist() == [0, 0]
         return [y]
+
+    both_ways(monkeypatch, run)
+
+
+def test_the_grid_kind_of_the_attention_front(monkeypatch):
+    """qkv_fused's grid kind waits on a grid counter (the cluster kind on none)."""
+    monkeypatch.setattr(attention, "QKV_FUSED_HEADS", False)
+    g, k = gen(5), 2048
+    parts = [torch.randn(rows, k, device="cuda", generator=g) / k**0.5 for rows in (H * D, G * D, G * D)]
+    weight, splits = concat_rows([quantize(w) for w in parts])
+    norm = (1 + 0.2 * torch.randn(k, device="cuda", generator=g)).bfloat16()
+    qn, kn = (1 + 0.3 * torch.randn(2, D, device="cuda", generator=g)).bfloat16()
+    x = (4 * torch.randn(3, k, device="cuda", generator=g)).bfloat16()
+    positions = torch.tensor([5, 700, -1], dtype=torch.int32, device="cuda")
+    slots = torch.arange(3, dtype=torch.int32, device="cuda")
+    counters = grid_counters("cuda")
+
+    def run():
+        pools = [torch.zeros(3, 513, G, D, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+        q = qkv_fused(x, norm, 1e-5, weight, splits, qn, kn, positions, *pools, 1e-6, counters, ring_slots=slots,
+                      rope_theta=10000.0, pdl=True)
+        torch.cuda.synchronize()
+        assert counters.tolist() == [0, 0]
+        return [q, *pools]
 
     both_ways(monkeypatch, run)
