@@ -240,10 +240,10 @@ class Kernel:
                f"{self.name}: dynamic shared memory of {shared_bytes} bytes", KernelLaunchError)
         self._dynamic_shared[device] = shared_bytes
 
-    def resident_blocks(self, block_threads: int, shared_bytes: int = 0, device: int | None = None) -> int:
-        """How many CTAs of `block_threads` threads and `shared_bytes` of dynamic shared memory a SM
-        holds at once (the driver's occupancy), the carveout set to favour shared memory: what a
-        kernel whose CTAs wait on each other must know before it launches."""
+    def prefer_shared(self, shared_bytes: int = 0, device: int | None = None):
+        """Loads the kernel, allows `shared_bytes` of dynamic shared memory and sets the carveout in
+        favour of shared memory (so that as many CTAs fit a SM as their shared memory allows);
+        returns the CUfunction."""
         device = torch.cuda.current_device() if device is None else device
         function = self.load(device)
         if shared_bytes:
@@ -252,7 +252,14 @@ class Kernel:
         carveout = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
         _check(driver.cuFuncSetAttribute(function, carveout, 100), f"{self.name}: shared memory carveout",
                KernelLaunchError)
-        return int(_check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, block_threads, shared_bytes),
+        return function
+
+    def resident_blocks(self, block_threads: int, shared_bytes: int = 0, device: int | None = None) -> int:
+        """How many CTAs of `block_threads` threads and `shared_bytes` of dynamic shared memory a SM
+        holds at once (the driver's occupancy), the carveout set to favour shared memory: what a
+        kernel whose CTAs wait on each other must know before it launches."""
+        function = self.prefer_shared(shared_bytes, device)
+        return int(_check(_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(function, block_threads, shared_bytes),
                           f"{self.name}: occupancy", KernelLaunchError))
 
     def resident_clusters(self, block_threads: int, shared_bytes: int, cluster_ctas: int,
@@ -262,7 +269,7 @@ class Kernel:
         (the driver's occupancy, shared memory favoured): the grid of a kernel whose CTAs all wait on
         each other."""
         device = torch.cuda.current_device() if device is None else device
-        self.resident_blocks(block_threads, shared_bytes, device)   # loads it, sets the carveout
+        self.prefer_shared(shared_bytes, device)
         driver = _driver()
         config = driver.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = cluster_ctas, 1, 1

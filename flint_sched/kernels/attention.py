@@ -312,12 +312,12 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
     kernel = _kernel("qkv_fused.cu", name, kv_defines(k_pool) + (("QF_MIN_CTAS", QKV_FUSED_CTAS),
                                                                  ("QH_ST_ASYNC", int(QKV_HEADS_ST_ASYNC)),
                                                                  *tickets.defines()))
-    if QKV_FUSED_HEADS:     # a cluster a head; _resident sets the carveout (shared memory first: 3 CTAs a SM)
-        _resident(kernel, QKV_HEADS_THREADS, size, dev.index)
+    if QKV_FUSED_HEADS:     # a cluster a head, shared memory first (3 CTAs a SM: one wave)
+        _prefer_shared(kernel, size, dev.index)
         kernel.launch((n // 16,), (QKV_HEADS_THREADS,), [q_out, k_pool, v_pool, qkv, x, norm_weight, F32(eps), *tail],
                       shared_bytes=size, pdl=pdl, device=dev.index)
         return q_out
-    ctas = min(_resident(kernel, QKV_FUSED_THREADS, size, dev.index), n // 16)
+    ctas = min(_resident(kernel, size, dev.index), n // 16)
     if slots and n // 16 > ctas * QKV_FUSED_SLOTS:
         raise ValueError(f"qkv_fused: {n // 16} tiles of q/k/v rows need more than this GPU's {ctas} resident CTAs "
                          f"x {QKV_FUSED_SLOTS} slots")
@@ -327,10 +327,15 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
 
 
 @functools.cache
-def _resident(kernel: Kernel, threads: int, shared_bytes: int, device: int | None) -> int:
-    """CTAs of a one-launch block the GPU holds at once (the grid kind: every one waits on all the
-    others), with the shared-memory carveout set in favour of shared memory (once per kernel)."""
-    return kernel.resident_blocks(threads, shared_bytes, device) * sm_count()
+def _resident(kernel: Kernel, shared_bytes: int, device: int | None) -> int:
+    """CTAs of a one-launch block the GPU holds at once (every one waits on all the others)."""
+    return kernel.resident_blocks(QKV_FUSED_THREADS, shared_bytes, device) * sm_count()
+
+
+@functools.cache
+def _prefer_shared(kernel: Kernel, shared_bytes: int, device: int | None) -> None:
+    """The cluster kind's carveout, set once per kernel and size."""
+    kernel.prefer_shared(shared_bytes, device)
 
 
 # ---- split-KV attention ------------------------------------------------------------------------

@@ -133,8 +133,8 @@ def test_other_grids(layer, grid, monkeypatch):
         pytest.skip("a cluster a head has one grid")
     n_tiles = layer["weight"].shape[0] // 16
     if grid == "fewest":
-        monkeypatch.setattr(attention, "_resident",
-                            lambda kernel, threads, size, device: -(-n_tiles // attention.QKV_FUSED_SLOTS))
+        fewest = -(-n_tiles // attention.QKV_FUSED_SLOTS)
+        monkeypatch.setattr(attention, "_resident", lambda kernel, size, device: fewest)
     else:
         monkeypatch.setattr(attention, "QKV_FUSED_CTAS", 2)
     x, positions, where, pools = case(layer, 5, True, torch.bfloat16, seed=11)
