@@ -433,9 +433,14 @@ ED_KERNEL expert_decode_moe_nvfp4(u16* y, u16* h, const u16* x, const int* sorte
   if (is_gate_up) {
     const EdWeights w[4] = {Q(g), Q(u), Q(sg), Q(su)};
     expert_decode_unit<true>(h, x, sorted_token, w, expert, row0, rows, I, H, E, tile_group);
+#if TICKET_ACQ_REL  // the CTA's h stores, through the barrier, before the count (release)
+    __syncthreads();
+    if (threadIdx.x == 0) ticket_arrive(reinterpret_cast<u32*>(queue + 1 + item));
+#else
     __threadfence();  // this thread's h stores, before the item's count
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(queue + 1 + item, 1);
+#endif
     ed_mark(5);
     return;
   }

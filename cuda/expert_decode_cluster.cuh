@@ -20,7 +20,9 @@ __device__ __forceinline__ void cluster_item(u16* y, u16* h, const u16* x, const
                                              const EdWeights (&gate_up)[4], const EdWeights (&down)[4], int expert,
                                              int row0, int rows, int I, int H, int E, int group) {
   expert_decode_unit<true, true, LOCAL_GATHER>(h, x, gather, gate_up, expert, row0, rows, I, H, E, group);
+#if !TICKET_ACQ_REL  // (with it: the cluster barrier's release orders them, a MEMBAR.ALL.GPU of its own)
   __threadfence();  // this thread's h stores, before the barrier the item's down units wait at
+#endif
   cluster_arrive_release();
   expert_decode_unit<false, true>(y, h, nullptr, down, expert, row0, rows, H, I, E, group);
 }

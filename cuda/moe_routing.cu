@@ -267,13 +267,10 @@ moe_route(int* ids, float* weights, int* queue, int* offsets, int* sorted_token,
   __syncthreads();
   if (one_cta) return sort_pairs<true>(sorted, ids_s, ntok, M, A, E, chunk, heavy_first, split, big_chunk, smem);
   // Last-block pattern (router.cu): barrier, fence, ticket; the last CTA fences before reading.
-  if (threadIdx.x == 0) {
-    __threadfence();
-    is_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-  }
+  if (threadIdx.x == 0) is_last = ticket_arrive(ticket) == gridDim.x - 1;
   __syncthreads();
   if (!is_last) return;
-  __threadfence();
+  ticket_acquire();
   if (threadIdx.x == 0) *ticket = 0u;
   const int n_ids = ntok * A;
   if (n_ids > STAGED_IDS)

@@ -54,13 +54,10 @@ __device__ __forceinline__ void router_topk_cta(int tile, int split, int splits,
   // Classic last-block pattern: the barrier orders every thread's stores before thread 0's
   // (cumulative) fence and ticket; the last CTA fences again before reading.
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    is_last = atomicAdd(ticket, 1u) == (u32)ctas - 1;
-  }
+  if (threadIdx.x == 0) is_last = ticket_arrive(ticket) == (u32)ctas - 1;
   __syncthreads();
   if (!is_last) return;
-  __threadfence();
+  ticket_acquire();
   for (int i = threadIdx.x; i < T * E; i += blockDim.x) {
     const int tok = i / E, e = i - tok * E;
     float part[ROUTER_MAX_SPLITS];  // issue every load, then sum in split order

@@ -263,7 +263,10 @@ def test_the_one_launch_attention_front_fits_and_does_not_spill():
 @pytest.mark.parametrize("source,defines", [
     ("decode_attention.cu", {"ATTN_MIN_SPLIT_KEYS": 64}), ("decode_attention.cu", {"ATTN_MIN_SPLIT_KEYS": 64, "KV_FP8": 1}),
     ("argmax.cu", {}), ("gemv.cu", {"GEMV_WARPS": 8, "X_BATCH": 1}), ("gemv.cu", {"GEMV_WARPS": 4, "X_BATCH": 0}),
-    ("moe_fused.cu", {"MOE_GATE_UP_WARPS": 4}), ("qkv_fused.cu", {})])
+    ("moe_fused.cu", {"MOE_GATE_UP_WARPS": 4}), ("qkv_fused.cu", {}), ("router.cu", {"ROUTER_MAX_EXPERTS": 256}),
+    ("moe_routing.cu", {"ROUTER_MAX_EXPERTS": 256, "MASK_TOKENS": 256}),
+    ("expert_decode.cu", {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 4, "ED_CLUSTER": 8}),
+    ("expert_decode.cu", {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8})])
 def test_acq_rel_tickets_cost_no_registers(source, defines):
     """kernels/tickets.py ACQ_REL: the kernels that take tickets or grid counters build without spills
     and with at most the registers of their fence.sc builds (decode attention's 3 CTAs a SM hold)."""

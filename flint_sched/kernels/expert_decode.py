@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from flint_sched.kernels import tickets
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.grouped import check_work_list
 from flint_sched.kernels.linear import (Weight, cdiv, check_tensor, expert_args, moe_gate_up_args, output,
@@ -120,9 +121,14 @@ def rows_per_item(config: str) -> int:
 TRACE_SLOTS = 8   # cuda/expert_decode_trace.cuh ED_TRACE_SLOTS: u64 a CTA of expert_decode_moe's trace
 
 
-@functools.cache
 def _kernel(name: str, config: str, trace: bool = False) -> Kernel:
-    return compile_kernel("expert_decode.cu", name, {**CONFIGS[config], **({"ED_TRACE": 1} if trace else {})})
+    return _compiled(name, config, trace, tickets.defines())
+
+
+@functools.cache
+def _compiled(name: str, config: str, trace: bool, extra: tuple) -> Kernel:
+    return compile_kernel("expert_decode.cu", name, {**CONFIGS[config], **({"ED_TRACE": 1} if trace else {}),
+                                                     **dict(extra)})
 
 
 def x_row_bytes(k: int) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flint_sched.kernels import expert_decode, expert_gemm
+from flint_sched.kernels import expert_decode, expert_gemm, tickets
 from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.grouped import (CHUNKS, TILE_ROWS, TILES_PER_CTA, WARPS, check_rows, gemm_kernel, grid,
                                          grouped_linear, mm_f32_parts, moe_chunk, out_buffer, work_bound)
@@ -53,12 +53,13 @@ SORT_MASK_TOKENS = 256
 
 
 @functools.cache
-def _routing_kernel(name: str, max_experts: int, mask_tokens: int) -> Kernel:
-    return compile_kernel("moe_routing.cu", name, {"ROUTER_MAX_EXPERTS": max_experts, "MASK_TOKENS": mask_tokens})
+def _routing_kernel(name: str, max_experts: int, mask_tokens: int, extra: tuple = ()) -> Kernel:
+    return compile_kernel("moe_routing.cu", name, {"ROUTER_MAX_EXPERTS": max_experts, "MASK_TOKENS": mask_tokens,
+                                                   **dict(extra)})
 
 
 def routing_kernel(name: str, num_experts: int) -> Kernel:
-    return _routing_kernel(name, 256 if num_experts <= 256 else MAX_EXPERTS, SORT_MASK_TOKENS)
+    return _routing_kernel(name, 256 if num_experts <= 256 else MAX_EXPERTS, SORT_MASK_TOKENS, tickets.defines())
 
 
 def routing_shared_bytes(num_experts: int) -> int:

@@ -127,7 +127,7 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, top_k: int, s
         raise ValueError(f"router workspace must be fp32 with >= {need} elements on {x.device}")
     partial, ticket = workspace[: need - 1], workspace[workspace.numel() - 1:]
     max_experts = 256 if e <= 256 else MAX_EXPERTS
-    _kernel("router.cu", "router_topk", (("ROUTER_MAX_EXPERTS", max_experts),)).launch(
+    _kernel("router.cu", "router_topk", (("ROUTER_MAX_EXPERTS", max_experts), *tickets.defines())).launch(
         (tiles, splits), (ROUTER_THREADS,),
         [ids, weights, x, gate, bias, partial, ticket, I32(t), I32(e), I32(k), I32(top_k), F32(scaling)],
         shared_bytes=t * e * 4, pdl=pdl, device=x.device.index)

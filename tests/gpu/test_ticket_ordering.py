@@ -2,7 +2,8 @@
 acquire-release atomic instead of fence.sc.gpu on each side. The values do not depend on it, so each
 kernel that takes tickets must give the same bits both ways, launched again and again (the tickets
 and counters reset themselves) and under PDL: decode attention (one and two merge levels, padding
-requests), greedy argmax, the LM head's own argmax, and the one-launch blocks' grid counters."""
+requests), greedy argmax, the LM head's own argmax, the one-launch blocks' grid counters, and the
+grouped MoE (the ticket router, moe_routing's sort, the decode experts' counts and cluster barrier)."""
 
 import importlib
 
@@ -13,7 +14,9 @@ from flint_sched.kernels import tickets
 from flint_sched.kernels.attention import (TICKET_SLOTS, attention_workspace, decode_attention_full,
                                            decode_attention_sliding, qkv_fused)
 from flint_sched.kernels.linear import concat_rows
+from flint_sched.kernels.grouped_moe import moe_grouped, moe_routing_workspace
 from flint_sched.kernels.linear import linear
+from flint_sched.kernels.moe import route, router_workspace
 from flint_sched.quant.nvfp4 import quantize
 from flint_sched.kernels.moe import moe_fused
 from flint_sched.kernels.sampling import greedy, pick_workspace
@@ -144,5 +147,40 @@ def test_the_grid_kind_of_the_attention_front(monkeypatch):
         torch.cuda.synchronize()
         assert counters.tolist() == [0, 0]
         return [q, *pools]
+
+    both_ways(monkeypatch, run)
+
+
+@pytest.mark.parametrize("tokens", [8, 16, 64, 200])
+def test_the_grouped_moe(monkeypatch, tokens):
+    """8-16 rows: the routed cluster decode experts (a cluster barrier after each gate/up unit); 64:
+    moe_routing's sort and the decode experts' per-item counts; 200: the same on another config."""
+    shape = dict(experts=256, top_k=6, hidden=2048, inter=512)
+    p = make_moe("nvfp4", shape, seed=6)
+    g = gen(tokens)
+    x = torch.randn(tokens, 2048, device="cuda", generator=g).bfloat16()
+    residual = torch.randn(tokens, 2048, device="cuda", generator=g).bfloat16()
+    ws = moe_routing_workspace(tokens, 256, 6, "cuda", hidden_size=2048, intermediate_size=512)
+
+    def run():
+        out = torch.full_like(x, float("nan"))
+        moe_grouped(x, p["router"], p["bias"], 6, 2.5, p["gate"], p["up"], p["down"], p["shared_gate"],
+                    p["shared_up"], p["shared_down"], residual, ws, out=out, pdl=True)
+        return [out, ws.ids[:tokens].clone()]
+
+    both_ways(monkeypatch, run)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_the_ticket_router(monkeypatch, tokens):
+    g = gen(tokens + 7)
+    x = torch.randn(tokens, 2048, device="cuda", generator=g).bfloat16()
+    gate = (torch.randn(256, 2048, device="cuda", generator=g) / 45).bfloat16()
+    bias = 0.1 * torch.randn(256, device="cuda", generator=g)
+    workspace = router_workspace(256, "cuda", tokens)
+
+    def run():
+        ids, weights = route(x, gate, bias, 6, 2.5, workspace=workspace, cluster=False, pdl=True)
+        return [ids, weights]
 
     both_ways(monkeypatch, run)
