@@ -9,6 +9,10 @@ chain lengths above the L2's 60 MB give the cost per layer as the slope, without
 a graph launch:
 
     python3 benchmarks/bench_persistent.py [--layers 32 64] [--warps 8 16]
+
+Each persistent chain runs twice: its counts after fence.sc.gpu (as the kernels' tickets do by
+default) and as one release atomic (kernels/tickets.py ACQ_REL): the difference in the slope is what
+the fence costs a dependency.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ TILE_ROWS = 16
 BANDWIDTH = 4.26e12       # bytes/s, the H200's measured read bandwidth (KERNELS.md)
 
 
-def gemv_chain(h: torch.Tensor, w: NVFP4Tensor, done: torch.Tensor, warps: int, sleep_ns: int = 0) -> None:
-    """h [L + 1, N] bf16 (h[0] the input) <- the chain of w [L, N, N]; done: int32 [L], zeroed here."""
+def gemv_chain(h: torch.Tensor, w: NVFP4Tensor, done: torch.Tensor, warps: int, sleep_ns: int = 0,
+               acq_rel: bool = False) -> None:
+    """h [L + 1, N] bf16 (h[0] the input) <- the chain of w [L, N, N]; done: int32 [L], zeroed here.
+    acq_rel: each count one release atomic (cuda/common.cuh TICKET_ACQ_REL) instead of fence.sc first."""
     layers, n, k = w.shape
     if n != k or n % TILE_ROWS or tuple(h.shape) != (layers + 1, n) or done.numel() < layers:
         raise ValueError(f"h [{layers + 1}, {n}] and done [>= {layers}] for w {tuple(w.shape)} with N == K")
@@ -42,7 +48,8 @@ def gemv_chain(h: torch.Tensor, w: NVFP4Tensor, done: torch.Tensor, warps: int, 
         raise ValueError(f"{tiles} CTAs of {warps} warps do not fit on this GPU at once")
     done.zero_()
     kernel = compile_kernel("gemv_chain.cu", "gemv_chain_nvfp4",
-                            {"GEMV_WARPS": warps, "X_BATCH": 0, "GEMV_GROUPS": 1, "CHAIN_SLEEP_NS": sleep_ns})
+                            {"GEMV_WARPS": warps, "X_BATCH": 0, "GEMV_GROUPS": 1, "CHAIN_SLEEP_NS": sleep_ns,
+                             "TICKET_ACQ_REL": int(acq_rel)})
     kernel.launch((tiles, 1, 1), (32 * warps, 1, 1),
                   [h, w.codes, w.block_scales, w.tensor_scale, done, I32(layers), I32(n), I32(k)])
 
@@ -73,9 +80,10 @@ def main() -> None:
         chains = {"launches, PDL": lambda h, w: launched_chain(h, w, warps, True),
                   "launches, no PDL": lambda h, w: launched_chain(h, w, warps, False)}
         for sleep_ns in args.sleep_ns:
-            chains[f"persistent, counters (pause {sleep_ns} ns)"] = (
-                lambda h, w, d=torch.zeros(long, dtype=torch.int32, device="cuda"), s=sleep_ns:
-                gemv_chain(h, w, d, warps, s))
+            for acq_rel in (False, True):      # fence.sc then the count, or one acquire-release atomic
+                chains[f"persistent, counters (pause {sleep_ns} ns{', acq_rel' if acq_rel else ''})"] = (
+                    lambda h, w, d=torch.zeros(long, dtype=torch.int32, device="cuda"), s=sleep_ns, a=acq_rel:
+                    gemv_chain(h, w, d, warps, s, a))
         results = {}
         for name, run in chains.items():
             times = []

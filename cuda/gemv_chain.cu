@@ -6,7 +6,8 @@
 // gridDim.x), asking L2 for their weight rows before they wait, as gemv.cu's kernels do before
 // `pdl_wait`. The math is gemv.cu's for one token (same tile loop, warps and sum order), so the
 // result equals `linear` launched layer by layer, bit for bit. `done` [layers] must be zero at launch.
-// Defines: GEMV_WARPS (8 or 16), CHAIN_SLEEP_NS (the waiting thread's pause between polls; 0: none).
+// Defines: GEMV_WARPS (8 or 16), CHAIN_SLEEP_NS (the waiting thread's pause between polls; 0: none),
+// TICKET_ACQ_REL (common.cuh: the count a release atomic instead of fence.sc then a relaxed one).
 #include "gemv_tile.cuh"
 
 #ifndef GEMV_WARPS
@@ -45,9 +46,7 @@ gemv_chain_nvfp4(u16* h, const u8* codes, const u8* scales, const float* tensor_
     if (r < 16 && (threadIdx.x & 7) == 0)
       h[(size_t)(i + 1) * N + n0 + r] = f32_to_bf16(tile_sum<GEMV_WARPS>(red, r, 0) * wt.sum_scale());
     __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();  // the CTA's h stores (ordered before by the barrier), then the count
-      atomicAdd(done + i, 1);
-    }
+    if (threadIdx.x == 0)  // the CTA's h stores (ordered before by the barrier), then the count
+      ticket_arrive(reinterpret_cast<u32*>(done + i));
   }
 }

@@ -27,7 +27,8 @@ VARIANTS = {
     "grouped_gemm.cu": tuple({"GROUPED_CHUNK": c, "GROUPED_TILES": t} for c in (16, 64) for t in (1, 4))
     + ({"GROUPED_CHUNK": 8, "GROUPED_TILES": 4},),                                # grouped.MOE_SMALL_CHUNK = 8
     "moe_routing.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),
-    "gemv_chain.cu": tuple({"GEMV_WARPS": w, "X_BATCH": 0, "CHAIN_SLEEP_NS": s} for w in (8, 16) for s in (0, 64)),
+    "gemv_chain.cu": tuple({"GEMV_WARPS": w, "X_BATCH": 0, "CHAIN_SLEEP_NS": s} for w in (8, 16) for s in (0, 64))
+    + ({"GEMV_WARPS": 16, "X_BATCH": 0, "CHAIN_SLEEP_NS": 0, "TICKET_ACQ_REL": 1},),
     # decode_step.kernel_defines: the CTA's warps, the attention's settings by KV dtype, fused Q/K norms
     "decode_step.cu": tuple({"STEP_WARPS": w, "X_BATCH": 0, "ATTN_MIN_SPLIT_KEYS": 64, **kv, **fuse} for w in (8, 4)
                             for kv in ({}, {"KV_FP8": 1, "ATTN_STAGES": 4, "ATTN_CP_ASYNC": 1})

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.gpu
 N = 2048
 
 
-@pytest.mark.parametrize("warps,sleep_ns", [(8, 0), (16, 0), (16, 64)])
-def test_the_persistent_chain_equals_the_launched_one(warps, sleep_ns):
+@pytest.mark.parametrize("warps,sleep_ns,acq_rel", [(8, 0, False), (16, 0, False), (16, 64, False), (16, 0, True)])
+def test_the_persistent_chain_equals_the_launched_one(warps, sleep_ns, acq_rel):
     layers = 6
     w = quantize(torch.randn(layers, N, N, device="cuda", generator=gen(5)) / N**0.5, per_leading_scale=True)
     x = torch.randn(N, device="cuda", generator=gen(6)).bfloat16()
@@ -25,14 +25,14 @@ def test_the_persistent_chain_equals_the_launched_one(warps, sleep_ns):
     h = torch.full_like(expected, float("nan"))
     h[0] = x
     done = torch.zeros(layers, dtype=torch.int32, device="cuda")
-    gemv_chain(h, w, done, warps, sleep_ns)
+    gemv_chain(h, w, done, warps, sleep_ns, acq_rel)
     torch.cuda.synchronize()
     assert torch.equal(h, expected)
     assert done.tolist() == [N // 16] * layers
     graph = torch.cuda.CUDAGraph()
     h[1:] = float("nan")
     with torch.cuda.graph(graph):
-        gemv_chain(h, w, done, warps, sleep_ns)
+        gemv_chain(h, w, done, warps, sleep_ns, acq_rel)
     for _ in range(2):
         h[1:] = float("nan")
         graph.replay()
