@@ -11,7 +11,7 @@ import torch
 from flint_sched.config import preset
 from flint_sched.executor import kernel_ops
 from flint_sched.executor.forward import forward
-from flint_sched.kernels.attention import qkv_fused_slots
+from flint_sched.kernels.attention_front import qkv_fused_slots
 
 
 class Weights(dict):
@@ -139,9 +139,8 @@ def test_the_one_launch_attention_front_takes_each_layers_input_norm(monkeypatch
                       else "?")
         return q_out
 
-    attn = kernel_ops.attn
-    monkeypatch.setattr(kernel_ops, "attn", SimpleNamespace(
-        **vars(attn), qkv_fused=qkv_fused, qkv_fused_slots=qkv_fused_slots,
+    monkeypatch.setattr(kernel_ops, "front", SimpleNamespace(
+        qkv_fused=qkv_fused, qkv_fused_slots=qkv_fused_slots,
         qkv_fused_bytes=lambda *shape: asked.append(shape[-1]) or (1 if fits else None)))
     fused_forward(config)
     layers = config.num_hidden_layers

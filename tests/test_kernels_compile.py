@@ -239,7 +239,7 @@ def test_the_one_launch_attention_front_fits_and_does_not_spill():
     counter and a cluster a head, its rows to CTA 0 by DSMEM stores or st.async) hold everything in
     registers (the stack frame is sincos's, as in qk_norm_rope_kv.cu). Flint's q/k/v at 1-8 rows fits two grid CTAs a SM's shared memory (228 KiB),
     and three of the cluster kind's, registers included (320 CTAs in one wave)."""
-    from flint_sched.kernels.attention import QKV_FUSED_MAX_SHARED, qkv_fused_bytes
+    from flint_sched.kernels.attention_front import QKV_FUSED_MAX_SHARED, qkv_fused_bytes
     for defines in ({}, {"KV_FP8": 1}, {"QH_ST_ASYNC": 1}, {"QH_ST_ASYNC": 1, "KV_FP8": 1}):
         usage = _runtime.resource_usage("qkv_fused.cu", defines)
         for name, slots in (("qkv_fused_nvfp4", True), ("qkv_fused_direct_nvfp4", False),

@@ -27,6 +27,7 @@ from flint_sched.executor.dense_copies import DenseCopies
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.kernels import attention as attn
+from flint_sched.kernels import attention_front as front
 from flint_sched.kernels import decode_step
 from flint_sched.kernels.embedding import embed_tokens
 from flint_sched.kernels.grouped import grouped_gate_up, grouped_linear
@@ -84,7 +85,7 @@ ROUTER_NORMS = True
 FUSED_MOE = False
 
 # Fused steps run the input norm, q/k/v, the Q/K norms, RoPE and the K/V write as one launch
-# (kernels/attention.py `qkv_fused`, cuda/qkv_fused.cu: a cluster of 8 CTAs a head, each CTA's
+# (kernels/attention_front.py `qkv_fused`, cuda/qkv_fused.cu: a cluster of 8 CTAs a head, each CTA's
 # NVFP4 q/k/v tile copied into shared memory before the wait (BF16: asked of L2), the head's rows met
 # in CTA 0 for its Q/K norm and K/V write), the same bits as the three launches. Built without a GPU
 # (session 33): off until measured.
@@ -263,8 +264,8 @@ class KernelOps:
     def _fused_qkv(self, x: torch.Tensor | Unnormed, weight, splits: tuple) -> bool:
         """Whether the norm, q/k/v and the Q/K norm run as one launch (FUSED_QKV, shapes it takes)."""
         return (FUSED_QKV and self.variant == "fused" and isinstance(x, Unnormed) and len(splits) == 2
-                and attn.qkv_fused_bytes(self.rows, weight.shape[0], self.c.hidden_size,
-                                         attn.qkv_fused_slots(weight_format(weight))) is not None)
+                and front.qkv_fused_bytes(self.rows, weight.shape[0], self.c.hidden_size,
+                                          front.qkv_fused_slots(weight_format(weight))) is not None)
 
     def _qkv_fused(self, i: int, x: Unnormed, weight, splits: tuple) -> torch.Tensor:
         c, p, inp, b = self.c, f"model.layers.{i}.self_attn.", self.inputs, self.rows
@@ -274,9 +275,9 @@ class KernelOps:
             pools, where = kv.ring[kv.ring_index[i]], dict(ring_slots=inp.ring_slots[:b], rope_theta=c.rope_theta)
         else:
             pools, where = kv.full[kv.full_index[i]], dict(block_tables=inp.block_tables[:b])
-        return attn.qkv_fused(x.h, self.w[x.weight], self.eps, weight, splits, self.w[p + "q_norm.weight"],
-                              self.w[p + "k_norm.weight"], inp.positions[:b], pools[0], pools[1], c.rms_norm_eps,
-                              self.ws.qkv_counters, q_out=q, pdl=self.pdl, **where)
+        return front.qkv_fused(x.h, self.w[x.weight], self.eps, weight, splits, self.w[p + "q_norm.weight"],
+                               self.w[p + "k_norm.weight"], inp.positions[:b], pools[0], pools[1], c.rms_norm_eps,
+                               self.ws.qkv_counters, q_out=q, pdl=self.pdl, **where)
 
     def attention(self, i: int, q) -> torch.Tensor:
         c, b = self.c, self.rows

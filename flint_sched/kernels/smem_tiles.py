@@ -1,5 +1,5 @@
 """Host side of cuda/smem_tiles.cuh, shared by the one-launch blocks (kernels/moe.py `moe_fused`,
-kernels/attention.py `qkv_fused`): the size of a shared-memory slot of 16 NVFP4 weight rows, and
+kernels/attention_front.py `qkv_fused`): the size of a shared-memory slot of 16 NVFP4 weight rows, and
 the grid-wide counter pair those launches wait on."""
 
 from __future__ import annotations

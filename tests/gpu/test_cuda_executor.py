@@ -16,7 +16,8 @@ from flint_sched.executor import dense_copies, kernel_ops, moe_gemms
 from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.dense_copies import copies_bytes
 from flint_sched.executor.kv_cache import KVCache
-from flint_sched.kernels import attention, grouped_moe
+from flint_sched.kernels import grouped_moe
+from flint_sched.kernels import attention_front as front
 from flint_sched.kernels.grouped import CUBLAS_MIN_ROWS_NVFP4
 from flint_sched.kernels.moe import fused_moe_bytes, fused_slots
 from flint_sched.model.reference import FlintReference
@@ -230,8 +231,8 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
     route, moe_fused = kernel_ops.route, kernel_ops.moe_fused
     monkeypatch.setattr(kernel_ops, "route", lambda *a, **kw: normalizing.append("norm_weight" in kw) or route(*a, **kw))
     monkeypatch.setattr(kernel_ops, "moe_fused", lambda *a, **kw: one_launch.append(1) or moe_fused(*a, **kw))
-    qkv_fused = attention.qkv_fused
-    monkeypatch.setattr(attention, "qkv_fused", lambda *a, **kw: one_launch.append(2) or qkv_fused(*a, **kw))
+    qkv_fused = front.qkv_fused
+    monkeypatch.setattr(front, "qkv_fused", lambda *a, **kw: one_launch.append(2) or qkv_fused(*a, **kw))
     linear, greedy = kernel_ops.linear, kernel_ops.greedy
     monkeypatch.setattr(kernel_ops, "linear", lambda *a, **kw: one_launch.append(
         3 if kw.get("argmax_out") is not None else 0) or linear(*a, **kw))
@@ -252,8 +253,8 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
             assert 3 in one_launch and 4 not in one_launch
         else:
             c = ckpt.config
-            takes = attention.qkv_fused_bytes(1, c.q_size + 2 * c.kv_size, c.hidden_size,
-                                              attention.qkv_fused_slots(ckpt.weight_format)) is not None
+            takes = front.qkv_fused_bytes(1, c.q_size + 2 * c.kv_size, c.hidden_size,
+                                          front.qkv_fused_slots(ckpt.weight_format)) is not None
             assert (2 in one_launch) == takes
         assert out_inside == out_apart
         for (r1, p1, a), (r2, p2, b) in zip(apart, inside, strict=True):
@@ -478,24 +479,3 @@ def test_graph_sampler_calls_ahead_of_the_gpu_keep_their_own_parameters(gumbel, 
     drawn = [sampler(params).clone() for params in (cold, hot, hot, hot, hot, hot, cold, hot)]
     assert drawn[0].tolist() == [7] * 8 and drawn[6].tolist() == [7] * 8
     assert any(t != 7 for t in drawn[1].tolist() + drawn[2].tolist())   # the hot calls did draw
-
-
-@pytest.mark.parametrize("module,flag", [("flint_sched.kernels.moe", "ROUTER_ST_ASYNC"),
-                                         ("flint_sched.kernels.tickets", "ACQ_REL")],
-                         ids=["router_st_async", "acq_rel_tickets"])
-def test_fewer_fences_change_no_logit(ckpt, monkeypatch, module, flag):
-    """The cluster router's scores by st.async (kernels/moe.py ROUTER_ST_ASYNC) and the tickets'
-    acquire-release ordering (kernels/tickets.py ACQ_REL) order the same values otherwise: the
-    engine's logits and tokens bit for bit, graphs and eager, decode and prompt steps."""
-    gen = torch.Generator().manual_seed(13)
-    prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (3, 600, 37, 515, 90, 1)]
-    limits = [2, 7, 3, 6, 4, 5]
-    target = importlib.import_module(module)
-    monkeypatch.setattr(target, flag, False)
-    want, out_want, _ = run(ckpt, prompts, limits, seqs=6, budget=4096)
-    monkeypatch.setattr(target, flag, True)
-    for graphs in (True, False):
-        got, out_got, _ = run(ckpt, prompts, limits, seqs=6, budget=4096, use_graphs=graphs)
-        assert out_got == out_want
-        for (r1, p1, a), (r2, p2, b) in zip(want, got, strict=True):
-            assert (r1, p1) == (r2, p2) and torch.equal(a, b)

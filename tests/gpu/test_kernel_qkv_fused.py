@@ -12,14 +12,15 @@ import importlib
 import pytest
 import torch
 
-from flint_sched.kernels.attention import qk_norm_rope_kv_full, qk_norm_rope_kv_sliding, qkv_fused, qkv_fused_bytes
+from flint_sched.kernels.attention import qk_norm_rope_kv_full, qk_norm_rope_kv_sliding
+from flint_sched.kernels.attention_front import qkv_fused, qkv_fused_bytes
 from flint_sched.kernels.linear import concat_rows, linear
 from flint_sched.kernels.norm import rms_norm
 from flint_sched.kernels.smem_tiles import grid_counters
 from flint_sched.quant.nvfp4 import quantize
 from gpu_checks import gen
 
-attention = importlib.import_module("flint_sched.kernels.attention")
+front = importlib.import_module("flint_sched.kernels.attention_front")
 
 pytestmark = pytest.mark.gpu
 
@@ -52,9 +53,9 @@ def layer(request, weights, monkeypatch):
     path, kind = request.param.split("-")
     if weights["fmt"] == "bf16" and path == "slots":
         pytest.skip("a BF16 q/k/v weight is read from global memory only")
-    monkeypatch.setattr(attention, "QKV_FUSED_NVFP4_SLOTS", path == "slots")
-    monkeypatch.setattr(attention, "QKV_FUSED_HEADS", kind != "grid")
-    monkeypatch.setattr(attention, "QKV_HEADS_ST_ASYNC", kind == "heads_st")
+    monkeypatch.setattr(front, "QKV_FUSED_NVFP4_SLOTS", path == "slots")
+    monkeypatch.setattr(front, "QKV_FUSED_HEADS", kind != "grid")
+    monkeypatch.setattr(front, "QKV_HEADS_ST_ASYNC", kind == "heads_st")
     return weights
 
 
@@ -113,7 +114,7 @@ def check_same(got, want, what):
 @pytest.mark.parametrize("tokens", [1, 2, 3, 6, 8])
 def test_one_launch_is_the_three_launches_bit_for_bit(layer, tokens, sliding, kv_dtype):
     k, g = layer["shape"]["hidden"], layer["shape"]["kv_heads"]
-    assert qkv_fused_bytes(tokens, 10 * g * 128, k, attention.qkv_fused_slots(layer["fmt"])) is not None
+    assert qkv_fused_bytes(tokens, 10 * g * 128, k, front.qkv_fused_slots(layer["fmt"])) is not None
     x, positions, where, pools = case(layer, tokens, sliding, kv_dtype, seed=tokens)
     want = launches(layer, x, positions, where, pools)
     counters = grid_counters("cuda")
@@ -121,7 +122,7 @@ def test_one_launch_is_the_three_launches_bit_for_bit(layer, tokens, sliding, kv
         check_same(one_launch(layer, x, positions, where, pools, counters, pdl=launch > 0), want,
                    f"T={tokens} launch {launch}")
         assert counters.tolist() == [0, 0], "the counters stay (the grid kind: are left) zero"
-    if attention.QKV_FUSED_HEADS:      # a cluster a head waits on no counter: none need be given
+    if front.QKV_FUSED_HEADS:      # a cluster a head waits on no counter: none need be given
         check_same(one_launch(layer, x, positions, where, pools, None), want, f"T={tokens} without counters")
 
 
@@ -129,14 +130,14 @@ def test_one_launch_is_the_three_launches_bit_for_bit(layer, tokens, sliding, kv
 def test_other_grids(layer, grid, monkeypatch):
     """The grid kind: the fewest CTAs whose slots hold every tile (several tiles a CTA, the last CTAs one
     fewer), and two CTAs a SM (QKV_FUSED_CTAS = 2: registers capped at 128)."""
-    if attention.QKV_FUSED_HEADS:
+    if front.QKV_FUSED_HEADS:
         pytest.skip("a cluster a head has one grid")
     n_tiles = layer["weight"].shape[0] // 16
     if grid == "fewest":
-        fewest = -(-n_tiles // attention.QKV_FUSED_SLOTS)
-        monkeypatch.setattr(attention, "_resident", lambda kernel, size, device: fewest)
+        fewest = -(-n_tiles // front.QKV_FUSED_SLOTS)
+        monkeypatch.setattr(front, "_resident", lambda kernel, size, device: fewest)
     else:
-        monkeypatch.setattr(attention, "QKV_FUSED_CTAS", 2)
+        monkeypatch.setattr(front, "QKV_FUSED_CTAS", 2)
     x, positions, where, pools = case(layer, 5, True, torch.bfloat16, seed=11)
     check_same(one_launch(layer, x, positions, where, pools, grid_counters("cuda")),
                launches(layer, x, positions, where, pools), grid)
@@ -176,7 +177,7 @@ def test_bad_arguments_are_refused_before_the_launch(layer):
     unaligned = torch.empty(t * h * 128 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(t, h, 128)
     with pytest.raises(ValueError, match="q_out"):
         qkv_fused(x, *args, **where, rope_theta=THETA, q_out=unaligned)
-    if layer["fmt"] == "nvfp4" and attention.QKV_FUSED_NVFP4_SLOTS:   # a bulk copy's source: 16-byte aligned
+    if layer["fmt"] == "nvfp4" and front.QKV_FUSED_NVFP4_SLOTS:   # a bulk copy's source: 16-byte aligned
         w = layer["weight"]
         shifted = torch.empty(w.block_scales.numel() + 2, dtype=torch.uint8, device="cuda")[2:]
         shifted = shifted.view(w.block_scales.shape).copy_(w.block_scales)

@@ -12,7 +12,8 @@ import torch
 
 from flint_sched.kernels import tickets
 from flint_sched.kernels.attention import (TICKET_SLOTS, attention_workspace, decode_attention_full,
-                                           decode_attention_sliding, qkv_fused)
+                                           decode_attention_sliding)
+from flint_sched.kernels.attention_front import qkv_fused
 from flint_sched.kernels.linear import concat_rows
 from flint_sched.kernels.grouped_moe import moe_grouped, moe_routing_workspace
 from flint_sched.kernels.linear import linear
@@ -21,11 +22,12 @@ from flint_sched.quant.nvfp4 import quantize
 from flint_sched.kernels.moe import moe_fused
 from flint_sched.kernels.sampling import greedy, pick_workspace
 from flint_sched.kernels.smem_tiles import grid_counters
+from executor_checks import ckpt, run  # noqa: F401 - ckpt: the fixture
 from gpu_checks import gen
 from moe_checks import make_moe
 
 moe_kernels = importlib.import_module("flint_sched.kernels.moe")
-attention = importlib.import_module("flint_sched.kernels.attention")
+front = importlib.import_module("flint_sched.kernels.attention_front")
 
 pytestmark = pytest.mark.gpu
 
@@ -129,7 +131,7 @@ def test_the_one_launch_moe_grid_counter(monkeypatch, clusters):
 
 def test_the_grid_kind_of_the_attention_front(monkeypatch):
     """qkv_fused's grid kind waits on a grid counter (the cluster kind on none)."""
-    monkeypatch.setattr(attention, "QKV_FUSED_HEADS", False)
+    monkeypatch.setattr(front, "QKV_FUSED_HEADS", False)
     g, k = gen(5), 2048
     parts = [torch.randn(rows, k, device="cuda", generator=g) / k**0.5 for rows in (H * D, G * D, G * D)]
     weight, splits = concat_rows([quantize(w) for w in parts])
@@ -184,3 +186,24 @@ def test_the_ticket_router(monkeypatch, tokens):
         return [ids, weights]
 
     both_ways(monkeypatch, run)
+
+
+@pytest.mark.parametrize("module,flag", [("flint_sched.kernels.moe", "ROUTER_ST_ASYNC"),
+                                         ("flint_sched.kernels.tickets", "ACQ_REL")],
+                         ids=["router_st_async", "acq_rel_tickets"])
+def test_fewer_fences_change_no_logit(ckpt, monkeypatch, module, flag):
+    """The cluster router's scores by st.async (kernels/moe.py ROUTER_ST_ASYNC) and the tickets'
+    acquire-release ordering (kernels/tickets.py ACQ_REL) order the same values otherwise: the
+    engine's logits and tokens bit for bit, graphs and eager, decode and prompt steps."""
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (3, 600, 37, 515, 90, 1)]
+    limits = [2, 7, 3, 6, 4, 5]
+    target = importlib.import_module(module)
+    monkeypatch.setattr(target, flag, False)
+    want, out_want, _ = run(ckpt, prompts, limits, seqs=6, budget=4096)
+    monkeypatch.setattr(target, flag, True)
+    for graphs in (True, False):
+        got, out_got, _ = run(ckpt, prompts, limits, seqs=6, budget=4096, use_graphs=graphs)
+        assert out_got == out_want
+        for (r1, p1, a), (r2, p2, b) in zip(want, got, strict=True):
+            assert (r1, p1) == (r2, p2) and torch.equal(a, b)
