@@ -23,19 +23,6 @@ __device__ __forceinline__ SlotShape slot_shape(int K) {
   return s;
 }
 
-__device__ __forceinline__ u32 lds_u16(u32 addr) {
-  u16 v;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-  return v;
-}
-
-__device__ __forceinline__ uint4 ld_cg_v4(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-  return v;
-}
-
 // Warp-wide: 16 weight rows into a slot, lane r < 16 the codes of row r, lane 16 + r its scales;
 // rows 0-7 are the 8 rows from (codes_a, scales_a), rows 8-15 the 8 from (codes_b, scales_b).
 // Completes on `bar`, armed here for the bytes.
