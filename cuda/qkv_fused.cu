@@ -255,26 +255,23 @@ __device__ __forceinline__ void qkv_heads_body(u16* q_out, kv_t* k_cache, kv_t* 
   __syncthreads();
   cluster_wait_acquire();
   const int r = threadIdx.x >> 3, b = threadIdx.x & 7;
-#if QH_ST_ASYNC
-  u32 v = 0u;
+  const u32 row_at = smem_addr(head_rows + b * HEAD_DIM + rank * 16 + r);  // in CTA 0
+  u16 v = 0;
   if (b < T) {
     const int n = n0 + r;
     v = f32_to_bf16(tile_sum<QF_QUAD>(red, r, b) * wt.sum_scale((n >= split1) + (n >= split2)));
-    if (qkv) qkv[(size_t)b * N + n] = (u16)v;
+    if (qkv) qkv[(size_t)b * N + n] = v;
+#if !QH_ST_ASYNC
+    st_cluster_u16(cluster_map(row_at, 0), v);
+#endif
   }
-  const u32 next = __shfl_down_sync(0xFFFFFFFFu, v, 8);  // row r + 1 of token b (r even: lane + 8, same warp)
+#if QH_ST_ASYNC
+  const u32 next = __shfl_down_sync(0xFFFFFFFFu, (u32)v, 8);  // row r + 1 of token b (r even: lane + 8, same warp)
   if (b < T && (r & 1) == 0)
-    st_async_u32(cluster_map(smem_addr(head_rows + b * HEAD_DIM + rank * 16 + r), 0), v | (next << 16),
-                 cluster_map(smem_addr(&rows_bar), 0));
+    st_async_u32(cluster_map(row_at, 0), (u32)v | (next << 16), cluster_map(smem_addr(&rows_bar), 0));
   if (rank != 0) return;
   mbarrier_wait_parity_cluster(smem_addr(&rows_bar), 0);
 #else
-  if (b < T) {
-    const int n = n0 + r;
-    const u16 v = f32_to_bf16(tile_sum<QF_QUAD>(red, r, b) * wt.sum_scale((n >= split1) + (n >= split2)));
-    if (qkv) qkv[(size_t)b * N + n] = v;
-    st_cluster_u16(cluster_map(smem_addr(head_rows + b * HEAD_DIM + rank * 16 + r), 0), v);
-  }
   cluster_arrive_release();
   cluster_wait_acquire();
   if (rank != 0) return;
