@@ -419,7 +419,8 @@ class KernelOps:
         active = None if self.inputs is None else self.inputs.argmax
         w = self.w["lm_head.weight"]
         if LM_HEAD_ARGMAX and self._gemv(rows, w):
-            return linear(normed, w, out=self.logits_out[:rows], pdl=self.pdl, argmax_out=self.next_tokens[:rows],
+            return linear(self._normed(normed), w, out=self.logits_out[:rows], pdl=self.pdl,
+                          argmax_out=self.next_tokens[:rows],
                           argmax_workspace=self.ws.pick, argmax_active=active)
         logits = self._dense(normed, "lm_head.weight", self.logits_out[:rows])
         greedy(logits, out=self.next_tokens[:rows], workspace=self.ws.argmax, pdl=self.pdl, active=active)

@@ -58,25 +58,30 @@ def test_every_warp_count_meets_at_its_barrier(fmt, warps, n, b):
 
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 def test_ties_nan_and_infinities_go_where_torch_argmax_puts_them(ids_dtype):
-    """y with ties across CTAs (the lowest index), +inf and NaN (a NaN is the maximum: the first one),
-    -inf, and all zeros. The specials come from products past fp32's range (1e20 * 1e20), which only
-    the rows whose activations are 1e20 see (a 0 * 1e20 elsewhere is 0)."""
+    """y with ties across CTAs (the lowest index), +inf, -inf and all zeros; then NaN (the maximum: the
+    first one). The infinities come from products past fp32's range (1e20 * 1e20), which only the rows
+    whose activations are 1e20 see (a 0 * 1e20 elsewhere is 0). The NaN comes from the weights: an
+    inf - inf inside one tensor-core MMA gives 0, not NaN (the products are aligned to the largest)."""
     n, k, big = 4096, 64, 1e20
     w = torch.zeros(n, k, device="cuda")
     x = torch.zeros(6, k, device="cuda")
     w[:, 0] = -1.0
     w[[700, 3000, 3001], 0] = 5.0
     w[[900, 2500], 1] = big
-    w[[123, 4000], 2], w[[123, 4000], 3] = big, -big
+    w[[123, 4000], 2] = 6.0
     x[0, 0] = 1.0                                 # -1, 5 at 700, 3000, 3001: 700
     x[1, 0], x[1, 1] = 1.0, big                   # +inf at 900 and 2500: 900
-    x[2, 0], x[2, 2], x[2, 3] = 1.0, big, big     # inf - inf = NaN at 123 and 4000: 123
+    x[2, 0], x[2, 2] = 1.0, 1.0                   # 5 at 123, 700, 3000, 3001, 4000: 123
     x[4, 0] = -1.0                                # +1 everywhere but -5 at 700, 3000, 3001: 0
     x[5, 1] = -big                                # -inf at 900 and 2500, 0 elsewhere: 0
-    y, ids, _ = folded(x.bfloat16(), w.bfloat16(), ids_dtype)
-    assert y[1, 900] == float("inf") and y[2, 123].isnan() and y[5, 900] == float("-inf") and not y[3].any()
+    y, ids, workspace = folded(x.bfloat16(), w.bfloat16(), ids_dtype)
+    assert y[1, 900] == float("inf") and y[5, 900] == float("-inf") and not y[3].any()
     assert torch.equal(ids.long(), torch.argmax(y, dim=-1)), (ids, torch.argmax(y, dim=-1))
     assert ids.tolist() == [700, 900, 123, 0, 0, 0]
+    w[[2500, 4000], 3] = float("nan")             # NaN at 2500 and 4000 in every token: 2500
+    y, ids, _ = folded(x.bfloat16(), w.bfloat16(), ids_dtype, workspace=workspace)
+    assert y[:, [2500, 4000]].isnan().all() and y[:, :2500].isnan().sum() == 0
+    assert torch.equal(ids.long(), torch.argmax(y, dim=-1)) and ids.tolist() == [2500] * 6
 
 
 def test_an_all_sampling_step_leaves_the_ids_and_the_workspace_as_they_were():
