@@ -36,8 +36,9 @@ CLUSTER_MAX_SHARED = 200 * 1024    # its dynamic shared memory at most (the H200
 CLUSTER_ROUTER = True
 # The cluster router's scores (and moe_fused's) reach the CTAs that select by st.async, counted on
 # their own mbarriers, instead of DSMEM stores and a second cluster barrier, whose release costs every
-# CTA a MEMBAR.GPU (cuda/router.cu RC_ST_ASYNC): the same scores. An A/B until measured.
-ROUTER_ST_ASYNC = False
+# CTA a MEMBAR.GPU (cuda/router.cu RC_ST_ASYNC): the same scores; with tickets.ACQ_REL ~1 % off a
+# decode step at 1-16 requests (RESULTS.md, session 35).
+ROUTER_ST_ASYNC = True
 # Warps of a moe_down CTA (cuda/moe.cu MOE_DOWN_WARPS; one CTA per 16 outputs). 16 warps take
 # ~48 K registers, so a down CTA can only start on an SM once gate/up's CTAs leave it; 8 or 4 would
 # fit beside them, but lose: NVFP4 at 1K, ms a step at 1 / 4 / 6 requests, 16 warps 2.01 / 3.02 /

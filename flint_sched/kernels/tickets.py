@@ -6,14 +6,15 @@ sort, the decode experts' per-item counts and the fence before their cluster bar
 ACQ_REL False: the counting thread runs __threadfence() (fence.sc.gpu, MEMBAR.SC.GPU) before a
 relaxed atomicAdd, and the last CTA a second one before it reads. True: one atomic with release and
 acquire semantics (MEMBAR.ALL.GPU before it, no fence after), the order cutlass's semaphores use.
-The same values either way; an A/B until measured (benchmarks/ab_decode.py
-`flint_sched.kernels.tickets.ACQ_REL=True`). Launchers read it at each launch (`defines`), so a
-variant compiles its own kernels.
+The same values either way (tests/gpu/test_ticket_ordering.py); True measured ~1 % faster decode steps
+at 1-16 requests (benchmarks/RESULTS.md, session 35). Launchers read it at each launch (`defines`),
+so an A/B variant (benchmarks/ab_decode.py `flint_sched.kernels.tickets.ACQ_REL=False`) compiles its
+own kernels.
 """
 
 from __future__ import annotations
 
-ACQ_REL = False
+ACQ_REL = True
 
 
 def defines() -> tuple[tuple[str, int], ...]:
