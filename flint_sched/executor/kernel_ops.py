@@ -80,21 +80,23 @@ ROUTER_NORMS = True
 # (kernels/moe.py `moe_fused`, cuda/moe_fused.cu): every cluster routes for itself, each CTA copies
 # the chosen NVFP4 experts' weights it needs into shared memory at once (BF16: reads them from
 # global memory, asked of L2 once routed), and down waits on gate/up through a grid-wide counter
-# instead of a kernel boundary; the same bits as ROUTER_NORMS' three launches. Built without a GPU
-# (session 33): off until its GPU tests pass and benchmarks/ab_decode.py measures it.
+# instead of a kernel boundary; the same bits as ROUTER_NORMS' three launches. Off: measured 1.5-3x
+# slower than the launches (one 8-warp CTA an SM, barrier-bound; an H100 step 3.21 against 2.11 ms at
+# batch 1; benchmarks/RESULTS.md session 35).
 FUSED_MOE = False
 
 # Fused steps run the input norm, q/k/v, the Q/K norms, RoPE and the K/V write as one launch
 # (kernels/attention_front.py `qkv_fused`, cuda/qkv_fused.cu: a cluster of 8 CTAs a head, each CTA's
 # NVFP4 q/k/v tile copied into shared memory before the wait (BF16: asked of L2), the head's rows met
-# in CTA 0 for its Q/K norm and K/V write), the same bits as the three launches. Built without a GPU
-# (session 33): off until measured.
+# in CTA 0 for its Q/K norm and K/V write), the same bits as the three launches (4-warp q/k/v). Off:
+# the kernel is ~1 µs a layer shorter than the launches, but the step lost its overlap (an H100 step
+# 2.39 against 2.11 ms at batch 1; RESULTS.md session 35).
 FUSED_QKV = False
 
 # Steps whose LM head runs on the GEMVs make the greedy choice in the LM head's launch (kernels/linear.py
 # `argmax_out`: each CTA's best row of each token by atomicMax, the last CTA writes the ids) instead
 # of an argmax launch that reads the logits again: one dependent hop a step fewer, the same ids.
-# Built without a GPU (session 34): off until measured.
+# Off: no gain measured (PDL already overlapped the argmax launch; RESULTS.md session 35).
 LM_HEAD_ARGMAX = False
 
 # Fused steps run their layers as one persistent launch (kernels/decode_step.py, cuda/decode_step.cu:

@@ -32,11 +32,12 @@ QKV_FUSED_MAX_SHARED = 227 * 1024 - 8 * 1024
 QKV_FUSED_NVFP4_SLOTS = True
 # The kernels with a cluster of 8 CTAs a head (qkv_heads_*: one 16-row tile and 128 threads a CTA, the
 # head's rows met in CTA 0's shared memory; no grid-wide counter, no residency needed) or the grid of
-# resident CTAs with a counter before the per-head work (qkv_fused_*). An A/B until measured.
+# resident CTAs with a counter before the per-head work (qkv_fused_*). The heads kind measured
+# 2.39 ms a step against the grid kind's 2.49 (an H100, batch 1; RESULTS.md session 35).
 QKV_FUSED_HEADS = True
 # The cluster kind's tiles reach CTA 0 by st.async, counted on CTA 0's mbarrier, instead of DSMEM
 # stores and a second cluster barrier (whose release is a MEMBAR.GPU in every CTA; cuda/qkv_fused.cu
-# QH_ST_ASYNC): the same rows. An A/B until measured.
+# QH_ST_ASYNC): the same rows. Measured only with the one-launch MoE too (RESULTS.md session 35).
 QKV_HEADS_ST_ASYNC = False
 QKV_HEADS_THREADS = 128
 QKV_HEADS_CTAS = 8            # cuda/qkv_fused.cu QH_CTAS: a head's 128 rows, 16 a CTA
