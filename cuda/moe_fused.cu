@@ -103,6 +103,7 @@ __device__ __forceinline__ void moe_fused_body(u16* y, u16* h, const u16* x, con
   float* red_down = reinterpret_cast<float*>(pre);  // (slots: over the shared gate/up slot, consumed by then)
   auto bar = [&](int i) { return smem_addr(&l.bars[i]); };
   float* ts = l.tensor_scales;
+  pdl_launch_dependents();  // first thing: see qkv_fused.cu qkv_heads_body
   stage_tensor_scales(gate, ts, E);
   stage_tensor_scales(up, ts + E, E);
   stage_tensor_scales(down, ts + 2 * E, E);
@@ -249,7 +250,6 @@ __device__ __forceinline__ void moe_fused_body(u16* y, u16* h, const u16* x, con
 
   if (threadIdx.x == 0) grid_barrier(counters, C);
   __syncthreads();
-  pdl_launch_dependents();  // every CTA of ours is resident by now
 
   // 4. down: warp w runs moe_down's warps w and w + 8 over items f = u * steps + k-step
   const int steps = I / Wt::KSTEP, items = U * steps;

@@ -94,6 +94,7 @@ __device__ __forceinline__ void qkv_fused_body(u16* q_out, kv_t* k_cache, kv_t* 
   const u32 slots = smem_addr(qf_smem);
   const int n_tiles = N / 16, mine = c < n_tiles ? (n_tiles - 1 - c) / C + 1 : 0;
 
+  pdl_launch_dependents();  // first thing: see qkv_heads_body
   stage_tensor_scales(wt, tensor_scales, 3);
   Wt::init_shared(sh);
   if (SLOTS && threadIdx.x == 0) {
@@ -149,7 +150,6 @@ __device__ __forceinline__ void qkv_fused_body(u16* q_out, kv_t* k_cache, kv_t* 
   }
   if (threadIdx.x == 0) grid_barrier(counters, C);
   __syncthreads();
-  pdl_launch_dependents();  // every CTA of ours is resident by now
 
   // 4. warp-tasks (row b, head): qk_norm_rope_kv_cta's warp, its q/k/v row read from L2
   const int heads = num_q_heads + 2 * num_kv_heads;
@@ -197,6 +197,11 @@ __device__ __forceinline__ void qkv_heads_body(u16* q_out, kv_t* k_cache, kv_t* 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const u32 rank = cluster_ctarank();
   const int head = blockIdx.x / QH_CTAS, n0 = blockIdx.x * 16;
+  // First thing, as in every kernel (cuda/README.md): it takes effect once every CTA of ours has
+  // issued it, so ours are all resident first. Issued after the wait, it kept the next kernel from
+  // starting before the one before ours had ended: the likely cause of the overlap the step lost
+  // with this kernel (benchmarks/RESULTS.md session 35; this placement not measured yet).
+  pdl_launch_dependents();
   const SlotShape shape = slot_shape(K);
   const int pitch = 2 * K + 16;
   unsigned char* x_smem = qh_smem + (SLOTS ? shape.bytes : 0);
@@ -237,7 +242,6 @@ __device__ __forceinline__ void qkv_heads_body(u16* q_out, kv_t* k_cache, kv_t* 
   norm_weight_load<2>(wv, norm_weight, K / 8);
 
   pdl_wait();
-  pdl_launch_dependents();
   stage_rows_shared(x_smem, pitch, x, T, K);
   norm_rows_shared<false, 2>(x_smem, pitch, wv, nullptr, 0, 1, T, K, eps);
 
