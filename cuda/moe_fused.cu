@@ -22,9 +22,10 @@
 // Work: gate/up item j (the grid's items: the shared expert's I/8 tiles, then each routed expert's
 // in first-occurrence order) goes to CTA j % C; down tile n (outputs 16n .. 16n + 15) to CTA n % C.
 // Every CTA of the grid must be resident at once (the counter): the host sizes the grid from
-// cuOccupancyMaxActiveClusters, and the dependents are released only past the counter, so a
-// waiting CTA never holds an SM that one of ours still needs. The last CTA through zeroes the
-// counters for the next launch (graph replays).
+// cuOccupancyMaxActiveClusters. The dependents are released first thing: griddepcontrol.
+// launch_dependents takes effect only once every CTA of the grid has issued it, so a dependent's
+// waiting CTA never holds an SM one of ours still needs. The last CTA through zeroes the counters
+// for the next launch (graph replays).
 //
 // Shared memory (dynamic; kernels/moe.py fused_moe_bytes mirrors it), slots of 16 weight rows
 // (smem_tiles.cuh):
@@ -103,7 +104,7 @@ __device__ __forceinline__ void moe_fused_body(u16* y, u16* h, const u16* x, con
   float* red_down = reinterpret_cast<float*>(pre);  // (slots: over the shared gate/up slot, consumed by then)
   auto bar = [&](int i) { return smem_addr(&l.bars[i]); };
   float* ts = l.tensor_scales;
-  pdl_launch_dependents();  // first thing: see qkv_fused.cu qkv_heads_body
+  pdl_launch_dependents();  // first thing (see the top of this file)
   stage_tensor_scales(gate, ts, E);
   stage_tensor_scales(up, ts + E, E);
   stage_tensor_scales(down, ts + 2 * E, E);

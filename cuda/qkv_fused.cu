@@ -14,8 +14,10 @@
 //   4. Warp-tasks (row b, head): the Q/K norm, RoPE and the K/V write, as qk_norm_rope_kv_cta's warps.
 //
 // Every CTA of the grid must be resident at once (the counter): the host sizes the grid from the
-// occupancy, and the dependents (attention) are released only past the counter. qkv_heads_*
-// (below) do the same with a cluster a head and no counter.
+// occupancy. The dependents (attention) are released first thing: griddepcontrol.launch_dependents
+// takes effect only once every CTA of the grid has issued it, so a dependent's waiting CTA never
+// holds an SM one of ours still needs. qkv_heads_* (below) do the same with a cluster a head and no
+// counter.
 //
 // Shared memory (dynamic; kernels/attention.py qkv_fused_bytes mirrors it):
 //   slots [QF_SLOTS][16 rows of K] | x [T][2K + 16] | cos [T][64] | sin [T][64]
@@ -94,7 +96,7 @@ __device__ __forceinline__ void qkv_fused_body(u16* q_out, kv_t* k_cache, kv_t* 
   const u32 slots = smem_addr(qf_smem);
   const int n_tiles = N / 16, mine = c < n_tiles ? (n_tiles - 1 - c) / C + 1 : 0;
 
-  pdl_launch_dependents();  // first thing: see qkv_heads_body
+  pdl_launch_dependents();  // first thing (see the top of this file)
   stage_tensor_scales(wt, tensor_scales, 3);
   Wt::init_shared(sh);
   if (SLOTS && threadIdx.x == 0) {
@@ -197,10 +199,10 @@ __device__ __forceinline__ void qkv_heads_body(u16* q_out, kv_t* k_cache, kv_t* 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const u32 rank = cluster_ctarank();
   const int head = blockIdx.x / QH_CTAS, n0 = blockIdx.x * 16;
-  // First thing, as in every kernel (cuda/README.md): it takes effect once every CTA of ours has
-  // issued it, so ours are all resident first. Issued after the wait, it kept the next kernel from
-  // starting before the one before ours had ended: the likely cause of the overlap the step lost
-  // with this kernel (benchmarks/RESULTS.md session 35; this placement not measured yet).
+  // First thing, as in every kernel (cuda/README.md; see the top of this file). Issued after the
+  // wait, it kept the next kernel from starting before the one before ours had ended: the likely
+  // cause of the overlap the step lost with this kernel (benchmarks/RESULTS.md session 35; this
+  // placement not measured yet).
   pdl_launch_dependents();
   const SlotShape shape = slot_shape(K);
   const int pitch = 2 * K + 16;
