@@ -77,8 +77,8 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
     QKV_FUSED_HEADS: a cluster of 8 CTAs a head (`counters` unused, may be None); else a grid of as
     many CTAs as the GPU holds at once, waiting on `counters` (kernels/smem_tiles.py `grid_counters`,
     not shared with a launch that may run beside it), so that no other kernel may hold SMs for good
-    while it runs. qkv: where the q/k/v
-    rows go [T, (H + 2G) * 128] (scratch; the cluster kind writes them only when given)."""
+    while it runs. qkv: where the q/k/v rows go [T, (H + 2G) * 128] (scratch; the cluster kind writes
+    them only when given)."""
     check_activations(x)
     t, k = x.shape
     g = _check_pools(k_pool, v_pool)
@@ -92,9 +92,7 @@ def qkv_fused(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight, ro
     check_row_splits(row_splits, n)
     if len(row_splits) != 2:
         raise ValueError(f"row_splits must be (q rows, q + k rows), got {row_splits}")
-    w_args = weight_args(weight, "weight", (n, k), dev, 3)
-    if slots and w_args[1].data_ptr() % 16:
-        raise ValueError("weight.block_scales must start at a 16-byte aligned address (bulk copies)")
+    w_args = weight_args(weight, "weight", (n, k), dev, 3, scales_align=16 if slots else 2)  # slots: bulk copies
     check_tensor(norm_weight, "norm_weight", torch.bfloat16, (k,), dev)
     if counters is not None or not QKV_FUSED_HEADS:     # the grid kind waits on them; a cluster a head does not
         check_tensor(counters, "counters", torch.int32, (2,), dev, 4)

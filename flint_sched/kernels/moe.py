@@ -298,16 +298,16 @@ def moe_fused(x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, route
     has_shared = shared_gate is not None
     if any((w is not None) != has_shared for w in shared):
         raise ValueError("give all of shared_gate, shared_up and shared_down, or none")
-    args = (weight_args(gate, "gate", (e, i, k), x.device, e) + weight_args(up, "up", (e, i, k), x.device, e)
-            + weight_args(down, "down", (e, k, i), x.device, e))
+    align = 16 if slots else 2      # the slots' bulk copies read the block scales
+    args = (weight_args(gate, "gate", (e, i, k), x.device, e, align)
+            + weight_args(up, "up", (e, i, k), x.device, e, align)
+            + weight_args(down, "down", (e, k, i), x.device, e, align))
     if has_shared:
-        args += (weight_args(shared_gate, "shared_gate", (i, k), x.device)
-                 + weight_args(shared_up, "shared_up", (i, k), x.device)
-                 + weight_args(shared_down, "shared_down", (k, i), x.device))
+        args += (weight_args(shared_gate, "shared_gate", (i, k), x.device, scales_align=align)
+                 + weight_args(shared_up, "shared_up", (i, k), x.device, scales_align=align)
+                 + weight_args(shared_down, "shared_down", (k, i), x.device, scales_align=align))
     else:
         args += [None] * (9 if fmt == "nvfp4" else 3)
-    if slots and any(scales is not None and scales.data_ptr() % 16 for scales in args[1::3]):
-        raise ValueError("NVFP4 block_scales must start at 16-byte aligned addresses (bulk copies)")
     if residual is not None:
         check_tensor(residual, "residual", torch.bfloat16, (t, k), x.device, 2)
     y = output(out, "out", (t, k), x)

@@ -203,7 +203,7 @@ def test_bad_arguments_are_refused_before_the_launch(layer):
         w = p["down"]
         shifted = torch.empty(w.block_scales.numel() + 2, dtype=torch.uint8, device="cuda")[2:]
         moved = NVFP4Tensor(w.codes, shifted.view(w.block_scales.shape).copy_(w.block_scales), w.tensor_scale)
-        with pytest.raises(ValueError, match="block_scales must start at 16-byte"):
+        with pytest.raises(ValueError, match="block_scales must start at a 16-byte"):
             moe_fused(x, *args[:-1], moved, None, None, None, counters)
 
 
