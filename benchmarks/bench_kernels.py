@@ -10,7 +10,6 @@ Run on the GPU machine: python benchmarks/bench_kernels.py [--pdl]
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import sys
 from dataclasses import dataclass
@@ -23,14 +22,11 @@ import torch  # noqa: E402
 from flint_sched.benchmarks.graph_timing import num_sets, reps_for, time_graph  # noqa: E402
 from flint_sched.kernels import (argmax_workspace, fused_add_rms_norm, gate_up_silu, greedy, linear,  # noqa: E402
                                  moe_down, moe_gate_up, route, router_workspace)
-from flint_sched.kernels.moe import moe_fused  # noqa: E402
-from flint_sched.kernels.smem_tiles import grid_counters  # noqa: E402
 from flint_sched.quant.nvfp4 import NVFP4Tensor, quantize  # noqa: E402
 
 HIDDEN, Q_SIZE, QKV, DENSE_INTER, VOCAB = 2048, 4096, 5120, 10240, 151552
 EXPERTS, TOP_K, MOE_INTER = 256, 6, 512
 MAX_SETS = 48
-moe_kernels = importlib.import_module("flint_sched.kernels.moe")   # the package exports a function `moe`
 PDL = {"pdl": False}          # launch option for every kernel, set from the command line
 
 
@@ -140,46 +136,6 @@ def bench_moe(fmt: str, b: int, stacks: dict) -> list[Result]:
                    int((distinct + 1) * per_expert_down) + acts + 2 * y.numel() * 2)]
 
 
-def bench_moe_block(fmt: str, b: int, stacks: dict) -> list[Result]:
-    """The fused path's MoE block (its norm, the router, the experts, the residual) as the three
-    launches of kernel_ops.ROUTER_NORMS and as moe_fused's one (NVFP4: through shared-memory slots and
-    read from global memory), over rows that route to other experts each launch. Back to back, unlike
-    in a step, where attention runs between two MoE blocks."""
-    s = stacks
-    xs = [(4 * torch.randn(b, HIDDEN, device="cuda")).bfloat16() for _ in range(32)]
-    gate = make_weight("bf16", EXPERTS, HIDDEN)
-    bias = 0.1 * torch.randn(EXPERTS, device="cuda")
-    norm = (1 + 0.1 * torch.randn(HIDDEN, device="cuda")).bfloat16()
-    normed, y = torch.empty(b, HIDDEN, device="cuda", dtype=torch.bfloat16), torch.empty_like(xs[0])
-    ids = torch.empty(b, TOP_K, dtype=torch.int32, device="cuda")
-    weights = torch.empty(b, TOP_K, device="cuda")
-    h = torch.empty(b, TOP_K + 1, MOE_INTER, device="cuda", dtype=torch.bfloat16)
-    counters = grid_counters("cuda")
-    experts = (s["gate"], s["up"], s["down"], s["shared_gate"], s["shared_up"], s["shared_down"])
-
-    def three(x):
-        route(x, gate, bias, TOP_K, 2.5, ids=ids, weights=weights, norm_weight=norm, norm_eps=1e-5, normed=normed,
-              **PDL)
-        moe_gate_up(normed, ids, s["gate"], s["up"], s["shared_gate"], s["shared_up"], out=h, **PDL)
-        moe_down(h, ids, weights, s["down"], s["shared_down"], residual=x, out=y, **PDL)
-
-    def one(x):
-        moe_fused(x, norm, 1e-5, gate, bias, TOP_K, 2.5, *experts, counters, residual=x, out=y, h=h, **PDL)
-
-    distinct = statistics.mean(len(set(route(x, gate, bias, TOP_K, 2.5, norm_weight=norm, norm_eps=1e-5,
-                                             normed=normed)[0].flatten().tolist())) for x in xs)
-    moved = int((distinct + 1) * 3 * nbytes(s["down"]) // EXPERTS) + EXPERTS * HIDDEN * 2
-    what = f"({distinct:.1f} + shared)"
-    results = [Result(f"moe block, 3 launches {what}", fmt, b, time_graph([lambda x=x: three(x) for x in xs],
-                                                                        reps_for(len(xs))), moved)]
-    for slots in ((True, False) if fmt == "nvfp4" else (False,)):
-        moe_kernels.FUSED_NVFP4_SLOTS = slots
-        us = time_graph([lambda x=x: one(x) for x in xs], reps_for(len(xs)))
-        results.append(Result(f"moe block, 1 launch{', slots' if slots else ''} {what}", fmt, b, us, moved))
-    moe_kernels.FUSED_NVFP4_SLOTS = True
-    return results
-
-
 def expert_stacks(fmt: str) -> dict:
     return dict(gate=make_weight(fmt, EXPERTS, MOE_INTER, HIDDEN, per_expert=True),
                 up=make_weight(fmt, EXPERTS, MOE_INTER, HIDDEN, per_expert=True),
@@ -202,8 +158,6 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"])
     parser.add_argument("--pdl", action="store_true", help="launch with programmatic dependent launch")
-    parser.add_argument("--moe-block", action="store_true",
-                        help="also time the MoE block as three launches and as moe_fused's one")
     args = parser.parse_args()
     PDL["pdl"] = args.pdl
     torch.manual_seed(0)
@@ -230,8 +184,6 @@ def main() -> None:
         stacks = expert_stacks(fmt)
         for b in args.batches:
             add(*bench_moe(fmt, b, stacks))
-            if args.moe_block:
-                add(*bench_moe_block(fmt, b, stacks))
         del stacks
         torch.cuda.empty_cache()
     print()

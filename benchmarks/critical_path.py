@@ -153,8 +153,6 @@ def host_times(executor, plan, steps: int = 50) -> str:
 
 def layer_marker() -> str:
     """The kernel launched once a layer that starts a time line: the Q/K norm's, wherever it runs."""
-    if ko.FUSED_QKV:
-        return "qkv_fused"
     return "decode_attention_qk" if ko.FUSE_QK_ATTENTION else "qk_norm_rope_kv"
 
 
@@ -174,7 +172,7 @@ def main() -> int:
                         help="also time the step with each of these attention MIN_SPLIT_KEYS (e.g. 64,128,256)")
     parser.add_argument("--set", default="", metavar="ASSIGNMENTS",
                         help="module constants set first, as an ab_decode.py variant's body "
-                             "(e.g. flint_sched.executor.kernel_ops.FUSED_MOE=True)")
+                             "(e.g. flint_sched.executor.kernel_ops.FOLD_NORMS=True)")
     args = parser.parse_args()
     if args.set:
         set_constants(args.set, "--set")

@@ -90,11 +90,6 @@ __device__ __forceinline__ uint4 lds_v4(u32 addr) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
-__device__ __forceinline__ u32 lds_u16(u32 addr) {
-  u16 v;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-  return v;
-}
 __device__ __forceinline__ void sts_v4(u32 addr, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
@@ -104,13 +99,6 @@ __device__ __forceinline__ void sts_v4(u32 addr, uint4 v) {
 // intrinsics are ordinary memory reads to the compiler (kept below fences, free to overlap).
 __device__ __forceinline__ float ld_cg_f32(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ u64 ld_cg_u64(const u64* p) { return __ldcg(p); }
-// 16 bytes of it, in volatile asm with a memory clobber: kept below the grid counter's barrier.
-__device__ __forceinline__ uint4 ld_cg_v4(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-  return v;
-}
 
 // Hint: bring [p, p + bytes) into L2, one request to the bulk copy engine, no registers. Used
 // before `pdl_wait` on weights, so their DRAM reads overlap the previous kernel. `bytes` is

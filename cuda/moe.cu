@@ -90,9 +90,8 @@ __device__ __forceinline__ void moe_gate_up(int tile, int pair, u16* h, const u1
 
 // The distinct experts of this step, in first-occurrence order, then the shared one (-1):
 // expert[u], and per token b the slot it used (or -1) and its coefficient (routing weight x
-// sum scale, 1 x sum scale for the shared expert, 0 if unused). SHARED: ids and routing weights
-// are in this CTA's shared memory (moe_fused.cu), not the router's output in global memory.
-template <class Wt, bool SHARED = false>
+// sum scale, 1 x sum scale for the shared expert, 0 if unused).
+template <class Wt>
 __device__ __forceinline__ int moe_expert_list(int* expert, int (*slot)[8], float (*coef)[8],
                                                const int* ids, const float* routing_weights,
                                                const Wt& stack, const Wt& shared, int has_shared,
@@ -101,7 +100,7 @@ __device__ __forceinline__ int moe_expert_list(int* expert, int (*slot)[8], floa
   __shared__ int first[MOE_MAX_PAIRS];
   __shared__ int num_experts;
   const int P = T * A, tid = threadIdx.x;
-  if (tid < P) pair_expert[tid] = SHARED ? ids[tid] : __ldcg(ids + tid);  // from L2: written by the router
+  if (tid < P) pair_expert[tid] = __ldcg(ids + tid);  // from L2: written by the router
   __syncthreads();
   if (tid < P) {
     const int e = pair_expert[tid];
@@ -135,7 +134,7 @@ __device__ __forceinline__ int moe_expert_list(int* expert, int (*slot)[8], floa
         for (int a = 0; a < A; ++a)
           if (pair_expert[b * A + a] == e) {
             s = a;
-            c = (SHARED ? routing_weights[b * A + a] : __ldcg(routing_weights + b * A + a)) * stack.sum_scale(e);
+            c = __ldcg(routing_weights + b * A + a) * stack.sum_scale(e);
           }
       }
     }

@@ -39,19 +39,6 @@ __device__ __forceinline__ void rope_table(float* cos_s, float* sin_s, int p, co
   }
 }
 
-// rope_table for the positions of T rows: cos_s / sin_s [T][64] (every thread of the CTA; the
-// caller syncs).
-__device__ __forceinline__ void rope_tables(float* cos_s, float* sin_s, const int* positions, int T,
-                                            const double* rope_inv_freq) {
-  for (int i = threadIdx.x; i < T * (HEAD_DIM / 2); i += blockDim.x) {
-    const int b = i / (HEAD_DIM / 2), f = i - b * (HEAD_DIM / 2);
-    double sin_a, cos_a;
-    sincos((double)positions[b] * rope_inv_freq[f], &sin_a, &cos_a);
-    cos_s[i] = (float)cos_a;
-    sin_s[i] = (float)sin_a;
-  }
-}
-
 // y = rope(bf16(rms_norm(x) * w)) of this lane's 4 dims; rope false: no rotation (full layers).
 __device__ __forceinline__ void norm_rope_lanes(const float (&x)[4], const float (&w)[4], float eps, bool rope,
                                                 const float* cos_s, const float* sin_s, int lane, float (&y)[4]) {

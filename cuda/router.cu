@@ -103,7 +103,6 @@ __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
 // Dynamic shared memory, rows `pitch` = 2K + 16 bytes apart (the pad puts the 8 rows of every
 // ldmatrix, and the 8 token rows of the B fragments, in distinct banks):
 //   gate rows [tiles * 16][pitch] | x [T][pitch] | scores [T][E] fp32 | bias [E]
-// The phases below are shared with moe_fused.cu, which routes in every cluster of its grid.
 struct RouterSmem {
   unsigned char* w;  // this CTA's gate rows: experts e0 .. e0 + n_rows - 1
   unsigned char* x;
@@ -112,9 +111,7 @@ struct RouterSmem {
   int pitch, tiles, e0, n_rows;
 };
 
-// w_bytes: the room before x at least (moe_fused.cu reuses it once routed).
-__device__ __forceinline__ RouterSmem router_smem(unsigned char* smem, u32 rank, int T, int E, int K,
-                                                  int w_bytes = 0) {
+__device__ __forceinline__ RouterSmem router_smem(unsigned char* smem, u32 rank, int T, int E, int K) {
   RouterSmem s;
   const int per_cta = (E + RC_CTAS - 1) / RC_CTAS;
   s.tiles = (per_cta + 15) / 16;
@@ -122,7 +119,7 @@ __device__ __forceinline__ RouterSmem router_smem(unsigned char* smem, u32 rank,
   s.n_rows = max(0, min(per_cta, E - s.e0));
   s.pitch = 2 * K + 16;
   s.w = smem;
-  s.x = s.w + max(w_bytes, s.tiles * 16 * s.pitch);
+  s.x = s.w + s.tiles * 16 * s.pitch;
   s.scores = reinterpret_cast<float*>(s.x + T * s.pitch);
   s.bias = s.scores + T * E;
   return s;

@@ -215,55 +215,10 @@ def test_the_argmax_workspace_holds_every_split_count(waves, monkeypatch):
         assert b * splits + 1 <= size and splits * chunk >= vocab and chunk % 8 == 0
 
 
-@pytest.mark.parametrize("st_async", [0, 1])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_the_one_launch_moe_fits_a_cta_of_shared_memory_without_spills(warps, st_async):
-    """moe_fused's kernels (cuda/moe_fused.cu: NVFP4 through slots, NVFP4 and BF16 direct; the
-    router's scores by DSMEM stores or st.async) hold everything in registers, and their static shared
-    memory plus kernels/moe.py fused_moe_bytes for Flint's MoE at 1-8 rows fit the 227 KiB a CTA may
-    have (the budget FUSED_MAX_SHARED assumes)."""
-    from flint_sched.kernels.moe import FUSED_MAX_SHARED, fused_moe_bytes
-    usage = _runtime.resource_usage("moe_fused.cu", {"MOE_GATE_UP_WARPS": warps, "RC_ST_ASYNC": st_async})
-    for name, slots in (("moe_fused_nvfp4", True), ("moe_fused_direct_nvfp4", False), ("moe_fused_direct_bf16", False)):
-        assert usage[name].spill_store_bytes == usage[name].spill_load_bytes == 0, (name, usage[name])
-        assert 0 < usage[name].shared_bytes <= 227 * 1024 - FUSED_MAX_SHARED
-        for tokens in range(1, 9):
-            dynamic = fused_moe_bytes(256, 2048, 512, tokens, 6, slots)
-            assert dynamic is not None and dynamic + usage[name].shared_bytes <= 227 * 1024
-    assert fused_moe_bytes(256, 2048, 512, 9, 6) is None and fused_moe_bytes(256, 2000, 512, 1, 6) is None
-    assert fused_moe_bytes(32, 512, 128, 1, 6) is None and fused_moe_bytes(32, 512, 256 * 3, 1, 6, False) is not None
-
-
-def test_the_one_launch_attention_front_fits_and_does_not_spill():
-    """qkv_fused's kernels (cuda/qkv_fused.cu: NVFP4 through slots, NVFP4 and BF16 direct; a grid on a
-    counter and a cluster a head, its rows to CTA 0 by DSMEM stores or st.async) hold everything in
-    registers (the stack frame is sincos's, as in qk_norm_rope_kv.cu). Flint's q/k/v at 1-8 rows fits two grid CTAs a SM's shared memory (228 KiB),
-    and three of the cluster kind's, registers included (320 CTAs in one wave)."""
-    from flint_sched.kernels.attention_front import QKV_FUSED_MAX_SHARED, qkv_fused_bytes
-    for defines in ({}, {"KV_FP8": 1}, {"QH_ST_ASYNC": 1}, {"QH_ST_ASYNC": 1, "KV_FP8": 1}):
-        usage = _runtime.resource_usage("qkv_fused.cu", defines)
-        for name, slots in (("qkv_fused_nvfp4", True), ("qkv_fused_direct_nvfp4", False),
-                            ("qkv_fused_direct_bf16", False)):
-            assert usage[name].spill_store_bytes == usage[name].spill_load_bytes == 0, (name, usage[name])
-            assert 0 < usage[name].shared_bytes <= 227 * 1024 - QKV_FUSED_MAX_SHARED
-            for tokens in range(1, 9):
-                dynamic = qkv_fused_bytes(tokens, 5120, 2048, slots, heads=False)
-                assert dynamic is not None and 2 * (dynamic + usage[name].shared_bytes + 1024) <= 228 * 1024
-        for name, slots in (("qkv_heads_nvfp4", True), ("qkv_heads_direct_nvfp4", False),
-                            ("qkv_heads_direct_bf16", False)):
-            # a cluster a head: Flint's 320 CTAs of 128 threads in one wave of 132 SMs (3 a SM)
-            assert usage[name].spill_store_bytes == usage[name].spill_load_bytes == 0, (name, usage[name])
-            assert usage[name].registers * 128 * 3 <= 65536, (name, usage[name])
-            for tokens in range(1, 9):
-                dynamic = qkv_fused_bytes(tokens, 5120, 2048, slots, heads=True)
-                assert dynamic is not None and 3 * (dynamic + usage[name].shared_bytes + 1024) <= 228 * 1024
-    assert qkv_fused_bytes(9, 5120, 2048) is None and qkv_fused_bytes(1, 5120, 2000) is None
-
-
 @pytest.mark.parametrize("source,defines", [
     ("decode_attention.cu", {"ATTN_MIN_SPLIT_KEYS": 64}), ("decode_attention.cu", {"ATTN_MIN_SPLIT_KEYS": 64, "KV_FP8": 1}),
     ("argmax.cu", {}), ("gemv.cu", {"GEMV_WARPS": 8, "X_BATCH": 1}), ("gemv.cu", {"GEMV_WARPS": 4, "X_BATCH": 0}),
-    ("moe_fused.cu", {"MOE_GATE_UP_WARPS": 4}), ("qkv_fused.cu", {}), ("router.cu", {"ROUTER_MAX_EXPERTS": 256}),
+    ("router.cu", {"ROUTER_MAX_EXPERTS": 256}),
     ("moe_routing.cu", {"ROUTER_MAX_EXPERTS": 256, "MASK_TOKENS": 256}),
     ("expert_decode.cu", {"ED_GROUPS": 1, "ED_TILES": 2, "ED_TILES_DOWN": 4, "ED_CLUSTER": 8}),
     ("expert_decode.cu", {"ED_GROUPS": 1, "ED_TILES": 4, "ED_TILES_DOWN": 8})])

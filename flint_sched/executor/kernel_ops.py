@@ -27,14 +27,12 @@ from flint_sched.executor.dense_copies import DenseCopies
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.executor.step_inputs import DecodeInputs
 from flint_sched.kernels import attention as attn
-from flint_sched.kernels import attention_front as front
 from flint_sched.kernels import decode_step
 from flint_sched.kernels.embedding import embed_tokens
 from flint_sched.kernels.grouped import grouped_gate_up, grouped_linear
 from flint_sched.kernels.grouped_moe import moe_grouped
 from flint_sched.kernels.linear import MAX_TOKENS, gate_up_silu, linear, weight_format
-from flint_sched.kernels.moe import (fused_moe_bytes, fused_slots, moe_down, moe_fused, moe_gate_up, route,
-                                     router_normalizes)
+from flint_sched.kernels.moe import moe_down, moe_gate_up, route, router_normalizes
 from flint_sched.kernels.norm import rms_norm
 from flint_sched.kernels.prefill_attention import (
     PrefillMetadata,
@@ -76,23 +74,6 @@ FOLD_NORMS = False
 # weights, tried beside it, lost: 2.33 -> 2.84 at batch 1, 3.3 -> 5.9 at 4.)
 ROUTER_NORMS = True
 
-# Fused steps run each MoE block (the norm before it, the router, gate/up, down) as one launch
-# (kernels/moe.py `moe_fused`, cuda/moe_fused.cu): every cluster routes for itself, each CTA copies
-# the chosen NVFP4 experts' weights it needs into shared memory at once (BF16: reads them from
-# global memory, asked of L2 once routed), and down waits on gate/up through a grid-wide counter
-# instead of a kernel boundary; the same bits as ROUTER_NORMS' three launches. Off: measured 1.5-3x
-# slower than the launches (one 8-warp CTA an SM, barrier-bound; an H100 step 3.21 against 2.11 ms at
-# batch 1; benchmarks/RESULTS.md session 35).
-FUSED_MOE = False
-
-# Fused steps run the input norm, q/k/v, the Q/K norms, RoPE and the K/V write as one launch
-# (kernels/attention_front.py `qkv_fused`, cuda/qkv_fused.cu: a cluster of 8 CTAs a head, each CTA's
-# NVFP4 q/k/v tile copied into shared memory before the wait (BF16: asked of L2), the head's rows met
-# in CTA 0 for its Q/K norm and K/V write), the same bits as the three launches (4-warp q/k/v). Off:
-# the kernel is ~1 µs a layer shorter than the launches, but the step lost its overlap (an H100 step
-# 2.39 against 2.11 ms at batch 1; RESULTS.md session 35).
-FUSED_QKV = False
-
 # Steps whose LM head runs on the GEMVs make the greedy choice in the LM head's launch (kernels/linear.py
 # `argmax_out`: each CTA's best row of each token by atomicMax, the last CTA writes the ids) instead
 # of an argmax launch that reads the logits again: one dependent hop a step fewer, the same ids.
@@ -123,9 +104,9 @@ DECODES_APART = True
 
 @dataclass(frozen=True)
 class Unnormed:
-    """rms_norm(h, weight) not computed yet (FOLD_NORMS, ROUTER_NORMS, FUSED_MOE, FUSED_QKV): a GEMV
-    (FOLD_NORMS), the router (ROUTER_NORMS) or a one-launch block (FUSED_MOE, FUSED_QKV) that reads it
-    normalizes on the fly, any other reader has it computed first (`KernelOps._normed`)."""
+    """rms_norm(h, weight) not computed yet (FOLD_NORMS, ROUTER_NORMS): a GEMV (FOLD_NORMS) or the
+    router (ROUTER_NORMS) that reads it normalizes on the fly, any other reader has it computed first
+    (`KernelOps._normed`)."""
 
     h: torch.Tensor
     weight: str
@@ -211,7 +192,7 @@ class KernelOps:
         return h
 
     def rms_norm(self, x: torch.Tensor, weight: str) -> torch.Tensor | Unnormed:
-        if (FOLD_NORMS or ROUTER_NORMS or FUSED_MOE or FUSED_QKV) and self.variant == "fused":
+        if (FOLD_NORMS or ROUTER_NORMS) and self.variant == "fused":
             return Unnormed(x, weight)
         return rms_norm(x, self.w[weight], self.eps, out=torch.empty_like(x), pdl=self.pdl)
 
@@ -230,8 +211,6 @@ class KernelOps:
     def qkv(self, i: int, x: torch.Tensor | Unnormed):
         c, p = self.c, f"model.layers.{i}.self_attn."
         weight, splits = self.k.qkv[i]
-        if self._fused_qkv(x, weight, splits):
-            return self._qkv_fused(i, x, weight, splits)
         out = torch.empty(self.rows, c.q_size + 2 * c.kv_size, dtype=torch.bfloat16, device=self.hidden.device)
         if self._gemv(self.rows, weight):
             qkv = self._gemv_linear(x, weight, out=out, row_splits=splits)
@@ -262,24 +241,6 @@ class KernelOps:
         return attn.qk_norm_rope_kv_full(qkv, self.w[p + "q_norm.weight"], self.w[p + "k_norm.weight"],
                                          inp.positions[:b], full[0], full[1], inp.block_tables[:b], c.rms_norm_eps,
                                          q_out=q, pdl=self.pdl)
-
-    def _fused_qkv(self, x: torch.Tensor | Unnormed, weight, splits: tuple) -> bool:
-        """Whether the norm, q/k/v and the Q/K norm run as one launch (FUSED_QKV, shapes it takes)."""
-        return (FUSED_QKV and self.variant == "fused" and isinstance(x, Unnormed) and len(splits) == 2
-                and front.qkv_fused_bytes(self.rows, weight.shape[0], self.c.hidden_size,
-                                          front.qkv_fused_slots(weight_format(weight))) is not None)
-
-    def _qkv_fused(self, i: int, x: Unnormed, weight, splits: tuple) -> torch.Tensor:
-        c, p, inp, b = self.c, f"model.layers.{i}.self_attn.", self.inputs, self.rows
-        q = torch.empty(b, c.num_attention_heads, c.head_dim, dtype=torch.bfloat16, device=x.h.device)
-        kv = self.k.kv
-        if c.is_sliding(i):
-            pools, where = kv.ring[kv.ring_index[i]], dict(ring_slots=inp.ring_slots[:b], rope_theta=c.rope_theta)
-        else:
-            pools, where = kv.full[kv.full_index[i]], dict(block_tables=inp.block_tables[:b])
-        return front.qkv_fused(x.h, self.w[x.weight], self.eps, weight, splits, self.w[p + "q_norm.weight"],
-                               self.w[p + "k_norm.weight"], inp.positions[:b], pools[0], pools[1], c.rms_norm_eps,
-                               self.ws.qkv_counters, q_out=q, pdl=self.pdl, **where)
 
     def attention(self, i: int, q) -> torch.Tensor:
         c, b = self.c, self.rows
@@ -363,11 +324,6 @@ class KernelOps:
         experts, shared = self._experts(i)
         out = self._other(residual)
         if self.variant == "fused":
-            if self._fused_moe(x, router, experts, shared):
-                h = moe_fused(x.h, w[x.weight], self.eps, router, bias, c.num_experts_per_tok,
-                              c.routed_scaling_factor, *experts, *shared, self.ws.moe_counters, residual=residual,
-                              out=out, pdl=self.pdl)
-                return h, None if norm is None else self.rms_norm(h, norm)
             if self._router_norms(x, router):
                 normed = torch.empty_like(x.h)
                 ids, weights = route(x.h, router, bias, c.num_experts_per_tok, c.routed_scaling_factor,
@@ -403,13 +359,6 @@ class KernelOps:
     def _router_norms(self, x: torch.Tensor | Unnormed, router: torch.Tensor) -> bool:
         """Whether the router normalizes x itself (ROUTER_NORMS, on the cluster router only)."""
         return isinstance(x, Unnormed) and ROUTER_NORMS and router_normalizes(*router.shape, self.rows)
-
-    def _fused_moe(self, x: torch.Tensor | Unnormed, router: torch.Tensor, experts: list, shared: list) -> bool:
-        """Whether the MoE block runs as one launch (FUSED_MOE, shapes it takes)."""
-        c = self.c
-        return (FUSED_MOE and isinstance(x, Unnormed)
-                and fused_moe_bytes(router.shape[0], c.hidden_size, c.moe_intermediate_size, self.rows,
-                                    c.num_experts_per_tok, fused_slots(weight_format(*experts, *shared))) is not None)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.sample_rows is not None:

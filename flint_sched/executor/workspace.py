@@ -15,7 +15,6 @@ from flint_sched.kernels import attention as attn
 from flint_sched.kernels.grouped_moe import moe_routing_workspace
 from flint_sched.kernels.moe import router_workspace
 from flint_sched.kernels.sampling import argmax_workspace, pick_workspace
-from flint_sched.kernels.smem_tiles import grid_counters
 
 
 class Workspaces:
@@ -31,8 +30,6 @@ class Workspaces:
         self.next_tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.attention = attn.attention_workspace(device, max_rows, c.num_key_value_heads)
         self.router = router_workspace(c.n_routed_experts, device)
-        # the grid-wide counters of the one-launch blocks (kernel_ops.FUSED_MOE, FUSED_QKV)
-        self.moe_counters, self.qkv_counters = grid_counters(device), grid_counters(device)
         self.argmax = argmax_workspace(max(max_rows, max_seqs), c.vocab_size, device)
         self.pick = pick_workspace(max(max_rows, max_seqs), device)  # the LM head's own argmax (LM_HEAD_ARGMAX)
         self.moe_routing = self._routing(max_rows, device)

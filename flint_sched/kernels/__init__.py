@@ -21,9 +21,6 @@ VARIANTS = {
                      for g in (1, 2, 3, 4) if g <= 2 or w <= 8),
     "router.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),
     "moe.cu": tuple({"MOE_GATE_UP_WARPS": w, "X_BATCH": x} for w in (4, 8) for x in (0, 1)),
-    "moe_fused.cu": ({"MOE_GATE_UP_WARPS": 4, "MF_DOWN_EARLY": 1, "MF_PREFETCH": 1},
-                     {"MOE_GATE_UP_WARPS": 8, "MF_DOWN_EARLY": 0, "MF_PREFETCH": 0}),
-    "qkv_fused.cu": ({"QF_MIN_CTAS": 1}, {"QF_MIN_CTAS": 1, "KV_FP8": 1}, {"QF_MIN_CTAS": 2}),
     "grouped_gemm.cu": tuple({"GROUPED_CHUNK": c, "GROUPED_TILES": t} for c in (16, 64) for t in (1, 4))
     + ({"GROUPED_CHUNK": 8, "GROUPED_TILES": 4},),                                # grouped.MOE_SMALL_CHUNK = 8
     "moe_routing.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),
@@ -42,11 +39,6 @@ ENTRY_POINTS = (
     ("router.cu", "router_topk"), ("router.cu", "router_topk_cluster"),
     ("moe.cu", "moe_gate_up_bf16"), ("moe.cu", "moe_gate_up_nvfp4"),
     ("moe.cu", "moe_down_bf16"), ("moe.cu", "moe_down_nvfp4"),
-    ("moe_fused.cu", "moe_fused_nvfp4"), ("moe_fused.cu", "moe_fused_direct_nvfp4"),
-    ("moe_fused.cu", "moe_fused_direct_bf16"),
-    ("qkv_fused.cu", "qkv_fused_nvfp4"), ("qkv_fused.cu", "qkv_fused_direct_nvfp4"),
-    ("qkv_fused.cu", "qkv_fused_direct_bf16"), ("qkv_fused.cu", "qkv_heads_nvfp4"),
-    ("qkv_fused.cu", "qkv_heads_direct_nvfp4"), ("qkv_fused.cu", "qkv_heads_direct_bf16"),
     ("argmax.cu", "argmax_bf16"), ("argmax.cu", "argmax_f32"),
     ("argmax.cu", "sample_bf16"), ("argmax.cu", "sample_f32"),
     ("qk_norm_rope_kv.cu", "qk_norm_rope_kv_bf16"), ("decode_attention.cu", "decode_attention_bf16"),

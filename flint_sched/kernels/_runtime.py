@@ -262,24 +262,6 @@ class Kernel:
         return int(_check(_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(function, block_threads, shared_bytes),
                           f"{self.name}: occupancy", KernelLaunchError))
 
-    def resident_clusters(self, block_threads: int, shared_bytes: int, cluster_ctas: int,
-                          device: int | None = None) -> int:
-        """How many clusters (the kernel's compiled cluster size, `cluster_ctas` CTAs) of
-        `block_threads`-thread CTAs with `shared_bytes` of dynamic shared memory the GPU holds at once
-        (the driver's occupancy, shared memory favoured): the grid of a kernel whose CTAs all wait on
-        each other."""
-        device = torch.cuda.current_device() if device is None else device
-        self.prefer_shared(shared_bytes, device)
-        driver = _driver()
-        config = driver.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = cluster_ctas, 1, 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = block_threads, 1, 1
-        config.sharedMemBytes = shared_bytes
-        config.hStream = self._stream(_current_stream_handle(device))
-        config.numAttrs = 0
-        return int(_check(driver.cuOccupancyMaxActiveClusters(self._functions[device], config),
-                          f"{self.name}: cluster occupancy", KernelLaunchError))
-
     def _stream(self, handle: int):
         stream = self._streams.get(handle)
         if stream is None:

@@ -112,16 +112,14 @@ def check_activations(x: torch.Tensor, name: str = "x", max_tokens: int = MAX_TO
 
 
 def weight_args(w: Weight, name: str, shape: tuple[int, ...], device: torch.device,
-                num_scales: int = 1, scales_align: int = 2) -> list:
-    """Kernel arguments of a bf16 or NVFP4 weight [..., N, K], checked: [w] or [codes, scales, scale].
-    scales_align: the NVFP4 block scales' base alignment in bytes (16: a bulk copy's source)."""
+                num_scales: int = 1) -> list:
+    """Kernel arguments of a bf16 or NVFP4 weight [..., N, K], checked: [w] or [codes, scales, scale]."""
     *lead, n, k = shape
     if isinstance(w, NVFP4Tensor):
         if k % 64:
             raise ValueError(f"{name}: NVFP4 needs K % 64 == 0, got K = {k}")
         check_tensor(w.codes, f"{name}.codes", torch.uint8, (*lead, n, k // 2), device)
-        check_tensor(w.block_scales, f"{name}.block_scales", torch.uint8, (*lead, n, k // 16), device,
-                     scales_align)
+        check_tensor(w.block_scales, f"{name}.block_scales", torch.uint8, (*lead, n, k // 16), device, 2)
         check_tensor(w.tensor_scale, f"{name}.tensor_scale", torch.float32, (num_scales,), device, 4)
         return [w.codes, w.block_scales, w.tensor_scale]
     if k % 8:

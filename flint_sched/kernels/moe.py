@@ -22,7 +22,6 @@ from flint_sched.kernels._runtime import F32, I32, Kernel, compile_kernel
 from flint_sched.kernels.linear import (MAX_TOKENS, Weight, cdiv, check_activations, check_tensor, output,
                                         weight_args, weight_format, x_batch)
 from flint_sched.kernels.norm import MAX_HIDDEN
-from flint_sched.kernels.smem_tiles import slot_bytes
 
 MAX_PAIRS = 64            # T * A (cuda/moe.cu MOE_MAX_PAIRS)
 MAX_EXPERTS = 1024        # router: 32 experts per lane
@@ -34,7 +33,7 @@ CLUSTER_MAX_SHARED = 200 * 1024    # its dynamic shared memory at most (the H200
 # (an A/B switch for benchmarks/ab_decode.py: the cluster launch left the GPU idle around it when it
 # also sorted, at 9-16 rows, RESULTS.md session 14; here it won at batch 1 and 8 in session 3).
 CLUSTER_ROUTER = True
-# The cluster router's scores (and moe_fused's) reach the CTAs that select by st.async, counted on
+# The cluster router's scores reach the CTAs that select by st.async, counted on
 # their own mbarriers, instead of DSMEM stores and a second cluster barrier, whose release costs every
 # CTA a MEMBAR.GPU (cuda/router.cu RC_ST_ASYNC): the same scores; with tickets.ACQ_REL ~1 % off a
 # decode step at 1-16 requests (RESULTS.md, session 35).
@@ -220,127 +219,6 @@ def moe(x: torch.Tensor, router_gate: torch.Tensor, router_bias: torch.Tensor, t
     ids, weights = route(x, router_gate, router_bias, top_k, scaling, workspace=workspace)
     h = moe_gate_up(x, ids, gate, up, shared_gate, shared_up)
     return moe_down(h, ids, weights, down, shared_down, residual)
-
-
-# The one-launch MoE (cuda/moe_fused.cu): its rings of weight slots, its threads and its static
-# shared memory (ptxas: ~13.7 KiB), which leaves this much of the 227 KiB a CTA may have.
-FUSED_GU_SLOTS, FUSED_DOWN_SLOTS = 4, 8
-FUSED_THREADS = 256
-FUSED_MAX_SHARED = 227 * 1024 - 14 * 1024
-# NVFP4 experts' weights through shared-memory slots (moe_fused_nvfp4) or read from global memory as
-# moe_gate_up / moe_down read them (moe_fused_direct_nvfp4, as BF16 always is: a BF16 gate/up tile is
-# 64 KB); with FUSED_PREFETCH the direct kernels ask L2 for all their tiles once routed.
-FUSED_NVFP4_SLOTS = True
-FUSED_PREFETCH = 1
-# Whether each CTA asks for its down weights right after routing, beside its gate/up weights (1), or
-# after its first gate/up tile, so that gate/up's come first (0; cuda/moe_fused.cu MF_DOWN_EARLY).
-FUSED_DOWN_EARLY = 1
-
-
-def fused_slots(fmt: str) -> bool:
-    """Whether moe_fused takes experts of this format through shared-memory slots (NVFP4 only)."""
-    return fmt == "nvfp4" and FUSED_NVFP4_SLOTS
-
-
-def fused_moe_bytes(num_experts: int, hidden: int, intermediate: int, tokens: int, top_k: int,
-                    slots: bool = True) -> int | None:
-    """Dynamic shared memory of moe_fused (its layout in cuda/moe_fused.cu) through weight slots
-    or not, or None for shapes it does not take: <= 8 tokens, <= 256 experts (the cluster router's),
-    hidden and intermediate sizes multiples of 256 (whole scale rows a bulk copy); with slots, 2-16
-    k-steps of 128 per down row (a pass of moe_down's 16 warps covers whole experts and fits the down
-    ring)."""
-    if not (1 <= tokens <= MAX_TOKENS and tokens * top_k <= MAX_PAIRS and 1 <= top_k <= min(num_experts, 32)):
-        return None
-    if hidden % 256 or intermediate % 256 or hidden > MAX_HIDDEN:
-        return None
-    if slots and intermediate // 128 not in (2, 4, 8, 16):
-        return None
-    per_cta = cdiv(num_experts, CLUSTER_CTAS)
-    if per_cta > 32:
-        return None
-    pitch = 2 * hidden + 16
-    gate_up, down = slot_bytes(hidden), slot_bytes(intermediate)
-    rings = FUSED_GU_SLOTS * gate_up + FUSED_DOWN_SLOTS * down if slots else 0
-    size = max(cdiv(per_cta, 16) * 16 * pitch, rings) + tokens * pitch + tokens * num_experts * 4 + num_experts * 4
-    red_down = 16 * 4 * 32 * 4            # moe_down's partial sums (over the shared expert's slot)
-    size = cdiv(size, 16) * 16 + (max(gate_up, red_down) + down if slots else red_down)
-    return size if size <= FUSED_MAX_SHARED else None
-
-
-def moe_fused(x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, router_gate: torch.Tensor,
-              bias: torch.Tensor, top_k: int, scaling: float, gate: Weight, up: Weight, down: Weight,
-              shared_gate: Weight | None, shared_up: Weight | None, shared_down: Weight | None,
-              counters: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              h: torch.Tensor | None = None, ids: torch.Tensor | None = None, weights: torch.Tensor | None = None,
-              pdl: bool = False) -> torch.Tensor:
-    """residual + MoE(rms_norm(x, norm_weight)) in one launch (cuda/moe_fused.cu), NVFP4 or BF16
-    experts: the bits of `route(x, ..., norm_weight=)`, `moe_gate_up` and `moe_down`.
-
-    counters: kernels/smem_tiles.py `grid_counters` (not shared with a launch that may run at the same time);
-    h: the experts' activations [T, top_k + 1, I] (scratch, as moe_gate_up's output); ids / weights:
-    where the routing is written too (both or neither). The grid is as many clusters as the GPU holds
-    at once, so no other kernel may hold SMs for good while it runs (it waits on all its CTAs)."""
-    check_activations(x)
-    t, k = x.shape
-    e = router_gate.shape[0]
-    num_experts, i = gate.shape[0], gate.shape[1]
-    fmt = weight_format(gate, up, down, shared_gate, shared_up, shared_down)
-    slots = fused_slots(fmt)
-    size = fused_moe_bytes(e, k, i, t, top_k, slots)
-    if size is None or num_experts != e:
-        raise ValueError(f"moe_fused does not take {t} tokens x hidden {k}, {e} router rows, {num_experts} experts "
-                         f"of {i}, top_k {top_k} (see fused_moe_bytes)")
-    check_tensor(router_gate, "router_gate", torch.bfloat16, (e, k), x.device)
-    check_tensor(bias, "bias", torch.float32, (e,), x.device, 4)
-    check_tensor(norm_weight, "norm_weight", torch.bfloat16, (k,), x.device)
-    check_tensor(counters, "counters", torch.int32, (2,), x.device, 4)
-    shared = (shared_gate, shared_up, shared_down)
-    has_shared = shared_gate is not None
-    if any((w is not None) != has_shared for w in shared):
-        raise ValueError("give all of shared_gate, shared_up and shared_down, or none")
-    align = 16 if slots else 2      # the slots' bulk copies read the block scales
-    args = (weight_args(gate, "gate", (e, i, k), x.device, e, align)
-            + weight_args(up, "up", (e, i, k), x.device, e, align)
-            + weight_args(down, "down", (e, k, i), x.device, e, align))
-    if has_shared:
-        args += (weight_args(shared_gate, "shared_gate", (i, k), x.device, scales_align=align)
-                 + weight_args(shared_up, "shared_up", (i, k), x.device, scales_align=align)
-                 + weight_args(shared_down, "shared_down", (k, i), x.device, scales_align=align))
-    else:
-        args += [None] * (9 if fmt == "nvfp4" else 3)
-    if residual is not None:
-        check_tensor(residual, "residual", torch.bfloat16, (t, k), x.device, 2)
-    y = output(out, "out", (t, k), x)
-    if y.data_ptr() == x.data_ptr():
-        raise ValueError("out must not be x: every CTA reads all of x")
-    h = output(h, "h", (t, top_k + 1, i), x)
-    check_tensor(h, "h", torch.bfloat16, (t, top_k + 1, i), x.device)      # read back 16 bytes at a time
-    if (ids is None) != (weights is None):
-        raise ValueError("give both ids and weights, or neither")
-    if ids is not None:
-        ids = _out(ids, "ids", torch.int32, (t, top_k), x)
-        weights = _out(weights, "weights", torch.float32, (t, top_k), x)
-    name = "moe_fused_nvfp4" if slots else f"moe_fused_direct_{fmt}"
-    kernel = _kernel("moe_fused.cu", name, (("MOE_GATE_UP_WARPS", gate_up_warps(fmt, t)),
-                                            ("RC_ST_ASYNC", int(ROUTER_ST_ASYNC)),
-                                            ("MF_DOWN_EARLY", FUSED_DOWN_EARLY), ("MF_PREFETCH", FUSED_PREFETCH),
-                                            *tickets.defines()))
-    device = x.device.index
-    clusters = _fused_clusters(kernel, size, device)
-    kernel.launch((clusters * CLUSTER_CTAS,), (FUSED_THREADS,),
-                  [y, h, x, residual, counters, router_gate, bias, norm_weight, F32(norm_eps), I32(top_k),
-                   F32(scaling), *args, I32(int(has_shared)), ids, weights, I32(t), I32(e), I32(k), I32(i)],
-                  shared_bytes=size, pdl=pdl, device=device)
-    return y
-
-
-@functools.cache
-def _fused_clusters(kernel: Kernel, shared_bytes: int, device: int | None) -> int:
-    clusters = kernel.resident_clusters(FUSED_THREADS, shared_bytes, CLUSTER_CTAS, device)
-    if clusters < 1:
-        raise RuntimeError(f"moe_fused: no cluster of {CLUSTER_CTAS} CTAs with {shared_bytes} bytes of shared "
-                           "memory fits this GPU")
-    return clusters
 
 
 def _check_ids(ids: torch.Tensor, num_tokens: int, device: torch.device) -> int:

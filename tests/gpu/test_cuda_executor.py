@@ -17,9 +17,7 @@ from flint_sched.executor.cuda_executor import CudaExecutor
 from flint_sched.executor.dense_copies import copies_bytes
 from flint_sched.executor.kv_cache import KVCache
 from flint_sched.kernels import grouped_moe
-from flint_sched.kernels import attention_front as front
 from flint_sched.kernels.grouped import CUBLAS_MIN_ROWS_NVFP4
-from flint_sched.kernels.moe import fused_moe_bytes, fused_slots
 from flint_sched.model.reference import FlintReference
 from flint_sched.sampling_params import SamplingParams
 from executor_checks import check_against_reference, ckpt, run  # noqa: F401 - ckpt: the fixture
@@ -210,34 +208,23 @@ def test_dense_bf16_copies_change_no_logit(ckpt, monkeypatch):
         assert (r1, p1) == (r2, p2) and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("flag", ["FUSE_QK_ATTENTION", "ROUTER_NORMS", "FUSED_MOE", "FUSED_QKV", "LM_HEAD_ARGMAX"],
-                         ids=["qk_norm_inside", "router_norms", "one_launch_moe", "one_launch_attention_front",
-                              "lm_head_argmax"])
+@pytest.mark.parametrize("flag", ["FUSE_QK_ATTENTION", "ROUTER_NORMS", "LM_HEAD_ARGMAX"],
+                         ids=["qk_norm_inside", "router_norms", "lm_head_argmax"])
 def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag):
     """Fused decode steps whose attention kernels do the Q/K norms, RoPE and K/V write
     (kernel_ops.FUSE_QK_ATTENTION: cuda/decode_attention_qk.cu), whose router does the norm before
-    the MoE (kernel_ops.ROUTER_NORMS), or whose MoE blocks or attention fronts (input norm, q/k/v, Q/K
-    norm, K/V write) are one launch each (kernel_ops.FUSED_MOE, FUSED_QKV: cuda/moe_fused.cu,
-    qkv_fused.cu; shapes they take), or whose LM head makes the greedy choice itself
+    the MoE (kernel_ops.ROUTER_NORMS), or whose LM head makes the greedy choice itself
     (kernel_ops.LM_HEAD_ARGMAX), give the launches' logits and tokens bit for bit, graphs and eager,
-    prompts on both sides of the window, 1 to 6 rows. The one-launch front reduces K in the order of
-    the 4-warp GEMV: the launched GEMVs are pinned to 4 warps on both sides, as Flint's own q/k/v
-    are (linear.gemv_warps), where these small layers may take more (other sums, other bf16 bits)."""
+    prompts on both sides of the window, 1 to 6 rows."""
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (3, 600, 37, 515, 90, 1)]
     limits = [2, 7, 3, 6, 4, 5]
-    if flag == "FUSED_QKV":
-        linear_kernels = importlib.import_module("flint_sched.kernels.linear")   # the package exports `linear`
-        monkeypatch.setattr(linear_kernels, "gemv_warps", lambda *args: 4)
     monkeypatch.setattr(kernel_ops, flag, False)
     apart, out_apart, _ = run(ckpt, prompts, limits, seqs=6, budget=4096)
     monkeypatch.setattr(kernel_ops, flag, True)
     normalizing, one_launch = [], []
-    route, moe_fused = kernel_ops.route, kernel_ops.moe_fused
+    route = kernel_ops.route
     monkeypatch.setattr(kernel_ops, "route", lambda *a, **kw: normalizing.append("norm_weight" in kw) or route(*a, **kw))
-    monkeypatch.setattr(kernel_ops, "moe_fused", lambda *a, **kw: one_launch.append(1) or moe_fused(*a, **kw))
-    qkv_fused = front.qkv_fused
-    monkeypatch.setattr(front, "qkv_fused", lambda *a, **kw: one_launch.append(2) or qkv_fused(*a, **kw))
     linear, greedy = kernel_ops.linear, kernel_ops.greedy
     monkeypatch.setattr(kernel_ops, "linear", lambda *a, **kw: one_launch.append(
         3 if kw.get("argmax_out") is not None else 0) or linear(*a, **kw))
@@ -249,18 +236,8 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
             assert run.executor.ws._q_slots is not None
         elif flag == "ROUTER_NORMS":
             assert normalizing and all(normalizing)
-        elif flag == "FUSED_MOE":   # the small real-shaped layers (flint-tiny's sizes: not multiples of 256)
-            c = ckpt.config
-            takes = fused_moe_bytes(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, 1,
-                                    c.num_experts_per_tok, fused_slots(ckpt.weight_format)) is not None
-            assert (1 in one_launch) == takes and (not takes or not any(normalizing))
-        elif flag == "LM_HEAD_ARGMAX":  # every step's LM head runs on the GEMVs here (<= 16 rows)
+        else:                           # every step's LM head runs on the GEMVs here (<= 16 rows)
             assert 3 in one_launch and 4 not in one_launch
-        else:
-            c = ckpt.config
-            takes = front.qkv_fused_bytes(1, c.q_size + 2 * c.kv_size, c.hidden_size,
-                                          front.qkv_fused_slots(ckpt.weight_format)) is not None
-            assert (2 in one_launch) == takes
         assert out_inside == out_apart
         for (r1, p1, a), (r2, p2, b) in zip(apart, inside, strict=True):
             assert (r1, p1) == (r2, p2) and torch.equal(a, b)

@@ -2,8 +2,7 @@
 acquire-release atomic instead of fence.sc.gpu on each side. The values do not depend on it, so each
 kernel that takes tickets must give the same bits both ways, launched again and again (the tickets
 and counters reset themselves) and under PDL: decode attention (one and two merge levels, padding
-requests), greedy argmax, the LM head's own argmax, the one-launch blocks' grid counters, and the
-grouped MoE (the ticket router, moe_routing's sort, the decode experts' counts and cluster barrier)."""
+requests), greedy argmax, the LM head's own argmax, and the grouped MoE (the ticket router, moe_routing's sort, the decode experts' counts and cluster barrier)."""
 
 import importlib
 
@@ -13,21 +12,13 @@ import torch
 from flint_sched.kernels import tickets
 from flint_sched.kernels.attention import (TICKET_SLOTS, attention_workspace, decode_attention_full,
                                            decode_attention_sliding)
-from flint_sched.kernels.attention_front import qkv_fused
-from flint_sched.kernels.linear import concat_rows
 from flint_sched.kernels.grouped_moe import moe_grouped, moe_routing_workspace
 from flint_sched.kernels.linear import linear
 from flint_sched.kernels.moe import route, router_workspace
-from flint_sched.quant.nvfp4 import quantize
-from flint_sched.kernels.moe import moe_fused
 from flint_sched.kernels.sampling import greedy, pick_workspace
-from flint_sched.kernels.smem_tiles import grid_counters
 from executor_checks import ckpt, run  # noqa: F401 - ckpt: the fixture
 from gpu_checks import gen
 from moe_checks import make_moe
-
-moe_kernels = importlib.import_module("flint_sched.kernels.moe")
-front = importlib.import_module("flint_sched.kernels.attention_front")
 
 pytestmark = pytest.mark.gpu
 
@@ -105,50 +96,6 @@ def test_greedy_and_the_lm_heads_own_argmax(monkeypatch, rows):
         assert torch.equal(ids.long(), torch.argmax(logits, -1)) and torch.equal(head_ids, torch.argmax(y, -1))
         assert not workspace.any()
         return [ids, head_ids, y]
-
-    both_ways(monkeypatch, run)
-
-
-@pytest.mark.parametrize("clusters", [None, 1])
-def test_the_one_launch_moe_grid_counter(monkeypatch, clusters):
-    shape = dict(experts=256, top_k=6, hidden=2048, inter=512)
-    p = make_moe("nvfp4", shape, seed=3)
-    norm = torch.ones(2048, dtype=torch.bfloat16, device="cuda")
-    if clusters is not None:
-        monkeypatch.setattr(moe_kernels, "_fused_clusters", lambda kernel, size, device: clusters)
-    x = (4 * torch.randn(3, 2048, device="cuda", generator=gen(4))).bfloat16()
-    counters = grid_counters("cuda")
-
-    def run():
-        y = moe_fused(x, norm, 1e-5, p["router"], p["bias"], 6, 2.5, p["gate"], p["up"], p["down"], p["shared_gate"],
-                      p["shared_up"], p["shared_down"], counters, residual=x, pdl=True)
-        torch.cuda.synchronize()
-        assert counters.tolist() == [0, 0]
-        return [y]
-
-    both_ways(monkeypatch, run)
-
-
-def test_the_grid_kind_of_the_attention_front(monkeypatch):
-    """qkv_fused's grid kind waits on a grid counter (the cluster kind on none)."""
-    monkeypatch.setattr(front, "QKV_FUSED_HEADS", False)
-    g, k = gen(5), 2048
-    parts = [torch.randn(rows, k, device="cuda", generator=g) / k**0.5 for rows in (H * D, G * D, G * D)]
-    weight, splits = concat_rows([quantize(w) for w in parts])
-    norm = (1 + 0.2 * torch.randn(k, device="cuda", generator=g)).bfloat16()
-    qn, kn = (1 + 0.3 * torch.randn(2, D, device="cuda", generator=g)).bfloat16()
-    x = (4 * torch.randn(3, k, device="cuda", generator=g)).bfloat16()
-    positions = torch.tensor([5, 700, -1], dtype=torch.int32, device="cuda")
-    slots = torch.arange(3, dtype=torch.int32, device="cuda")
-    counters = grid_counters("cuda")
-
-    def run():
-        pools = [torch.zeros(3, 513, G, D, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-        q = qkv_fused(x, norm, 1e-5, weight, splits, qn, kn, positions, *pools, 1e-6, counters, ring_slots=slots,
-                      rope_theta=10000.0, pdl=True)
-        torch.cuda.synchronize()
-        assert counters.tolist() == [0, 0]
-        return [q, *pools]
 
     both_ways(monkeypatch, run)
 
