@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: the compute dtype; fp8: an e4m3 KV cache (quant/fp8.py)")
     p.add_argument("--kv-budget-gib", type=float, default=None,
                    help="memory for KV; default: free GPU memory minus 6 GiB (CPU: 4 GiB)")
-    p.add_argument("--num-steps", type=int, default=5)
+    p.add_argument("--num-steps", type=int, default=20,
+                   help="timed steps a decode case (their median; the first few after a case is built run slower)")
     p.add_argument("--max-case-seconds", type=float, default=60.0, help="skip the rest of a case past this")
     p.add_argument("--bandwidth-gbps", type=float, default=None, help="default: measured with a device copy")
     p.add_argument("--seed", type=int, default=0)
