@@ -82,8 +82,10 @@ LM_HEAD_ARGMAX = False
 
 # Fused steps run their layers as one persistent launch (kernels/decode_step.py, cuda/decode_step.cu:
 # the kernels' bodies as tasks on counters, no kernel boundaries; the step one graph of a few
-# launches: cuda_executor._decode); the LM head stays as it is. Prepared without a GPU (session 30): off until measured against the
-# launches (benchmarks/ab_decode.py at 1 and 8 requests; the GPU tests first).
+# launches: cuda_executor._decode); the LM head stays as it is. The same bits; off: 1.7-1.9x the
+# launches' step (one resident CTA a SM runs its tiles one after another). NVFP4, 1K, ms at batch 1 /
+# 4: 4.06 / 6.79, with decode_step.EARLY_WEIGHTS 3.85 / 6.68, against 2.19 / 3.22 launched (H100,
+# benchmarks/ab_decode.py, RESULTS.md sessions 31 and 36).
 PERSISTENT = False
 # Fused steps: the attention kernel does the Q/K norms, RoPE and K/V write of its KV head itself
 # (kernels/attention.py QKNorm, cuda/decode_attention_qk.cu; the persistent step's FUSE_QK prologue):

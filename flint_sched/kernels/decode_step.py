@@ -54,6 +54,8 @@ FUSE_QK = False
 # with PDL), instead of before the body: not for expert down and gate/up, nor for a task that first
 # normalizes its rows or writes K/V (cuda/decode_step.cu defers_wait). Session 31: the launched
 # kernels' first weights arrive during the wait, the persistent step's only after it. Same bits.
+# Measured (H100, NVFP4, 1K, RESULTS.md session 36): the step 4.06 -> 3.85 ms at batch 1, 6.79 ->
+# 6.68 at batch 4, against 2.19 / 3.22 launched. Off, as the step is.
 EARLY_WEIGHTS = False
 # Steps built while set stamp every task (DecodeStep.phase_times; benchmarks/bench_decode_step.py).
 TRACE = False
