@@ -62,6 +62,15 @@ def run(ckpt, prompts, max_tokens, use_graphs=True, pdl=True, seqs=4, num_blocks
     return decode_logits, outputs, preemptions
 
 
+def assert_same_bits(want, got) -> None:
+    """Two runs' (logit rows, outputs), from `run`, alike bit for bit: the same outputs, the same
+    (request, position) rows, equal logits."""
+    (rows_a, out_a), (rows_b, out_b) = want, got
+    assert out_b == out_a
+    for (r1, p1, a), (r2, p2, b) in zip(rows_a, rows_b, strict=True):
+        assert (r1, p1) == (r2, p2) and torch.equal(a, b)
+
+
 def reference_logits(ref: FlintReference, tokens: list[int], chunk: int | None = None) -> torch.Tensor:
     """The reference's logits [T, V] at every position; `chunk`: forwarded that many tokens at a time
     over its KV state (all of a 100K-token sequence at once would build [H, T, T] scores)."""

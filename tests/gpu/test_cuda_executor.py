@@ -20,7 +20,7 @@ from flint_sched.kernels import grouped_moe
 from flint_sched.kernels.grouped import CUBLAS_MIN_ROWS_NVFP4
 from flint_sched.model.reference import FlintReference
 from flint_sched.sampling_params import SamplingParams
-from executor_checks import check_against_reference, ckpt, run  # noqa: F401 - ckpt: the fixture
+from executor_checks import assert_same_bits, check_against_reference, ckpt, run  # noqa: F401 - ckpt: the fixture
 from gpu_checks import MAX_MODEL_LEN
 
 pytestmark = pytest.mark.gpu
@@ -203,9 +203,7 @@ def test_dense_bf16_copies_change_no_logit(ckpt, monkeypatch):
     else:
         assert copies.nbytes == copies_bytes(ckpt.weights) > 0
         assert len(copies.qkv) == ckpt.config.num_hidden_layers
-    assert out_with == out_without
-    for (r1, p1, a), (r2, p2, b) in zip(with_copies, without, strict=True):
-        assert (r1, p1) == (r2, p2) and torch.equal(a, b)
+    assert_same_bits((without, out_without), (with_copies, out_with))
 
 
 @pytest.mark.parametrize("flag", ["FUSE_QK_ATTENTION", "ROUTER_NORMS", "LM_HEAD_ARGMAX"],
@@ -222,13 +220,13 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
     monkeypatch.setattr(kernel_ops, flag, False)
     apart, out_apart, _ = run(ckpt, prompts, limits, seqs=6, budget=4096)
     monkeypatch.setattr(kernel_ops, flag, True)
-    normalizing, one_launch = [], []
+    normalizing, lm_head = [], []
     route = kernel_ops.route
     monkeypatch.setattr(kernel_ops, "route", lambda *a, **kw: normalizing.append("norm_weight" in kw) or route(*a, **kw))
     linear, greedy = kernel_ops.linear, kernel_ops.greedy
-    monkeypatch.setattr(kernel_ops, "linear", lambda *a, **kw: one_launch.append(
+    monkeypatch.setattr(kernel_ops, "linear", lambda *a, **kw: lm_head.append(
         3 if kw.get("argmax_out") is not None else 0) or linear(*a, **kw))
-    monkeypatch.setattr(kernel_ops, "greedy", lambda *a, **kw: one_launch.append(4) or greedy(*a, **kw))
+    monkeypatch.setattr(kernel_ops, "greedy", lambda *a, **kw: lm_head.append(4) or greedy(*a, **kw))
     for graphs in (True, False):
         inside, out_inside, _ = run(ckpt, prompts, limits, seqs=6, budget=4096, use_graphs=graphs)
         assert "fused" in run.paths
@@ -237,10 +235,8 @@ def test_a_launch_folded_into_the_next_changes_no_logit(ckpt, monkeypatch, flag)
         elif flag == "ROUTER_NORMS":
             assert normalizing and all(normalizing)
         else:                           # every step's LM head runs on the GEMVs here (<= 16 rows)
-            assert 3 in one_launch and 4 not in one_launch
-        assert out_inside == out_apart
-        for (r1, p1, a), (r2, p2, b) in zip(apart, inside, strict=True):
-            assert (r1, p1) == (r2, p2) and torch.equal(a, b)
+            assert 3 in lm_head and 4 not in lm_head
+        assert_same_bits((apart, out_apart), (inside, out_inside))
 
 
 def test_fused_norms_change_no_logit(ckpt, monkeypatch):
@@ -253,9 +249,7 @@ def test_fused_norms_change_no_logit(ckpt, monkeypatch):
     assert {"grouped", "prompt"} <= run.paths
     monkeypatch.setattr(kernel_ops, "FUSE_NORMS", False)
     apart, out_apart, _ = run(ckpt, prompts, 5, seqs=20, num_blocks=1024, budget=1024)
-    assert out_fused == out_apart
-    for (r1, p1, a), (r2, p2, b) in zip(fused, apart, strict=True):
-        assert (r1, p1) == (r2, p2) and torch.equal(a, b)
+    assert_same_bits((apart, out_apart), (fused, out_fused))
 
 
 def test_prompt_graphs_match_eager_prompt_steps(ckpt):
