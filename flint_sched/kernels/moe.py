@@ -33,10 +33,10 @@ CLUSTER_MAX_SHARED = 200 * 1024    # its dynamic shared memory at most (the H200
 # (an A/B switch for benchmarks/ab_decode.py: the cluster launch left the GPU idle around it when it
 # also sorted, at 9-16 rows, RESULTS.md session 14; here it won at batch 1 and 8 in session 3).
 CLUSTER_ROUTER = True
-# The cluster router's scores reach the CTAs that select by st.async, counted on
-# their own mbarriers, instead of DSMEM stores and a second cluster barrier, whose release costs every
-# CTA a MEMBAR.GPU (cuda/router.cu RC_ST_ASYNC): the same scores; with tickets.ACQ_REL ~1 % off a
-# decode step at 1-16 requests (RESULTS.md, session 35).
+# The cluster router's scores reach the CTAs that select by st.async, counted on their own mbarriers,
+# instead of DSMEM stores and a second cluster barrier, whose release costs every CTA a MEMBAR.GPU
+# (cuda/router.cu RC_ST_ASYNC): the same scores; with tickets.ACQ_REL ~1 % off a decode step at 1-16
+# requests (RESULTS.md, session 35).
 ROUTER_ST_ASYNC = True
 # Warps of a moe_down CTA (cuda/moe.cu MOE_DOWN_WARPS; one CTA per 16 outputs). 16 warps take
 # ~48 K registers, so a down CTA can only start on an SM once gate/up's CTAs leave it; 8 or 4 would

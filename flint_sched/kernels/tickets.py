@@ -1,7 +1,7 @@
 """How the kernels' "last CTA finishes" tickets and grid-wide counters order memory (cuda/common.cuh
 ticket_arrive / ticket_acquire): the decode attention's split merge, the argmax and the LM head's
-own argmax; on the grouped path the ticket router, moe_routing's
-sort, the decode experts' per-item counts and the fence before their cluster barrier.
+own argmax; on the grouped path the ticket router, moe_routing's sort, the decode experts' per-item
+counts and the fence before their cluster barrier.
 
 ACQ_REL False: the counting thread runs __threadfence() (fence.sc.gpu, MEMBAR.SC.GPU) before a
 relaxed atomicAdd, and the last CTA a second one before it reads. True: one atomic with release and
