@@ -13,6 +13,10 @@ a graph launch:
 Each persistent chain runs twice: its counts after fence.sc.gpu (as the kernels' tickets do by
 default) and as one release atomic (kernels/tickets.py ACQ_REL): the difference in the slope is what
 the fence costs a dependency.
+
+The ring chains (`gemv_chain_ring_nvfp4`) add a producer warp a CTA that streams the coming layers'
+rows into shared-memory stages ahead of the counters (issue 17's design): their slope is what a
+dependency costs once an operation's weights are already on the SM.
 """
 
 from __future__ import annotations
@@ -54,6 +58,27 @@ def gemv_chain(h: torch.Tensor, w: NVFP4Tensor, done: torch.Tensor, warps: int, 
                   [h, w.codes, w.block_scales, w.tensor_scale, done, I32(layers), I32(n), I32(k)])
 
 
+def gemv_chain_ring(h: torch.Tensor, w: NVFP4Tensor, done: torch.Tensor, warps: int, stages: int,
+                    sleep_ns: int = 0) -> None:
+    """As gemv_chain, with the weights streamed into `stages` shared-memory stages a CTA by one more
+    warp, ahead of the counters (cuda/gemv_chain.cu gemv_chain_ring_nvfp4)."""
+    layers, n, k = w.shape
+    if n != k or n % TILE_ROWS or tuple(h.shape) != (layers + 1, n) or done.numel() < layers:
+        raise ValueError(f"h [{layers + 1}, {n}] and done [>= {layers}] for w {tuple(w.shape)} with N == K")
+    kernel = compile_kernel("gemv_chain.cu", "gemv_chain_ring_nvfp4",
+                            {"GEMV_WARPS": warps, "X_BATCH": 0, "GEMV_GROUPS": 1, "CHAIN_SLEEP_NS": sleep_ns,
+                             "RING_STAGES": stages, "TICKET_ACQ_REL": 1})
+    threads, ring_bytes = 32 * (warps + 1), stages * 9 * k      # a stage: 16 rows of K/2 codes, K/16 scales
+    tiles = n // TILE_ROWS
+    sms = torch.cuda.get_device_properties(h.device).multi_processor_count
+    if tiles > sms * kernel.resident_blocks(threads, ring_bytes):
+        raise ValueError(f"{tiles} CTAs of {warps} + 1 warps and {ring_bytes} B of stages do not fit on this GPU at once")
+    done.zero_()
+    kernel.launch((tiles, 1, 1), (threads, 1, 1),
+                  [h, w.codes, w.block_scales, w.tensor_scale, done, I32(layers), I32(n), I32(k)],
+                  shared_bytes=ring_bytes)
+
+
 def layer(w: NVFP4Tensor, i: int) -> NVFP4Tensor:
     return NVFP4Tensor(w.codes[i], w.block_scales[i], w.tensor_scale[i:i + 1])
 
@@ -68,6 +93,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs=2, default=[32, 64])
     parser.add_argument("--warps", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--sleep-ns", type=int, nargs="+", default=[0, 64])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8], help="the ring chains' stages")
     args = parser.parse_args()
     short, long = args.layers
     w_all = quantize(torch.randn(long, HIDDEN, HIDDEN, device="cuda") / HIDDEN**0.5, per_leading_scale=True)
@@ -84,6 +110,10 @@ def main() -> None:
                 chains[f"persistent, counters (pause {sleep_ns} ns{', acq_rel' if acq_rel else ''})"] = (
                     lambda h, w, d=torch.zeros(long, dtype=torch.int32, device="cuda"), s=sleep_ns, a=acq_rel:
                     gemv_chain(h, w, d, warps, s, a))
+        for stages in args.stages:
+            chains[f"ring of {stages} stages"] = (
+                lambda h, w, d=torch.zeros(long, dtype=torch.int32, device="cuda"), st=stages:
+                gemv_chain_ring(h, w, d, warps, st))
         results = {}
         for name, run in chains.items():
             times = []

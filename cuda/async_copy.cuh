@@ -49,6 +49,11 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
+// One arrival (a consumer done with a stage, or a producer thread whose copies completed).
+__device__ __forceinline__ void mbarrier_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
 __device__ __forceinline__ void mbarrier_wait_parity(u32 bar, u32 parity) {
   asm volatile(
       "{\n"
@@ -62,6 +67,15 @@ __device__ __forceinline__ void mbarrier_wait_parity(u32 bar, u32 parity) {
 __device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// Named barriers (ids 1-15; 0 is __syncthreads): a subset of the CTA's warps, e.g. the consumers
+// of a warp-specialized kernel while its producer warp runs on.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- cp.async (sm_80): 16 or 4 bytes a thread, global -> shared through L2 ------------------------

@@ -7,7 +7,15 @@
 // `pdl_wait`. The math is gemv.cu's for one token (same tile loop, warps and sum order), so the
 // result equals `linear` launched layer by layer, bit for bit. `done` [layers] must be zero at launch.
 // Defines: GEMV_WARPS (8 or 16), CHAIN_SLEEP_NS (the waiting thread's pause between polls; 0: none),
-// TICKET_ACQ_REL (common.cuh: the count a release atomic instead of fence.sc then a relaxed one).
+// TICKET_ACQ_REL (common.cuh: the count a release atomic instead of fence.sc then a relaxed one),
+// RING_STAGES (gemv_chain_ring_nvfp4's stages).
+//
+// gemv_chain_ring_nvfp4 is the same chain with its weights streamed ahead (issue 17's producer
+// ring): one more warp per CTA whose lane 0 bulk-copies the CTA's 16 rows of layer i + 1, i + 2, ..
+// into a ring of RING_STAGES shared-memory stages, waiting only for a stage to be free, never on
+// the counters. The GEMV warps wait on the counter and on the stage, then compute from shared
+// memory: what a dependency costs once the weights are already on the SM.
+#include "async_copy.cuh"
 #include "gemv_tile.cuh"
 
 #ifndef GEMV_WARPS
@@ -17,6 +25,9 @@
 #define CHAIN_SLEEP_NS 0
 #endif
 #define NVFP4_UNROLL 4  // gemv.cu's
+#ifndef RING_STAGES
+#define RING_STAGES 4
+#endif
 #define CHAIN_RED (GEMV_WARPS * 4 * 32)
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
@@ -48,5 +59,80 @@ gemv_chain_nvfp4(u16* h, const u8* codes, const u8* scales, const float* tensor_
     __syncthreads();
     if (threadIdx.x == 0)  // the CTA's h stores (ordered before by the barrier), then the count
       ticket_arrive(reinterpret_cast<u32*>(done + i));
+  }
+}
+
+// NVFP4 rows staged in shared memory: a tile's codes [16][K/2], then its scales [16][K/16], as
+// Nvfp4Weights reads them from global memory (same fragments, so the same sums bit for bit).
+struct Nvfp4StagedRows {
+  u32 c0, c1, s0, s1;  // shared addresses of tile rows g and g + 8: codes, scales
+};
+struct Nvfp4Staged : Nvfp4Weights {
+  typedef Nvfp4StagedRows Rows;
+  static __device__ Rows rows(u32 stage, int g, int k_total) {
+    const u32 c = k_total / 2, s = k_total / 16, scales = stage + 16 * c;
+    return {stage + g * c, stage + (g + 8) * c, scales + g * s, scales + (g + 8) * s};
+  }
+  static __device__ Frag load(const Rows& r, int k) {
+    return {lds_v4(r.c0 + k / 2), lds_v4(r.c1 + k / 2), lds_u16(r.s0 + k / 16), lds_u16(r.s1 + k / 16)};
+  }
+};
+
+// Dynamic shared memory: RING_STAGES x 9K bytes (16 rows of K/2 codes and K/16 scales).
+extern "C" __global__ void __launch_bounds__((GEMV_WARPS + 1) * 32)
+gemv_chain_ring_nvfp4(u16* h, const u8* codes, const u8* scales, const float* tensor_scale, int* done,
+                      int layers, int N, int K) {
+  extern __shared__ __align__(128) u8 ring[];
+  __shared__ float red[CHAIN_RED];
+  __shared__ Nvfp4Weights::Shared sh;
+  __shared__ __align__(8) u64 bars[2 * RING_STAGES];  // full[s] (the copies landed), then empty[s]
+  const u32 stage_bytes = 9u * K, ring0 = smem_addr(ring);
+  const u32 full0 = smem_addr(bars), empty0 = full0 + 8 * RING_STAGES;
+  const int n0 = blockIdx.x * 16;
+  const Nvfp4Weights stack{codes, scales, tensor_scale};
+  Nvfp4Weights::init_shared(sh);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < RING_STAGES; ++s) {
+      mbarrier_init(full0 + 8 * s, 1);   // the producer's arrive (with the bytes it expects)
+      mbarrier_init(empty0 + 8 * s, 1);  // consumer thread 0, once every GEMV warp is done reading
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();  // the only barrier of all warps: the producer warp leaves when it has issued
+  if (threadIdx.x >= GEMV_WARPS * 32) {
+    if (threadIdx.x == GEMV_WARPS * 32) {
+      for (int i = 0; i < layers; ++i) {
+        const int s = i % RING_STAGES;
+        if (i >= RING_STAGES) mbarrier_wait_parity(empty0 + 8 * s, (i / RING_STAGES - 1) & 1);
+        const Nvfp4Weights wt = stack.expert(i, N, K);
+        const u32 dst = ring0 + s * stage_bytes, bar = full0 + 8 * s;
+        mbarrier_arrive_expect_tx(bar, stage_bytes);
+        bulk_copy_g2s(dst, wt.codes + (size_t)n0 * (K / 2), 8u * K, bar);
+        bulk_copy_g2s(dst + 8u * K, wt.scales + (size_t)n0 * (K / 16), (u32)K, bar);
+      }
+    }
+    return;
+  }
+  const int g = (threadIdx.x & 31) >> 2;
+  for (int i = 0; i < layers; ++i) {
+    const int s = i % RING_STAGES;
+    const Nvfp4Weights wt = stack.expert(i, N, K);
+    if (threadIdx.x == 0 && i > 0)
+      while (ld_acquire_gpu(done + i - 1) < (int)gridDim.x)
+        if (CHAIN_SLEEP_NS) __nanosleep(CHAIN_SLEEP_NS);
+    named_bar_sync(1, GEMV_WARPS * 32);  // layer i - 1 complete; `red` free again
+    mbarrier_wait_parity(full0 + 8 * s, (i / RING_STAGES) & 1);
+    const u16* const xs[1] = {g == 0 ? h + (size_t)i * K : nullptr};
+    float acc[1][4] = {};
+    tile_partial_groups<Nvfp4Staged, GEMV_WARPS, NVFP4_UNROLL, false, 1>(
+        acc, Nvfp4Staged::rows(ring0 + s * stage_bytes, g, K), xs, K, 0, K / Nvfp4Weights::KSTEP, sh);
+    tile_store_partials<GEMV_WARPS>(red, acc[0]);
+    named_bar_sync(1, GEMV_WARPS * 32);
+    if (threadIdx.x == 0) mbarrier_arrive(empty0 + 8 * s);  // every GEMV warp is past stage s
+    const int r = threadIdx.x >> 3;
+    if (r < 16 && (threadIdx.x & 7) == 0)
+      h[(size_t)(i + 1) * N + n0 + r] = f32_to_bf16(tile_sum<GEMV_WARPS>(red, r, 0) * wt.sum_scale());
+    named_bar_sync(1, GEMV_WARPS * 32);
+    if (threadIdx.x == 0) ticket_arrive(reinterpret_cast<u32*>(done + i));
   }
 }

@@ -29,16 +29,6 @@
 // Q (2 sub-tiles), then per stage K (2) and V (2), each 1024-byte aligned; the launcher adds 1 KB.
 static_assert(2 * PW_Q_SUB + PW_STAGES * 4 * PW_KV_SUB == 163840, "kernels/prefill_attention.py WGMMA_SMEM_BYTES");
 
-__device__ __forceinline__ void mbarrier_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void named_bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 #ifndef PW_TMA
 #define PW_TMA 0
 #endif
