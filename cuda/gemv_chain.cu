@@ -62,22 +62,6 @@ gemv_chain_nvfp4(u16* h, const u8* codes, const u8* scales, const float* tensor_
   }
 }
 
-// NVFP4 rows staged in shared memory: a tile's codes [16][K/2], then its scales [16][K/16], as
-// Nvfp4Weights reads them from global memory (same fragments, so the same sums bit for bit).
-struct Nvfp4StagedRows {
-  u32 c0, c1, s0, s1;  // shared addresses of tile rows g and g + 8: codes, scales
-};
-struct Nvfp4Staged : Nvfp4Weights {
-  typedef Nvfp4StagedRows Rows;
-  static __device__ Rows rows(u32 stage, int g, int k_total) {
-    const u32 c = k_total / 2, s = k_total / 16, scales = stage + 16 * c;
-    return {stage + g * c, stage + (g + 8) * c, scales + g * s, scales + (g + 8) * s};
-  }
-  static __device__ Frag load(const Rows& r, int k) {
-    return {lds_v4(r.c0 + k / 2), lds_v4(r.c1 + k / 2), lds_u16(r.s0 + k / 16), lds_u16(r.s1 + k / 16)};
-  }
-};
-
 // Dynamic shared memory: RING_STAGES x 9K bytes (16 rows of K/2 codes and K/16 scales).
 extern "C" __global__ void __launch_bounds__((GEMV_WARPS + 1) * 32)
 gemv_chain_ring_nvfp4(u16* h, const u8* codes, const u8* scales, const float* tensor_scale, int* done,

@@ -181,6 +181,32 @@ struct Nvfp4Weights {
   }
 };
 
+// ---- NVFP4 tiles staged in shared memory -------------------------------------------------------
+// A 16-row tile's codes [16][K/2], then its scales [16][K/16] (9K bytes; bulk-copied as two
+// contiguous ranges of the [N, K/2] and [N, K/16] tensors), read back as the same fragments as
+// Nvfp4Weights reads from global memory: the same sums, bit for bit.
+
+struct Nvfp4StagedRows {
+  u32 c0, c1, s0, s1;  // shared addresses of tile rows g and g + 8: codes, scales
+};
+
+struct Nvfp4Staged : Nvfp4Weights {
+  typedef Nvfp4StagedRows Rows;
+  static __device__ Rows rows(u32 tile, int g, int k_total) {
+    const u32 c = k_total / 2, s = k_total / 16, scales = tile + 16 * c;
+    return {tile + g * c, tile + (g + 8) * c, scales + g * s, scales + (g + 8) * s};
+  }
+  static __device__ Frag load(const Rows& r, int k) {
+    return {lds_v4(r.c0 + k / 2), lds_v4(r.c1 + k / 2), lds_u16(r.s0 + k / 16), lds_u16(r.s1 + k / 16)};
+  }
+  static __device__ X load_x_shared(u32 xk) {  // 32 bf16 activations at a shared address
+    X x;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x.v[i] = lds_v4(xk + 16 * i);
+    return x;
+  }
+};
+
 // ---- the tile loop ---------------------------------------------------------------------------
 
 // X_BATCH (a compile-time define, 1 or 0): load a round's activations together before its mmas

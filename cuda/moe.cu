@@ -10,6 +10,8 @@
 // it for every token (the mma's 8 columns) and writes each token that chose it; the others exit.
 // down: output stationary, one CTA per 16 of the H outputs, looping over the distinct experts in
 // first-occurrence order then the shared one: deterministic, no atomics.
+// moe_down_staged_nvfp4: the same down with its operands staged in shared memory (see there).
+#include "async_copy.cuh"
 #include "gemv_tile.cuh"
 
 #ifndef MOE_GATE_UP_WARPS
@@ -145,6 +147,19 @@ __device__ __forceinline__ int moe_expert_list(int* expert, int (*slot)[8], floa
   return U;
 }
 
+// The warps' partials summed in order, plus the residual: y rows n0 .. n0 + 15 of T tokens.
+__device__ __forceinline__ void moe_down_store(float* red, const float (&acc)[4], u16* y, const u16* residual,
+                                               int n0, int T, int N) {
+  tile_store_partials<MOE_DOWN_WARPS>(red, acc);
+  __syncthreads();
+  const int r = threadIdx.x >> 3, b = threadIdx.x & 7, n = n0 + r;
+  if (r < 16 && n < N && b < T) {
+    float v = tile_sum<MOE_DOWN_WARPS>(red, r, b);
+    if (residual) v += bf16_to_f32(residual[(size_t)b * N + n]);
+    y[(size_t)b * N + n] = f32_to_bf16(v);
+  }
+}
+
 template <class Wt, int U>
 __device__ __forceinline__ void moe_down(int tile, u16* y, const u16* h, const int* ids,
                                          const float* routing_weights, const Wt& stack,
@@ -215,14 +230,7 @@ __device__ __forceinline__ void moe_down(int tile, u16* y, const u16* h, const i
     }
   }
   if (!waited) pdl_wait();  // a warp with no items
-  tile_store_partials<MOE_DOWN_WARPS>(red, acc);
-  __syncthreads();
-  const int r = threadIdx.x >> 3, b = threadIdx.x & 7, n = n0 + r;
-  if (r < 16 && n < N && b < T) {
-    float v = tile_sum<MOE_DOWN_WARPS>(red, r, b);
-    if (residual) v += bf16_to_f32(residual[(size_t)b * N + n]);
-    y[(size_t)b * N + n] = f32_to_bf16(v);
-  }
+  moe_down_store(red, acc, y, residual, n0, T, N);
 }
 
 // NOTE: at least 2 CTAs per SM: with no minimum, ptxas kept ~40 registers and issued each k-step's
@@ -267,3 +275,69 @@ moe_down_nvfp4(u16* y, const u16* h, const int* ids, const float* routing_weight
                                        Nvfp4Weights{sd_codes, sd_scales, sd_tensor_scale}, has_shared,
                                        residual, T, A, N, K, E);
 }
+
+#if !PERSISTENT_STEP
+// Down with its operands staged in shared memory, NVFP4 (kernels/moe.py STAGED_DOWN). Before the
+// wait (the ids are the router's, complete: see moe_gate_up), thread 0 bulk-copies the CTA's
+// 16-row tile of each listed expert into shared memory (Nvfp4Staged), and h [T, A + 1, K] right
+// after it: one HBM latency for all of the weights and one L2 latency for h, so the warps load
+// nothing from global memory in their loop but need few registers, and the CTA fits on a SM
+// beside gate/up's. Items go to warps as in moe_down (warp w: w, w + W, ...), so with the same
+// MOE_DOWN_WARPS the sums are moe_down's, bit for bit. N % 16 == 0, K % 128 == 0.
+// Dynamic shared memory: (T * A + 1) x 9K bytes of tiles, then T (A + 1) K bf16 of h.
+extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
+moe_down_staged_nvfp4(u16* y, const u16* h, const int* ids, const float* routing_weights,
+                      const u8* d_codes, const u8* d_scales, const float* d_tensor_scale,
+                      const u8* sd_codes, const u8* sd_scales, const float* sd_tensor_scale, int has_shared,
+                      const u16* residual, int T, int A, int N, int K, int E) {
+  extern __shared__ __align__(128) u8 down_staged[];
+  __shared__ float red[MOE_DOWN_WARPS * 4 * 32];
+  __shared__ int expert[MOE_MAX_PAIRS + 1];
+  __shared__ int slot[MOE_MAX_PAIRS + 1][8];
+  __shared__ float coef[MOE_MAX_PAIRS + 1][8];
+  __shared__ Nvfp4Weights::Shared sh;
+  __shared__ __align__(8) u64 bars[2];  // the tiles landed; h landed
+  const Nvfp4Weights stack{d_codes, d_scales, d_tensor_scale}, shared{sd_codes, sd_scales, sd_tensor_scale};
+  const u32 tile_bytes = 9u * K, tiles = smem_addr(down_staged), bar_w = smem_addr(bars), bar_h = bar_w + 8;
+  const u32 h_stage = tiles + (u32)(T * A + 1) * tile_bytes, h_bytes = (u32)(T * (A + 1) * K) * 2u;
+  Nvfp4Weights::init_shared(sh);
+  if (threadIdx.x == 0) {
+    mbarrier_init(bar_w, 1);
+    mbarrier_init(bar_h, 1);
+    fence_mbarrier_init();
+  }
+  pdl_launch_dependents();
+  // (its barriers also publish the mbarriers' init to the CTA)
+  const int num_experts =
+      moe_expert_list(expert, slot, coef, ids, routing_weights, stack, shared, has_shared, T, A, E);
+  const int n0 = blockIdx.x * 16;
+  if (threadIdx.x == 0) {
+    mbarrier_arrive_expect_tx(bar_w, num_experts * tile_bytes);
+    for (int u = 0; u < num_experts; ++u) {
+      const Nvfp4Weights w = expert[u] < 0 ? shared : stack.expert(expert[u], N, K);
+      const u32 dst = tiles + u * tile_bytes;
+      bulk_copy_g2s(dst, w.codes + (size_t)n0 * (K / 2), 8u * K, bar_w);
+      bulk_copy_g2s(dst + 8u * K, w.scales + (size_t)n0 * (K / 16), (u32)K, bar_w);
+    }
+  }
+  pdl_wait();
+  if (threadIdx.x == 0) {
+    mbarrier_arrive_expect_tx(bar_h, h_bytes);
+    bulk_copy_g2s(h_stage, h, h_bytes, bar_h);
+  }
+  mbarrier_wait_parity(bar_w, 0);
+  mbarrier_wait_parity(bar_h, 0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int steps = K / Nvfp4Weights::KSTEP, items = num_experts * steps;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int f = warp; f < items; f += MOE_DOWN_WARPS) {
+    const int u = f / steps, k = (f - u * steps) * Nvfp4Weights::KSTEP + t * Nvfp4Weights::LANE_K;
+    const Nvfp4Frag frag = Nvfp4Staged::load(Nvfp4Staged::rows(tiles + u * tile_bytes, g, K), k);
+    const int s = slot[u][g];
+    const Nvfp4Weights::X xv = s >= 0 ? Nvfp4Staged::load_x_shared(h_stage + ((g * (A + 1) + s) * K + k) * 2)
+                                      : Nvfp4Weights::zero_x();
+    moe_down_accumulate<Nvfp4Weights>(acc, frag, xv, coef[u][2 * t], coef[u][2 * t + 1], sh);
+  }
+  moe_down_store(red, acc, y, residual, n0, T, N);
+}
+#endif

@@ -201,6 +201,17 @@ def test_every_launch_shape_of_flint_uses_a_compiled_variant():
     assert [moe_mod.gate_up_warps("bf16", t) for t in (1, 3, 4, 8)] == [8, 8, 4, 4]
 
 
+def test_the_staged_down_is_taken_only_where_its_shared_memory_fits(monkeypatch):
+    import importlib
+    moe_mod = importlib.import_module("flint_sched.kernels.moe")
+    monkeypatch.setattr(moe_mod, "STAGED_DOWN", True)
+    assert moe_mod.staged_down_bytes("nvfp4", 1, 6, 2048, 512) == 7 * 9 * 512 + 7 * 512 * 2
+    assert moe_mod.staged_down_bytes("nvfp4", 4, 6, 2048, 512) == 25 * 9 * 512 + 28 * 512 * 2
+    assert moe_mod.staged_down_bytes("nvfp4", 6, 6, 2048, 512) == 0      # 213 KB
+    assert moe_mod.staged_down_bytes("bf16", 1, 6, 2048, 512) == 0
+    assert moe_mod.staged_down_bytes("nvfp4", 1, 6, 2048, 96) == 0       # K % 128
+
+
 @pytest.mark.parametrize("waves", [1, 2, 8, 64])
 def test_the_argmax_workspace_holds_every_split_count(waves, monkeypatch):
     """argmax_workspace is sized for the most CTAs a row can take, so a WAVES changed after it is

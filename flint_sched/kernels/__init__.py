@@ -20,7 +20,8 @@ VARIANTS = {
     "gemv.cu": tuple({"GEMV_WARPS": w, "X_BATCH": x, "GEMV_GROUPS": g} for w in (4, 8, 16) for x in (0, 1)
                      for g in (1, 2, 3, 4) if g <= 2 or w <= 8),
     "router.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),
-    "moe.cu": tuple({"MOE_GATE_UP_WARPS": w, "X_BATCH": x} for w in (4, 8) for x in (0, 1)),
+    "moe.cu": tuple({"MOE_GATE_UP_WARPS": w, "X_BATCH": x} for w in (4, 8) for x in (0, 1))
+    + ({"MOE_DOWN_WARPS": 4},),                                                   # moe.STAGED_DOWN_WARPS
     "grouped_gemm.cu": tuple({"GROUPED_CHUNK": c, "GROUPED_TILES": t} for c in (16, 64) for t in (1, 4))
     + ({"GROUPED_CHUNK": 8, "GROUPED_TILES": 4},),                                # grouped.MOE_SMALL_CHUNK = 8
     "moe_routing.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),
@@ -38,7 +39,7 @@ ENTRY_POINTS = (
     ("gemv.cu", "gate_up_bf16"), ("gemv.cu", "gate_up_nvfp4"),
     ("router.cu", "router_topk"), ("router.cu", "router_topk_cluster"),
     ("moe.cu", "moe_gate_up_bf16"), ("moe.cu", "moe_gate_up_nvfp4"),
-    ("moe.cu", "moe_down_bf16"), ("moe.cu", "moe_down_nvfp4"),
+    ("moe.cu", "moe_down_bf16"), ("moe.cu", "moe_down_nvfp4"), ("moe.cu", "moe_down_staged_nvfp4"),
     ("argmax.cu", "argmax_bf16"), ("argmax.cu", "argmax_f32"),
     ("argmax.cu", "sample_bf16"), ("argmax.cu", "sample_f32"),
     ("qk_norm_rope_kv.cu", "qk_norm_rope_kv_bf16"), ("decode_attention.cu", "decode_attention_bf16"),
@@ -47,7 +48,7 @@ ENTRY_POINTS = (
     ("moe_routing.cu", "moe_topk"), ("moe_routing.cu", "moe_sort"), ("moe_routing.cu", "moe_route"),
     ("moe_routing.cu", "moe_finalize"), ("moe_routing.cu", "moe_finalize_norm"), ("nvfp4_dequant.cu", "nvfp4_to_bf16"),
     ("embedding.cu", "embed_tokens"), ("decode_step.cu", "decode_step_nvfp4"), ("decode_step.cu", "decode_step_bf16"),
-    ("gemv_chain.cu", "gemv_chain_nvfp4"),   # the last: a benchmark's probe
+    ("gemv_chain.cu", "gemv_chain_nvfp4"), ("gemv_chain.cu", "gemv_chain_ring_nvfp4"),   # the last: a benchmark's probes
 )
 
 __all__ = [

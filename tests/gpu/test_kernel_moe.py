@@ -197,6 +197,44 @@ def test_moe_experts_real_shapes(real_experts, tokens, down_warps, monkeypatch):
     assert_close_bf16(y, y_ref, f"{fmt} moe_down T={tokens}")
 
 
+@pytest.fixture(scope="module")
+def real_nvfp4_experts():
+    return make_experts("nvfp4", REAL["experts"], REAL["hidden"], REAL["inter"], seed=1)
+
+
+@pytest.mark.parametrize("warps", [4, 16])
+@pytest.mark.parametrize("tokens,same_ids", [(1, False), (2, False), (4, False), (3, True)])
+def test_the_staged_down_is_the_plain_one_bit_for_bit(real_nvfp4_experts, tokens, same_ids, warps, monkeypatch):
+    """moe_down_staged_nvfp4 (kernels/moe.py STAGED_DOWN) against moe_down on CTAs of as many warps:
+    the same bits, eager and in a graph replayed; the plain down against the fp32 reference. With
+    same_ids every token picks the same experts (three tokens' slots on one tile)."""
+    p, a, hidden, inter = real_nvfp4_experts, REAL["top_k"], REAL["hidden"], REAL["inter"]
+    g = gen(200 + tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    residual = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    ids = (distinct_ids(1, a, REAL["experts"], seed=5).repeat(tokens, 1) if same_ids
+           else distinct_ids(tokens, a, REAL["experts"], seed=tokens))
+    weights = torch.rand(tokens, a, device="cuda", generator=g)
+    h = moe_gate_up(x, ids, p["gate"], p["up"], p["shared_gate"], p["shared_up"])
+    monkeypatch.setattr(moe_kernels, "DOWN_WARPS", warps)
+    plain = moe_down(h, ids, weights, p["down"], p["shared_down"], residual=residual)
+    assert_close_bf16(plain, expert_reference(x, ids, weights, p, residual)[1], f"moe_down T={tokens}")
+    monkeypatch.setattr(moe_kernels, "STAGED_DOWN", True)
+    monkeypatch.setattr(moe_kernels, "STAGED_DOWN_WARPS", warps)
+    assert moe_kernels.staged_down_bytes("nvfp4", tokens, a, hidden, inter) > 0
+    out = torch.full((tokens, hidden), float("nan"), device="cuda", dtype=torch.bfloat16)
+    moe_down(h, ids, weights, p["down"], p["shared_down"], residual=residual, out=out)
+    assert torch.equal(out, plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_down(h, ids, weights, p["down"], p["shared_down"], residual=residual, out=out, pdl=True)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_moe_experts_tiny_all_tokens_same_experts(fmt, tokens):
