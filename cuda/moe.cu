@@ -277,6 +277,93 @@ moe_down_nvfp4(u16* y, const u16* h, const int* ids, const float* routing_weight
 }
 
 #if !PERSISTENT_STEP
+// Gate/up with its weights staged in shared memory, NVFP4 (kernels/moe.py STAGED_GATE_UP). After
+// the wait and the ids, thread 0 of an expert's owner CTA bulk-copies the tile's 8 gate and 8 up
+// rows (tile rows 0-7 and 8-15 of Nvfp4Staged, as moe_gate_up pairs them), and the warps load
+// all of their x while the copies land (the plain NVFP4 build, X_BATCH 0, loads each k-step's x
+// next to its mma: an L2 trip after another once the weights are in). The mmas and sums are
+// moe_gate_up's in its order (its warps and unroll): the same bits. I % 8 == 0, K % 128 == 0.
+// Dynamic shared memory: 9K bytes (16 rows of K/2 codes and K/16 scales).
+extern "C" __global__ void __launch_bounds__(MOE_GATE_UP_WARPS * 32)
+moe_gate_up_staged_nvfp4(u16* h, const u16* x, const int* ids,
+                         const u8* g_codes, const u8* g_scales, const float* g_tensor_scale,
+                         const u8* u_codes, const u8* u_scales, const float* u_tensor_scale,
+                         const u8* sg_codes, const u8* sg_scales, const float* sg_tensor_scale,
+                         const u8* su_codes, const u8* su_scales, const float* su_tensor_scale,
+                         int T, int A, int I, int K, int E) {
+  extern __shared__ __align__(128) u8 gate_up_staged[];
+  __shared__ float red[MOE_GATE_UP_WARPS * 4 * 32];
+  __shared__ Nvfp4Weights::Shared sh;
+  __shared__ int pair_expert[MOE_MAX_PAIRS];
+  __shared__ __align__(8) u64 bar;
+  const u32 tile = smem_addr(gate_up_staged), bar_w = smem_addr(&bar);
+  Nvfp4Weights::init_shared(sh);
+  if (threadIdx.x == 0) {
+    mbarrier_init(bar_w, 1);
+    fence_mbarrier_init();
+  }
+  pdl_wait();
+  pdl_launch_dependents();  // after the wait, as moe_gate_up (down reads the ids before its own)
+  const int P = T * A, p = blockIdx.y, j0 = blockIdx.x * 8;
+  if (threadIdx.x < P) pair_expert[threadIdx.x] = ids[threadIdx.x];
+  __syncthreads();
+  const bool is_shared = p == P;
+  int e = -1;
+  if (!is_shared) {
+    e = pair_expert[p];
+    if (e < 0 || e >= E) return;
+    for (int q = 0; q < p; ++q)
+      if (pair_expert[q] == e) return;  // an earlier pair owns this expert (uniform across the CTA)
+  }
+  const Nvfp4Weights wg = is_shared ? Nvfp4Weights{sg_codes, sg_scales, sg_tensor_scale}
+                                    : Nvfp4Weights{g_codes, g_scales, g_tensor_scale}.expert(e, I, K);
+  const Nvfp4Weights wu = is_shared ? Nvfp4Weights{su_codes, su_scales, su_tensor_scale}
+                                    : Nvfp4Weights{u_codes, u_scales, u_tensor_scale}.expert(e, I, K);
+  if (threadIdx.x == 0) {
+    const u32 codes = 4u * K, scales = (u32)K / 2;  // 8 rows of K/2 codes, of K/16 scales
+    mbarrier_arrive_expect_tx(bar_w, 2 * (codes + scales));
+    bulk_copy_g2s(tile, wg.codes + (size_t)j0 * (K / 2), codes, bar_w);
+    bulk_copy_g2s(tile + codes, wu.codes + (size_t)j0 * (K / 2), codes, bar_w);
+    bulk_copy_g2s(tile + 2 * codes, wg.scales + (size_t)j0 * (K / 16), scales, bar_w);
+    bulk_copy_g2s(tile + 2 * codes + scales, wu.scales + (size_t)j0 * (K / 16), scales, bar_w);
+  }
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const u16* xg = g < T ? x + (size_t)g * K : nullptr;
+  const Nvfp4Staged::Rows rows = Nvfp4Staged::rows(tile, g, K);
+  const int steps = K / Nvfp4Weights::KSTEP;
+  float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+  bool landed = false;
+  for (int s0 = warp; s0 < steps; s0 += MOE_GATE_UP_WARPS * NVFP4_UNROLL) {
+    Nvfp4Weights::X xv[NVFP4_UNROLL][1];  // the round's x first: its L2 trips overlap the copies
+#pragma unroll
+    for (int u = 0; u < NVFP4_UNROLL; ++u) {
+      const int s = s0 + u * MOE_GATE_UP_WARPS;
+      xv[u][0] = xg && s < steps ? Nvfp4Weights::load_x(xg + s * Nvfp4Weights::KSTEP + t * Nvfp4Weights::LANE_K)
+                                 : Nvfp4Weights::zero_x();
+    }
+    if (!landed) {
+      mbarrier_wait_parity(bar_w, 0);
+      landed = true;
+    }
+#pragma unroll
+    for (int u = 0; u < NVFP4_UNROLL; ++u) {
+      const int s = s0 + u * MOE_GATE_UP_WARPS;
+      if (s < steps)
+        Nvfp4Weights::mma_groups<1>(acc, Nvfp4Staged::load(rows, s * Nvfp4Weights::KSTEP + t * Nvfp4Weights::LANE_K),
+                                    xv[u], sh);
+    }
+  }
+  tile_store_partials<MOE_GATE_UP_WARPS>(red, acc[0]);
+  __syncthreads();
+  const int j = threadIdx.x >> 3, b = threadIdx.x & 7, n = j0 + j;
+  if (j >= 8 || n >= I || b >= T) return;
+  const int slot = moe_slot_of(pair_expert, b, A, is_shared ? -1 : e);
+  if (slot < 0) return;  // token b did not choose this expert
+  const float gv = tile_sum<MOE_GATE_UP_WARPS>(red, j, b) * wg.sum_scale();
+  const float uv = tile_sum<MOE_GATE_UP_WARPS>(red, j + 8, b) * wu.sum_scale();
+  h[((size_t)b * (A + 1) + slot) * I + n] = f32_to_bf16(silu(gv) * uv);
+}
+
 // Down with its operands staged in shared memory, NVFP4 (kernels/moe.py STAGED_DOWN). Before the
 // wait (the ids are the router's, complete: see moe_gate_up), thread 0 bulk-copies the CTA's
 // 16-row tile of each listed expert into shared memory (Nvfp4Staged), and h [T, A + 1, K] right

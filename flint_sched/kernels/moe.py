@@ -50,6 +50,9 @@ DOWN_WARPS = 16
 STAGED_DOWN = False
 STAGED_DOWN_WARPS = 4
 STAGED_DOWN_MAX_BYTES = 160 * 1024
+# NVFP4 gate/up with its weights staged in shared memory (cuda/moe.cu moe_gate_up_staged_nvfp4):
+# each CTA's 16 rows bulk-copied after the ids, all of its x loaded while they land.
+STAGED_GATE_UP = False
 
 
 @functools.cache
@@ -184,6 +187,12 @@ def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: Weight, up: Weight,
         args += [None] * (6 if fmt == "nvfp4" else 2)
     h = output(out, "out", (t, a + 1, i), x)
     warps = gate_up_warps(fmt, t)
+    if STAGED_GATE_UP and fmt == "nvfp4" and i % 8 == 0 and k % 128 == 0:
+        _moe_kernel("moe_gate_up_staged", fmt, warps).launch(
+            (i // 8, t * a + int(has_shared)), (32 * warps,),
+            [h, x, ids, *args, I32(t), I32(a), I32(i), I32(k), I32(num_experts)], shared_bytes=9 * k, pdl=pdl,
+            device=x.device.index)
+        return h
     _moe_kernel("moe_gate_up", fmt, warps).launch(
         (cdiv(i, 8), t * a + int(has_shared)), (32 * warps,),
         [h, x, ids, *args, I32(t), I32(a), I32(i), I32(k), I32(num_experts)], pdl=pdl, device=x.device.index)

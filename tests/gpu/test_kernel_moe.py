@@ -203,11 +203,14 @@ def real_nvfp4_experts():
 
 
 @pytest.mark.parametrize("warps", [4, 16])
-@pytest.mark.parametrize("tokens,same_ids", [(1, False), (2, False), (4, False), (3, True)])
-def test_the_staged_down_is_the_plain_one_bit_for_bit(real_nvfp4_experts, tokens, same_ids, warps, monkeypatch):
-    """moe_down_staged_nvfp4 (kernels/moe.py STAGED_DOWN) against moe_down on CTAs of as many warps:
-    the same bits, eager and in a graph replayed; the plain down against the fp32 reference. With
-    same_ids every token picks the same experts (three tokens' slots on one tile)."""
+@pytest.mark.parametrize("tokens,same_ids", [(1, False), (2, False), (4, False), (3, True), (8, False)])
+def test_the_staged_experts_are_the_plain_ones_bit_for_bit(real_nvfp4_experts, tokens, same_ids, warps,
+                                                           monkeypatch):
+    """moe_gate_up_staged_nvfp4 and moe_down_staged_nvfp4 (kernels/moe.py STAGED_GATE_UP, STAGED_DOWN)
+    against the plain kernels (down on CTAs of as many warps): the same bits, eager and in a graph
+    replayed; the plain ones against the fp32 reference. With same_ids every token picks the same
+    experts (three tokens' slots on one tile). 8 tokens: the down's stages do not fit, so only
+    gate/up is staged."""
     p, a, hidden, inter = real_nvfp4_experts, REAL["top_k"], REAL["hidden"], REAL["inter"]
     g = gen(200 + tokens)
     x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
@@ -215,24 +218,35 @@ def test_the_staged_down_is_the_plain_one_bit_for_bit(real_nvfp4_experts, tokens
     ids = (distinct_ids(1, a, REAL["experts"], seed=5).repeat(tokens, 1) if same_ids
            else distinct_ids(tokens, a, REAL["experts"], seed=tokens))
     weights = torch.rand(tokens, a, device="cuda", generator=g)
-    h = moe_gate_up(x, ids, p["gate"], p["up"], p["shared_gate"], p["shared_up"])
+    h_ref, y_ref = expert_reference(x, ids, weights, p, residual)
     monkeypatch.setattr(moe_kernels, "DOWN_WARPS", warps)
+    h = moe_gate_up(x, ids, p["gate"], p["up"], p["shared_gate"], p["shared_up"])
     plain = moe_down(h, ids, weights, p["down"], p["shared_down"], residual=residual)
-    assert_close_bf16(plain, expert_reference(x, ids, weights, p, residual)[1], f"moe_down T={tokens}")
+    assert_close_bf16(h, h_ref, f"moe_gate_up T={tokens}", rtol=2.0**-7, rel_l2=5e-3)
+    assert_close_bf16(plain, y_ref, f"moe_down T={tokens}")
+    monkeypatch.setattr(moe_kernels, "STAGED_GATE_UP", True)
     monkeypatch.setattr(moe_kernels, "STAGED_DOWN", True)
     monkeypatch.setattr(moe_kernels, "STAGED_DOWN_WARPS", warps)
-    assert moe_kernels.staged_down_bytes("nvfp4", tokens, a, hidden, inter) > 0
+    assert (moe_kernels.staged_down_bytes("nvfp4", tokens, a, hidden, inter) > 0) == (tokens <= 4)
+    h_out = torch.full_like(h, float("nan"))
     out = torch.full((tokens, hidden), float("nan"), device="cuda", dtype=torch.bfloat16)
-    moe_down(h, ids, weights, p["down"], p["shared_down"], residual=residual, out=out)
-    assert torch.equal(out, plain)
+
+    def experts():
+        moe_gate_up(x, ids, p["gate"], p["up"], p["shared_gate"], p["shared_up"], out=h_out, pdl=True)
+        moe_down(h_out, ids, weights, p["down"], p["shared_down"], residual=residual, out=out, pdl=True)
+
+    experts()
+    torch.cuda.synchronize()
+    assert torch.equal(h_out, h) and torch.equal(out, plain)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        moe_down(h, ids, weights, p["down"], p["shared_down"], residual=residual, out=out, pdl=True)
+        experts()
     for _ in range(2):
+        h_out.fill_(float("nan"))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, plain)
+        assert torch.equal(h_out, h) and torch.equal(out, plain)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
