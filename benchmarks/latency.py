@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget-gib", type=float, default=None,
                    help="memory for KV; default: free GPU memory minus 6 GiB (CPU: 4 GiB)")
     p.add_argument("--num-steps", type=int, default=20,
-                   help="timed steps a decode case (their median; the first few after a case is built run slower)")
+                   help="timed steps a decode case (their median), after WARMUP_SECONDS of untimed ones")
     p.add_argument("--max-case-seconds", type=float, default=60.0, help="skip the rest of a case past this")
     p.add_argument("--bandwidth-gbps", type=float, default=None, help="default: measured with a device copy")
     p.add_argument("--seed", type=int, default=0)
@@ -144,9 +144,18 @@ def sampling_params(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=1)
 
 
+WARMUP_SECONDS = 0.25   # untimed steps before a case's timed ones: the first after a case is built run slower
+
+
 def _step_seconds(executor, args, plan: StepPlan) -> float:
-    """Median wall time of the plan's step (after one untimed run), waited for each time."""
-    executor.execute(plan)                                          # warm-up
+    """Median wall time of the plan's step (after WARMUP_SECONDS of untimed ones, at least one and at
+    most 100), waited for each time."""
+    warm_until = time.perf_counter() + WARMUP_SECONDS
+    for _ in range(100):
+        executor.execute(plan)
+        _sync(executor.device)
+        if time.perf_counter() > warm_until:
+            break
     times, deadline = [], time.perf_counter() + args.max_case_seconds
     for _ in range(args.num_steps):
         _sync(executor.device)
@@ -248,8 +257,13 @@ def build(args: argparse.Namespace):
     del ckpt                                   # the executor holds what it needs
     largest = max([(b + bool(args.mixed_chunks)) * math.ceil((c + 1) / args.block_size) for b in batches for c in contexts]
                   + [math.ceil(n / args.block_size) for n in prefills])
-    fit = int((_budget(args, device) - max_seqs * KVCache.bytes_per_slot(config, args.block_size, kv_dtype))
+    budget = _budget(args, device)
+    fit = int((budget - max_seqs * KVCache.bytes_per_slot(config, args.block_size, kv_dtype))
               // KVCache.bytes_per_block(config, args.block_size, kv_dtype))
+    if fit < 1:
+        raise SystemExit(f"no room for a KV cache: {budget / 2**30:.1f} GiB of the memory budget is left beside "
+                         f"{args.model}'s {args.weight_format} weights (the GPU's free memory less 6 GiB, or "
+                         f"--kv-budget-gib); try the nvfp4 weights or a GPU with more memory")
     num_blocks = min(largest, fit)
     kv = KVCache(config, num_blocks, args.block_size, max_seqs, kv_dtype, device)
     for pool in (kv.full, kv.ring):            # random keys (e4m3 has no normal_: made in 512 MB slices)

@@ -32,6 +32,12 @@ def test_bench_latency_prefill_only(tmp_path):
     assert result["decode"] == [] and result["prefill_tokens_per_s"]["24"] > 0
 
 
+def test_bench_latency_says_when_no_kv_cache_fits():
+    with pytest.raises(SystemExit, match="no room for a KV cache: 0.0 GiB"):
+        main(["bench", "latency", "--model", "flint-tiny", "--device", "cpu", "--batch-sizes", "1",
+              "--contexts", "16", "--kv-budget-gib", "0"])
+
+
 def test_bench_serve_smoke_against_flint_tiny(request, tmp_path):
     server = shared_server(request, "real")
     assert main(["bench", "serve", "--base-url", server.base_url, "--dataset-name", "random",

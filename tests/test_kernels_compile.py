@@ -205,6 +205,10 @@ def test_the_staged_down_is_taken_only_where_its_shared_memory_fits(monkeypatch)
     import importlib
     moe_mod = importlib.import_module("flint_sched.kernels.moe")
     monkeypatch.setattr(moe_mod, "STAGED_DOWN", True)
+    monkeypatch.setattr(moe_mod, "STAGED_DOWN_BULK_H", False)
+    assert moe_mod.staged_down_bytes("nvfp4", 1, 6, 2048, 512) == 7 * 9 * 512
+    assert moe_mod.staged_down_bytes("nvfp4", 6, 6, 2048, 512) == 0      # 170 KB
+    monkeypatch.setattr(moe_mod, "STAGED_DOWN_BULK_H", True)
     assert moe_mod.staged_down_bytes("nvfp4", 1, 6, 2048, 512) == 7 * 9 * 512 + 7 * 512 * 2
     assert moe_mod.staged_down_bytes("nvfp4", 4, 6, 2048, 512) == 25 * 9 * 512 + 28 * 512 * 2
     assert moe_mod.staged_down_bytes("nvfp4", 6, 6, 2048, 512) == 0      # 213 KB

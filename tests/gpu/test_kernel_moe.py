@@ -202,9 +202,9 @@ def real_nvfp4_experts():
     return make_experts("nvfp4", REAL["experts"], REAL["hidden"], REAL["inter"], seed=1)
 
 
-@pytest.mark.parametrize("warps", [4, 16])
+@pytest.mark.parametrize("warps,bulk_h", [(4, False), (8, False), (4, True), (16, True)])
 @pytest.mark.parametrize("tokens,same_ids", [(1, False), (2, False), (4, False), (3, True), (8, False)])
-def test_the_staged_experts_are_the_plain_ones_bit_for_bit(real_nvfp4_experts, tokens, same_ids, warps,
+def test_the_staged_experts_are_the_plain_ones_bit_for_bit(real_nvfp4_experts, tokens, same_ids, warps, bulk_h,
                                                            monkeypatch):
     """moe_gate_up_staged_nvfp4 and moe_down_staged_nvfp4 (kernels/moe.py STAGED_GATE_UP, STAGED_DOWN)
     against the plain kernels (down on CTAs of as many warps): the same bits, eager and in a graph
@@ -227,6 +227,7 @@ def test_the_staged_experts_are_the_plain_ones_bit_for_bit(real_nvfp4_experts, t
     monkeypatch.setattr(moe_kernels, "STAGED_GATE_UP", True)
     monkeypatch.setattr(moe_kernels, "STAGED_DOWN", True)
     monkeypatch.setattr(moe_kernels, "STAGED_DOWN_WARPS", warps)
+    monkeypatch.setattr(moe_kernels, "STAGED_DOWN_BULK_H", bulk_h)
     assert (moe_kernels.staged_down_bytes("nvfp4", tokens, a, hidden, inter) > 0) == (tokens <= 4)
     h_out = torch.full_like(h, float("nan"))
     out = torch.full((tokens, hidden), float("nan"), device="cuda", dtype=torch.bfloat16)
