@@ -3,7 +3,9 @@
 #
 #   benchmarks/gpu_suite.sh PART [PART ...]
 #
-#   tests         the GPU tests (tests/gpu; failures and the summary)
+#   tests         the GPU tests (tests/gpu; failures and the summary). Their wheels beyond the
+#                 project's: ../shared/tools/device-wheels pytest-xdist execnet jsonschema
+#                 jsonschema-specifications referencing rpds-py attrs
 #   latency       bench latency, NVFP4, bf16 KV: 1K context at 1-256 requests, and 16 at 100K
 #   latency-fp8   the same with an e4m3 KV cache: 16 / 64 / 256 at 1K, 16 / 64 at 100K
 #   latency-bf16  BF16 weights: 1 / 16 / 64 / 256 at 1K
@@ -21,7 +23,7 @@
 # GPU, the wheels in ./.whl (../shared/tools/device-wheels) are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,18p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,20p "$0"; exit 2; }
 if command -v nvidia-smi >/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -62,7 +64,9 @@ machine
 for part in "$@"; do
     echo "== gpu_suite $part ($(date -u +%H:%M:%S), $(git rev-parse --short HEAD 2>/dev/null || echo no-git))"
     case $part in
-        tests) python3 -m pytest -q tests/gpu 2>&1 | grep -E "^FAILED|^ERROR| in [0-9.]+s" ;;
+        tests)  # with pytest-xdist, 8 workers: the cold compile takes ~3 min instead of over 10
+            workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+            python3 -m pytest -q $workers tests/gpu 2>&1 | grep -E "^FAILED|^ERROR| in [0-9.]+s" ;;
         latency)
             latency nvfp4 --batch-sizes 1,8,9,12,16,32,64,128,256 --contexts 1024
             latency nvfp4 --batch-sizes 16 --contexts 102400 --max-case-seconds 30 ;;
