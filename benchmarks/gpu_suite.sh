@@ -23,7 +23,7 @@
 # GPU, the wheels in ./.whl (../shared/tools/device-wheels) are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,20p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,19p "$0"; exit 2; }
 if command -v nvidia-smi >/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
