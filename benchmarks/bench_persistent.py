@@ -16,8 +16,7 @@ the fence costs a dependency.
 
 The ring chains (`gemv_chain_ring_nvfp4`) add a producer warp a CTA that streams the coming layers'
 rows into shared-memory stages ahead of the counters (issue 17's design): their slope is what a
-dependency costs once an operation's weights are already on the SM; "flags": a flag a CTA and layer,
-polled side by side, instead of the counter every CTA adds to.
+dependency costs once an operation's weights are already on the SM.
 """
 
 from __future__ import annotations
@@ -60,17 +59,15 @@ def gemv_chain(h: torch.Tensor, w: NVFP4Tensor, done: torch.Tensor, warps: int, 
 
 
 def gemv_chain_ring(h: torch.Tensor, w: NVFP4Tensor, done: torch.Tensor, warps: int, stages: int,
-                    sleep_ns: int = 0, flags: bool = False) -> None:
+                    sleep_ns: int = 0) -> None:
     """As gemv_chain, with the weights streamed into `stages` shared-memory stages a CTA by one more
-    warp, ahead of the counters (cuda/gemv_chain.cu gemv_chain_ring_nvfp4). flags: a flag a CTA and
-    layer instead of a counter a layer (done [>= layers x N / 16])."""
+    warp, ahead of the counters (cuda/gemv_chain.cu gemv_chain_ring_nvfp4)."""
     layers, n, k = w.shape
-    need = layers * (n // TILE_ROWS if flags else 1)
-    if n != k or n % TILE_ROWS or tuple(h.shape) != (layers + 1, n) or done.numel() < need:
-        raise ValueError(f"h [{layers + 1}, {n}] and done [>= {need}] for w {tuple(w.shape)} with N == K")
+    if n != k or n % TILE_ROWS or tuple(h.shape) != (layers + 1, n) or done.numel() < layers:
+        raise ValueError(f"h [{layers + 1}, {n}] and done [>= {layers}] for w {tuple(w.shape)} with N == K")
     kernel = compile_kernel("gemv_chain.cu", "gemv_chain_ring_nvfp4",
                             {"GEMV_WARPS": warps, "X_BATCH": 0, "GEMV_GROUPS": 1, "CHAIN_SLEEP_NS": sleep_ns,
-                             "RING_STAGES": stages, "TICKET_ACQ_REL": 1, "CHAIN_FLAGS": int(flags)})
+                             "RING_STAGES": stages, "TICKET_ACQ_REL": 1})
     threads, ring_bytes = 32 * (warps + 1), stages * 9 * k      # a stage: 16 rows of K/2 codes, K/16 scales
     tiles = n // TILE_ROWS
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count
@@ -117,9 +114,6 @@ def main() -> None:
             chains[f"ring of {stages} stages"] = (
                 lambda h, w, d=torch.zeros(long, dtype=torch.int32, device="cuda"), st=stages:
                 gemv_chain_ring(h, w, d, warps, st))
-            chains[f"ring of {stages} stages, flags"] = (
-                lambda h, w, d=torch.zeros(long * HIDDEN // TILE_ROWS, dtype=torch.int32, device="cuda"), st=stages:
-                gemv_chain_ring(h, w, d, warps, st, flags=True))
         results = {}
         for name, run in chains.items():
             times = []

@@ -234,11 +234,6 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-// A flag set once (a release store at gpu scope: what this thread saw before, the CTA's stores
-// ordered by its barrier included, is seen by whoever reads the flag with ld_acquire_gpu).
-__device__ __forceinline__ void st_release_gpu(int* p, int v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if !PERSISTENT_STEP
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -28,12 +28,6 @@
 #ifndef RING_STAGES
 #define RING_STAGES 4
 #endif
-// gemv_chain_ring_nvfp4 only: CHAIN_FLAGS 1, a flag a CTA and layer (done [layers, gridDim.x], each
-// set once by a release store, polled by warp 0's lanes side by side) instead of one counter a layer
-// that every CTA adds to (atomics on one address, one after another in L2).
-#ifndef CHAIN_FLAGS
-#define CHAIN_FLAGS 0
-#endif
 #define CHAIN_RED (GEMV_WARPS * 4 * 32)
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
@@ -107,15 +101,9 @@ gemv_chain_ring_nvfp4(u16* h, const u8* codes, const u8* scales, const float* te
   for (int i = 0; i < layers; ++i) {
     const int s = i % RING_STAGES;
     const Nvfp4Weights wt = stack.expert(i, N, K);
-    if (CHAIN_FLAGS) {  // warp 0's lanes poll the flags of layer i - 1 side by side
-      if (threadIdx.x < 32 && i > 0)
-        for (int c = threadIdx.x; c < (int)gridDim.x; c += 32)
-          while (ld_acquire_gpu(done + (size_t)(i - 1) * gridDim.x + c) == 0)
-            if (CHAIN_SLEEP_NS) __nanosleep(CHAIN_SLEEP_NS);
-    } else if (threadIdx.x == 0 && i > 0) {
+    if (threadIdx.x == 0 && i > 0)
       while (ld_acquire_gpu(done + i - 1) < (int)gridDim.x)
         if (CHAIN_SLEEP_NS) __nanosleep(CHAIN_SLEEP_NS);
-    }
     named_bar_sync(1, GEMV_WARPS * 32);  // layer i - 1 complete; `red` free again
     mbarrier_wait_parity(full0 + 8 * s, (i / RING_STAGES) & 1);
     const u16* const xs[1] = {g == 0 ? h + (size_t)i * K : nullptr};
@@ -129,11 +117,6 @@ gemv_chain_ring_nvfp4(u16* h, const u8* codes, const u8* scales, const float* te
     if (r < 16 && (threadIdx.x & 7) == 0)
       h[(size_t)(i + 1) * N + n0 + r] = f32_to_bf16(tile_sum<GEMV_WARPS>(red, r, 0) * wt.sum_scale());
     named_bar_sync(1, GEMV_WARPS * 32);
-    if (threadIdx.x == 0) {
-      if (CHAIN_FLAGS)
-        st_release_gpu(done + (size_t)i * gridDim.x + blockIdx.x, 1);
-      else
-        ticket_arrive(reinterpret_cast<u32*>(done + i));
-    }
+    if (threadIdx.x == 0) ticket_arrive(reinterpret_cast<u32*>(done + i));
   }
 }

@@ -42,18 +42,12 @@ MAX_THREADS_PER_SM = 2048
 Weight = torch.Tensor | NVFP4Tensor
 
 
-# NVFP4 GEMVs (linear, gate_up_silu) of at most this many rows load a round's activations together
-# (X_BATCH 1), as BF16 does: after the wait, one L2 trip instead of one a k-step. 0: never.
-GEMV_X_BATCH_TOKENS = 0
-
-
-def x_batch(fmt: str, tokens: int | None = None) -> int:
+def x_batch(fmt: str) -> int:
     """X_BATCH of cuda/gemv_tile.cuh: BF16 loads a round's activations together; NVFP4 loads each
     next to its mma (~80 instead of ~130 registers: more CTAs per SM for the FP4 decode's integer
-    work), but at up to GEMV_X_BATCH_TOKENS rows of a GEMV (`tokens`). Measured on the H200, every
-    NVFP4 kernel, batch 1/2/4/8 at 1K: 2.24/2.55/3.20/4.54 ms per step with X_BATCH 0,
-    2.27/2.68/3.40/4.88 with 1 (benchmarks/RESULTS.md)."""
-    return int(fmt == "bf16" or (tokens is not None and tokens <= GEMV_X_BATCH_TOKENS))
+    work). Measured on the H200, NVFP4 batch 1/2/4/8 at 1K: 2.24/2.55/3.20/4.54 ms per step with
+    X_BATCH 0, 2.27/2.68/3.40/4.88 with 1 (benchmarks/RESULTS.md)."""
+    return int(fmt == "bf16")
 
 
 @functools.cache
@@ -249,8 +243,8 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     if pick:
         name, args = name + "_argmax", [y, x, *w_args, I32(b), I32(n), I32(k), *pick]
         extra = tickets.defines()
-    _kernel(name, warps, x_batch(fmt, b), num_groups, extra).launch((tiles,), (32 * warps,), args, pdl=pdl,
-                                                             device=x.device.index)
+    _kernel(name, warps, x_batch(fmt), num_groups, extra).launch((tiles,), (32 * warps,), args, pdl=pdl,
+                                                          device=x.device.index)
     return y
 
 
@@ -288,7 +282,7 @@ def gate_up_silu(x: torch.Tensor, gate: Weight, up: Weight, out: torch.Tensor | 
     h = output(out, "out", (b, i), x)
     tiles, num_groups = cdiv(i, TILE_ROWS // 2), groups(b)
     warps = gemv_warps(tiles, k, fmt, num_groups)
-    _kernel(f"gate_up_{fmt}", warps, x_batch(fmt, b), num_groups).launch(
+    _kernel(f"gate_up_{fmt}", warps, x_batch(fmt), num_groups).launch(
         (tiles,), (32 * warps,), [h, x, *args, I32(b), I32(i), I32(k)], pdl=pdl, device=x.device.index)
     return h
 
