@@ -21,7 +21,7 @@ VARIANTS = {
                      for g in (1, 2, 3, 4) if g <= 2 or w <= 8),
     "router.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),
     "moe.cu": tuple({"MOE_GATE_UP_WARPS": w, "X_BATCH": x} for w in (4, 8) for x in (0, 1))
-    + ({"MOE_DOWN_WARPS": 4, "MOE_DOWN_BULK_H": 0},),               # moe.STAGED_DOWN_WARPS, STAGED_DOWN_BULK_H
+    + ({"MOE_DOWN_WARPS": 4, "MOE_DOWN_BULK_H": 0, "MOE_DOWN_STAGED_UNROLL": 2},),   # moe.STAGED_DOWN_*
     "grouped_gemm.cu": tuple({"GROUPED_CHUNK": c, "GROUPED_TILES": t} for c in (16, 64) for t in (1, 4))
     + ({"GROUPED_CHUNK": 8, "GROUPED_TILES": 4},),                                # grouped.MOE_SMALL_CHUNK = 8
     "moe_routing.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),

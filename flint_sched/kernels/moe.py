@@ -51,6 +51,7 @@ STAGED_DOWN = False
 STAGED_DOWN_WARPS = 4
 STAGED_DOWN_MAX_BYTES = 160 * 1024
 STAGED_DOWN_BULK_H = False     # h by one more bulk copy after the wait (else each warp's loads)
+STAGED_DOWN_UNROLL = 2         # items whose x a warp loads at once (MOE_DOWN_STAGED_UNROLL)
 # NVFP4 gate/up with its weights staged in shared memory (cuda/moe.cu moe_gate_up_staged_nvfp4):
 # each CTA's 16 rows bulk-copied after the ids, all of its x loaded while they land. The same bits
 # as the plain kernel; NVFP4 at 1K, ms a step at 1 / 2 / 4 requests: 2.03 / 2.43 / 3.00 against
@@ -226,7 +227,8 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor, 
     staged = staged_down_bytes(fmt, t, a, n, i)
     if staged:
         _kernel("moe.cu", "moe_down_staged_nvfp4", (("MOE_DOWN_WARPS", STAGED_DOWN_WARPS),
-                                                     ("MOE_DOWN_BULK_H", int(STAGED_DOWN_BULK_H)))).launch(
+                                                     ("MOE_DOWN_BULK_H", int(STAGED_DOWN_BULK_H)),
+                                                     ("MOE_DOWN_STAGED_UNROLL", STAGED_DOWN_UNROLL))).launch(
             (n // 16,), (32 * STAGED_DOWN_WARPS,),
             [y, h, ids, routing_weights, *args, I32(int(has_shared)), residual, I32(t), I32(a), I32(n), I32(i),
              I32(num_experts)], shared_bytes=staged, pdl=pdl, device=h.device.index)

@@ -202,7 +202,7 @@ def real_nvfp4_experts():
     return make_experts("nvfp4", REAL["experts"], REAL["hidden"], REAL["inter"], seed=1)
 
 
-@pytest.mark.parametrize("warps,bulk_h", [(4, False), (8, False), (4, True), (16, True)])
+@pytest.mark.parametrize("warps,bulk_h", [(4, False), (8, False), (16, False), (4, True), (16, True)])
 @pytest.mark.parametrize("tokens,same_ids", [(1, False), (2, False), (4, False), (3, True), (8, False)])
 def test_the_staged_experts_are_the_plain_ones_bit_for_bit(real_nvfp4_experts, tokens, same_ids, warps, bulk_h,
                                                            monkeypatch):
