@@ -47,6 +47,37 @@ __device__ __forceinline__ void moe_down_accumulate(float (&acc)[4], const typen
   acc[3] = fmaf(c_odd, part[3], acc[3]);
 }
 
+// pair_expert[] <- ids (all T * A = P pairs); e <- the expert of pair p (-1: the shared one, p == P).
+// False where the CTA has nothing to do: an invalid id, or an earlier pair owns this expert
+// (uniform across the CTA).
+__device__ __forceinline__ bool moe_pair_expert(int* pair_expert, const int* ids, int p, int P, int E, int& e) {
+  if (threadIdx.x < P) pair_expert[threadIdx.x] = ids[threadIdx.x];
+  __syncthreads();
+  e = -1;
+  if (p == P) return true;
+  e = pair_expert[p];
+  if (e < 0 || e >= E) return false;
+  for (int q = 0; q < p; ++q)
+    if (pair_expert[q] == e) return false;
+  return true;
+}
+
+// The warps' gate (tile rows 0-7) and up (8-15) sums of expert e, in order: silu(g) * u into each
+// choosing token's slot of h.
+__device__ __forceinline__ void moe_gate_up_store(float* red, const float (&acc)[4], u16* h, const int* pair_expert,
+                                                  int e, float gate_scale, float up_scale, int j0, int T, int A,
+                                                  int I) {
+  tile_store_partials<MOE_GATE_UP_WARPS>(red, acc);
+  __syncthreads();
+  const int j = threadIdx.x >> 3, b = threadIdx.x & 7, n = j0 + j;
+  if (j >= 8 || n >= I || b >= T) return;
+  const int slot = moe_slot_of(pair_expert, b, A, e);
+  if (slot < 0) return;  // token b did not choose this expert
+  const float gv = tile_sum<MOE_GATE_UP_WARPS>(red, j, b) * gate_scale;
+  const float uv = tile_sum<MOE_GATE_UP_WARPS>(red, j + 8, b) * up_scale;
+  h[((size_t)b * (A + 1) + slot) * I + n] = f32_to_bf16(silu(gv) * uv);
+}
+
 template <class Wt, int U>
 __device__ __forceinline__ void moe_gate_up(int tile, int pair, u16* h, const u16* x, const int* ids, const Wt& gate,
                                             const Wt& up, const Wt& shared_gate, const Wt& shared_up,
@@ -59,19 +90,10 @@ __device__ __forceinline__ void moe_gate_up(int tile, int pair, u16* h, const u1
   // Triggered after the wait on purpose: when moe_down starts, every CTA here has waited, so the
   // router (the kernel before this one) is complete, and moe_down reads its ids early.
   pdl_launch_dependents();
-  const int P = T * A, p = pair;
-  if (threadIdx.x < P) pair_expert[threadIdx.x] = ids[threadIdx.x];
-  __syncthreads();
-  const bool shared = p == P;
-  int e = -1;
-  if (!shared) {
-    e = pair_expert[p];
-    if (e < 0 || e >= E) return;
-    for (int q = 0; q < p; ++q)
-      if (pair_expert[q] == e) return;  // an earlier pair owns this expert (uniform across the CTA)
-  }
-  const Wt wg = shared ? shared_gate : gate.expert(e, I, K);
-  const Wt wu = shared ? shared_up : up.expert(e, I, K);
+  int e;
+  if (!moe_pair_expert(pair_expert, ids, pair, T * A, E, e)) return;
+  const Wt wg = e < 0 ? shared_gate : gate.expert(e, I, K);
+  const Wt wu = e < 0 ? shared_up : up.expert(e, I, K);
   const int g = (threadIdx.x & 31) >> 2;
   const int j0 = tile * 8;
   const int row = min(j0 + g, I - 1);
@@ -79,15 +101,7 @@ __device__ __forceinline__ void moe_gate_up(int tile, int pair, u16* h, const u1
   const int steps = (K + Wt::KSTEP - 1) / Wt::KSTEP;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   tile_partial<Wt, MOE_GATE_UP_WARPS, U>(acc, rows, g < T ? x + (size_t)g * K : nullptr, K, 0, steps, sh);
-  tile_store_partials<MOE_GATE_UP_WARPS>(red, acc);
-  __syncthreads();
-  const int j = threadIdx.x >> 3, b = threadIdx.x & 7, n = j0 + j;
-  if (j >= 8 || n >= I || b >= T) return;
-  const int slot = moe_slot_of(pair_expert, b, A, shared ? -1 : e);
-  if (slot < 0) return;  // token b did not choose this expert
-  const float gv = tile_sum<MOE_GATE_UP_WARPS>(red, j, b) * wg.sum_scale();
-  const float uv = tile_sum<MOE_GATE_UP_WARPS>(red, j + 8, b) * wu.sum_scale();
-  h[((size_t)b * (A + 1) + slot) * I + n] = f32_to_bf16(silu(gv) * uv);
+  moe_gate_up_store(red, acc, h, pair_expert, e, wg.sum_scale(), wu.sum_scale(), j0, T, A, I);
 }
 
 // The distinct experts of this step, in first-occurrence order, then the shared one (-1):
@@ -304,21 +318,13 @@ moe_gate_up_staged_nvfp4(u16* h, const u16* x, const int* ids,
   }
   pdl_wait();
   pdl_launch_dependents();  // after the wait, as moe_gate_up (down reads the ids before its own)
-  const int P = T * A, p = blockIdx.y, j0 = blockIdx.x * 8;
-  if (threadIdx.x < P) pair_expert[threadIdx.x] = ids[threadIdx.x];
-  __syncthreads();
-  const bool is_shared = p == P;
-  int e = -1;
-  if (!is_shared) {
-    e = pair_expert[p];
-    if (e < 0 || e >= E) return;
-    for (int q = 0; q < p; ++q)
-      if (pair_expert[q] == e) return;  // an earlier pair owns this expert (uniform across the CTA)
-  }
-  const Nvfp4Weights wg = is_shared ? Nvfp4Weights{sg_codes, sg_scales, sg_tensor_scale}
-                                    : Nvfp4Weights{g_codes, g_scales, g_tensor_scale}.expert(e, I, K);
-  const Nvfp4Weights wu = is_shared ? Nvfp4Weights{su_codes, su_scales, su_tensor_scale}
-                                    : Nvfp4Weights{u_codes, u_scales, u_tensor_scale}.expert(e, I, K);
+  const int j0 = blockIdx.x * 8;
+  int e;
+  if (!moe_pair_expert(pair_expert, ids, blockIdx.y, T * A, E, e)) return;
+  const Nvfp4Weights wg = e < 0 ? Nvfp4Weights{sg_codes, sg_scales, sg_tensor_scale}
+                                : Nvfp4Weights{g_codes, g_scales, g_tensor_scale}.expert(e, I, K);
+  const Nvfp4Weights wu = e < 0 ? Nvfp4Weights{su_codes, su_scales, su_tensor_scale}
+                                : Nvfp4Weights{u_codes, u_scales, u_tensor_scale}.expert(e, I, K);
   if (threadIdx.x == 0) {
     const u32 codes = 4u * K, scales = (u32)K / 2;  // 8 rows of K/2 codes, of K/16 scales
     mbarrier_arrive_expect_tx(bar_w, 2 * (codes + scales));
@@ -353,15 +359,7 @@ moe_gate_up_staged_nvfp4(u16* h, const u16* x, const int* ids,
                                     xv[u], sh);
     }
   }
-  tile_store_partials<MOE_GATE_UP_WARPS>(red, acc[0]);
-  __syncthreads();
-  const int j = threadIdx.x >> 3, b = threadIdx.x & 7, n = j0 + j;
-  if (j >= 8 || n >= I || b >= T) return;
-  const int slot = moe_slot_of(pair_expert, b, A, is_shared ? -1 : e);
-  if (slot < 0) return;  // token b did not choose this expert
-  const float gv = tile_sum<MOE_GATE_UP_WARPS>(red, j, b) * wg.sum_scale();
-  const float uv = tile_sum<MOE_GATE_UP_WARPS>(red, j + 8, b) * wu.sum_scale();
-  h[((size_t)b * (A + 1) + slot) * I + n] = f32_to_bf16(silu(gv) * uv);
+  moe_gate_up_store(red, acc[0], h, pair_expert, e, wg.sum_scale(), wu.sum_scale(), j0, T, A, I);
 }
 
 // Down with its weights staged in shared memory, NVFP4 (kernels/moe.py STAGED_DOWN). Before the
