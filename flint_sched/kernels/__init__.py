@@ -35,6 +35,7 @@ VARIANTS = {
 ENTRY_POINTS = (
     ("rmsnorm.cu", "rmsnorm_bf16"), ("rmsnorm.cu", "add_rmsnorm_f32"),
     ("gemv.cu", "gemv_bf16"), ("gemv.cu", "gemv_bf16_f32"), ("gemv.cu", "gemv_nvfp4"),
+    ("gemv.cu", "gemv_nvfp4_staged"),
     ("gemv.cu", "gemv_bf16_norm"), ("gemv.cu", "gemv_nvfp4_norm"),
     ("gemv.cu", "gate_up_bf16"), ("gemv.cu", "gate_up_nvfp4"),
     ("router.cu", "router_topk"), ("router.cu", "router_topk_cluster"),
