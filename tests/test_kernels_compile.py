@@ -216,6 +216,18 @@ def test_the_staged_down_is_taken_only_where_its_shared_memory_fits(monkeypatch)
     assert moe_mod.staged_down_bytes("nvfp4", 1, 6, 2048, 96) == 0       # K % 128
 
 
+def test_the_staged_gemv_is_taken_for_small_nvfp4_tiles_only(monkeypatch):
+    import importlib
+    linear_mod = importlib.import_module("flint_sched.kernels.linear")
+    monkeypatch.setattr(linear_mod, "STAGED_GEMV", True)
+    assert linear_mod.staged_gemv("nvfp4", 5120, 2048, 1) and linear_mod.staged_gemv("nvfp4", 2048, 4096, 16)
+    assert not linear_mod.staged_gemv("nvfp4", 2048, 10240, 1)     # 90 KB of stage
+    assert not linear_mod.staged_gemv("nvfp4", 2048, 4096, 17)     # 3-4 groups
+    assert not linear_mod.staged_gemv("nvfp4", 37, 192, 1) and not linear_mod.staged_gemv("bf16", 5120, 2048, 1)
+    monkeypatch.setattr(linear_mod, "STAGED_GEMV", False)
+    assert not linear_mod.staged_gemv("nvfp4", 5120, 2048, 1)
+
+
 @pytest.mark.parametrize("waves", [1, 2, 8, 64])
 def test_the_argmax_workspace_holds_every_split_count(waves, monkeypatch):
     """argmax_workspace is sized for the most CTAs a row can take, so a WAVES changed after it is

@@ -51,9 +51,10 @@ STAGED_GEMV = False
 STAGED_GEMV_MAX_BYTES = 48 * 1024
 
 
-def staged_gemv(fmt: str, n: int, k: int) -> bool:
-    """Whether linear() takes gemv_nvfp4_staged for an [n, k] weight (see STAGED_GEMV)."""
-    return (STAGED_GEMV and fmt == "nvfp4" and n % TILE_ROWS == 0 and k % 128 == 0
+def staged_gemv(fmt: str, n: int, k: int, tokens: int) -> bool:
+    """Whether linear() takes gemv_nvfp4_staged for `tokens` rows times an [n, k] weight (see
+    STAGED_GEMV; at most 16 rows: with 4 groups a build of 8 warps spills)."""
+    return (STAGED_GEMV and fmt == "nvfp4" and tokens <= 16 and n % TILE_ROWS == 0 and k % 128 == 0
             and 9 * k <= STAGED_GEMV_MAX_BYTES)
 
 
@@ -259,7 +260,7 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     if pick:
         name, args = name + "_argmax", [y, x, *w_args, I32(b), I32(n), I32(k), *pick]
         extra = tickets.defines()
-    elif norm_weight is None and staged_gemv(fmt, n, k):
+    elif norm_weight is None and staged_gemv(fmt, n, k, b):
         name, shared_bytes = "gemv_nvfp4_staged", 9 * k
     _kernel(name, warps, x_batch(fmt), num_groups, extra).launch((tiles,), (32 * warps,), args, pdl=pdl,
                                                           shared_bytes=shared_bytes, device=x.device.index)
