@@ -21,7 +21,6 @@
 // of its CTAs start beside a kernel that holds most of a SM's registers (a down CTA of 16 warps),
 // and load their weights while it runs. The same mmas in the same order: gemv_nvfp4's bits.
 #include "argmax.cuh"
-#include "async_copy.cuh"
 #include "gemv_tile.cuh"
 #include "norm.cuh"  // norm_unpack
 
@@ -65,8 +64,7 @@ __device__ __forceinline__ void gemv_partials_staged(float* red, const Nvfp4Weig
     mbarrier_init(bar_w, 1);
     fence_mbarrier_init();
     mbarrier_arrive_expect_tx(bar_w, 9u * K);
-    bulk_copy_g2s(tile, wt.codes + (size_t)n0 * (K / 2), 8u * K, bar_w);
-    bulk_copy_g2s(tile + 8u * K, wt.scales + (size_t)n0 * (K / 16), (u32)K, bar_w);
+    Nvfp4Staged::copy_rows(tile, 0, wt, n0, 16, K, bar_w);
   }
   __syncthreads();  // the barrier initialized before anyone waits on it
   pdl_wait();

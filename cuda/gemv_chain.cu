@@ -15,7 +15,6 @@
 // into a ring of RING_STAGES shared-memory stages, waiting only for a stage to be free, never on
 // the counters. The GEMV warps wait on the counter and on the stage, then compute from shared
 // memory: what a dependency costs once the weights are already on the SM.
-#include "async_copy.cuh"
 #include "gemv_tile.cuh"
 
 #ifndef GEMV_WARPS
@@ -91,8 +90,7 @@ gemv_chain_ring_nvfp4(u16* h, const u8* codes, const u8* scales, const float* te
         const Nvfp4Weights wt = stack.expert(i, N, K);
         const u32 dst = ring0 + s * stage_bytes, bar = full0 + 8 * s;
         mbarrier_arrive_expect_tx(bar, stage_bytes);
-        bulk_copy_g2s(dst, wt.codes + (size_t)n0 * (K / 2), 8u * K, bar);
-        bulk_copy_g2s(dst + 8u * K, wt.scales + (size_t)n0 * (K / 16), (u32)K, bar);
+        Nvfp4Staged::copy_rows(dst, 0, wt, n0, 16, K, bar);
       }
     }
     return;

@@ -13,6 +13,7 @@
 // pairing the decoder finds cheap is allowed. Partial sums are reduced across warps in shared
 // memory in warp order, so results are deterministic.
 #pragma once
+#include "async_copy.cuh"  // bulk_copy_g2s (Nvfp4Staged::copy_rows)
 #include "common.cuh"
 #include "nvfp4.cuh"
 
@@ -198,6 +199,14 @@ struct Nvfp4Staged : Nvfp4Weights {
   }
   static __device__ Frag load(const Rows& r, int k) {
     return {lds_v4(r.c0 + k / 2), lds_v4(r.c1 + k / 2), lds_u16(r.s0 + k / 16), lds_u16(r.s1 + k / 16)};
+  }
+  // One thread: rows [row0, row0 + n) of w into tile rows [first, first + n) of `tile`, two bulk
+  // copies completing on `bar` (whose expected bytes the caller sets: 9K for a whole tile).
+  static __device__ void copy_rows(u32 tile, int first, const Nvfp4Weights& w, int row0, int n, int k_total,
+                                   u32 bar) {
+    const u32 c = k_total / 2, s = k_total / 16;
+    bulk_copy_g2s(tile + first * c, w.codes + (size_t)row0 * c, n * c, bar);
+    bulk_copy_g2s(tile + 16 * c + first * s, w.scales + (size_t)row0 * s, n * s, bar);
   }
   static __device__ X load_x_shared(u32 xk) {  // 32 bf16 activations at a shared address
     X x;

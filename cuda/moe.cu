@@ -11,7 +11,6 @@
 // down: output stationary, one CTA per 16 of the H outputs, looping over the distinct experts in
 // first-occurrence order then the shared one: deterministic, no atomics.
 // moe_down_staged_nvfp4: the same down with its operands staged in shared memory (see there).
-#include "async_copy.cuh"
 #include "gemv_tile.cuh"
 
 #ifndef MOE_GATE_UP_WARPS
@@ -326,12 +325,9 @@ moe_gate_up_staged_nvfp4(u16* h, const u16* x, const int* ids,
   const Nvfp4Weights wu = e < 0 ? Nvfp4Weights{su_codes, su_scales, su_tensor_scale}
                                 : Nvfp4Weights{u_codes, u_scales, u_tensor_scale}.expert(e, I, K);
   if (threadIdx.x == 0) {
-    const u32 codes = 4u * K, scales = (u32)K / 2;  // 8 rows of K/2 codes, of K/16 scales
-    mbarrier_arrive_expect_tx(bar_w, 2 * (codes + scales));
-    bulk_copy_g2s(tile, wg.codes + (size_t)j0 * (K / 2), codes, bar_w);
-    bulk_copy_g2s(tile + codes, wu.codes + (size_t)j0 * (K / 2), codes, bar_w);
-    bulk_copy_g2s(tile + 2 * codes, wg.scales + (size_t)j0 * (K / 16), scales, bar_w);
-    bulk_copy_g2s(tile + 2 * codes + scales, wu.scales + (size_t)j0 * (K / 16), scales, bar_w);
+    mbarrier_arrive_expect_tx(bar_w, 9u * K);
+    Nvfp4Staged::copy_rows(tile, 0, wg, j0, 8, K, bar_w);
+    Nvfp4Staged::copy_rows(tile, 8, wu, j0, 8, K, bar_w);
   }
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const u16* xg = g < T ? x + (size_t)g * K : nullptr;
@@ -407,10 +403,8 @@ moe_down_staged_nvfp4(u16* y, const u16* h, const int* ids, const float* routing
   if (threadIdx.x == 0) {
     mbarrier_arrive_expect_tx(bar_w, num_experts * tile_bytes);
     for (int u = 0; u < num_experts; ++u) {
-      const Nvfp4Weights w = expert[u] < 0 ? shared : stack.expert(expert[u], N, K);
-      const u32 dst = tiles + u * tile_bytes;
-      bulk_copy_g2s(dst, w.codes + (size_t)n0 * (K / 2), 8u * K, bar_w);
-      bulk_copy_g2s(dst + 8u * K, w.scales + (size_t)n0 * (K / 16), (u32)K, bar_w);
+      Nvfp4Staged::copy_rows(tiles + u * tile_bytes, 0, expert[u] < 0 ? shared : stack.expert(expert[u], N, K), n0,
+                             16, K, bar_w);
     }
   }
   pdl_wait();
