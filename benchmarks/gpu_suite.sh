@@ -13,9 +13,6 @@
 #   serve-max     c=256 with the flags for throughput: e4m3 cache, 32K-token budget, stream interval 4
 #   serve-api     c=256, e4m3, stream interval 1: one process (--api-server-count 0), then the API process (1)
 #   persistent    bench_persistent.py: a chain of GEMVs on counters in one launch against launches
-#   staged        the staged NVFP4 kernels (linear.STAGED_GEMV, moe.STAGED_*): their tests, ab_decode at
-#                 1 / 2 / 4 requests (staged GEMVs, the staged down on 16 warps, both), a batch-1 layer's
-#                 time line with both
 #   decode-step   the persistent decode step (kernel_ops.PERSISTENT): its GPU tests, then its
 #                 per-operation charges (bench_decode_step.py) and ab_decode at 1 and 4 requests
 #                 against the launches (8- and 4-warp CTAs, folded norms, fused Q/K, early weights)
@@ -26,7 +23,7 @@
 # GPU, the wheels in ./.whl (../shared/tools/device-wheels) are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,22p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,23p "$0"; exit 2; }
 if command -v nvidia-smi >/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -89,17 +86,6 @@ for part in "$@"; do
                 serve "--kv-cache-dtype fp8 --api-server-count $count" "$RANDOM_1K --num-prompts 512 --max-concurrency 256 --seed 9"
             done ;;
         persistent) python3 benchmarks/bench_persistent.py 2>&1 | grep -E "^\||^NVFP4|rror" ;;
-        staged)
-            workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-            python3 -m pytest -q $workers tests/gpu/test_kernel_moe.py tests/gpu/test_kernel_linear.py -k staged 2>&1 |
-                grep -E "^FAILED|^ERROR| in [0-9.]+s"
-            M=flint_sched.kernels.moe G=flint_sched.kernels.linear.STAGED_GEMV=True
-            D16="$M.STAGED_DOWN=True,$M.STAGED_DOWN_WARPS=16"
-            python3 benchmarks/ab_decode.py --weight-format nvfp4 --batch-sizes 1,2,4 --contexts 1024 --num-steps 30 \
-                --rounds 2 --variant base: --variant "gemv:$G" --variant "d16u1:$D16,$M.STAGED_DOWN_UNROLL=1" \
-                --variant "d16u2:$D16" --variant "gemv-d16u1:$G,$D16,$M.STAGED_DOWN_UNROLL=1" 2>&1 | grep -E "^\||rror"
-            python3 -m flint_sched.benchmarks.critical_path --weight-format nvfp4 --batch-sizes 1 --contexts 1024 \
-                --no-ablation --timeline 21 --set "$G,$D16,$M.STAGED_DOWN_UNROLL=1" 2>&1 | grep -vE "^making|^$|[Ww]arn" ;;
         decode-step)
             timeout 300 python3 -m pytest -q -x tests/gpu/test_persistent_step.py tests/gpu/test_cuda_executor.py -k persistent 2>&1 |
                 grep -E "^FAILED|^ERROR|Error| in [0-9.]+s"
@@ -113,6 +99,6 @@ for part in "$@"; do
                     --variant "pfused:$P,$D.FOLD_NORMS=True,$D.FUSE_QK=True,$D.EARLY_WEIGHTS=True" \
                     2>&1 | grep -E "^\||rror"
             done ;;
-        *) echo "unknown part $part (tests, latency, latency-fp8, latency-bf16, serve, serve-max, serve-api, persistent, staged, decode-step)"; exit 2 ;;
+        *) echo "unknown part $part (tests, latency, latency-fp8, latency-bf16, serve, serve-max, serve-api, persistent, decode-step)"; exit 2 ;;
     esac
 done

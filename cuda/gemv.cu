@@ -16,10 +16,6 @@
 // by atomicMax on the packed candidate (argmax.cuh), and the last CTA to take the ticket writes
 // the ids and zeroes best and the ticket for the next launch (graph replays). Where *active is 0
 // (every row samples) only y is written.
-// gemv_nvfp4_staged: gemv_nvfp4 with the CTA's 16 rows bulk-copied into shared memory before the
-// wait instead of loaded into registers (kernels/linear.py STAGED_GEMV): fewer registers, so more
-// of its CTAs start beside a kernel that holds most of a SM's registers (a down CTA of 16 warps),
-// and load their weights while it runs. The same mmas in the same order: gemv_nvfp4's bits.
 #include "argmax.cuh"
 #include "gemv_tile.cuh"
 #include "norm.cuh"  // norm_unpack
@@ -47,44 +43,6 @@ __device__ __forceinline__ void gemv_partials(float* red, const typename Wt::Row
   float acc[GEMV_GROUPS][4] = {};
   tile_partial_groups<Wt, GEMV_WARPS, U, true, GEMV_GROUPS, NORM>(acc, rows, xs, K, 0,
                                                                  (K + Wt::KSTEP - 1) / Wt::KSTEP, sh, norm_w);
-#pragma unroll
-  for (int grp = 0; grp < GEMV_GROUPS; ++grp) tile_store_partials<GEMV_WARPS>(red + grp * GEMV_RED, acc[grp]);
-  __syncthreads();
-}
-
-// gemv_partials for NVFP4 with the CTA's 16-row tile staged (gemv_nvfp4_staged): thread 0
-// bulk-copies it (codes, then scales: Nvfp4Staged) into dynamic shared memory before the wait.
-// N % 16 == 0 (whole tiles), K % 128 == 0, 9K bytes of dynamic shared memory.
-__device__ __forceinline__ void gemv_partials_staged(float* red, const Nvfp4Weights& wt, int n0, const u16* x, int B,
-                                                     int K, const Nvfp4Weights::Shared& sh) {
-  extern __shared__ __align__(128) u8 gemv_staged[];
-  __shared__ __align__(8) u64 bar;
-  const u32 tile = smem_addr(gemv_staged), bar_w = smem_addr(&bar);
-  if (threadIdx.x == 0) {
-    mbarrier_init(bar_w, 1);
-    fence_mbarrier_init();
-    mbarrier_arrive_expect_tx(bar_w, 9u * K);
-    Nvfp4Staged::copy_rows(tile, 0, wt, n0, 16, K, bar_w);
-  }
-  __syncthreads();  // the barrier initialized before anyone waits on it
-  pdl_wait();
-  mbarrier_wait_parity(bar_w, 0);
-  const int g = (threadIdx.x & 31) >> 2;
-  const u16* xs[GEMV_GROUPS];
-#pragma unroll
-  for (int grp = 0; grp < GEMV_GROUPS; ++grp) xs[grp] = grp * 8 + g < B ? x + (size_t)(grp * 8 + g) * K : nullptr;
-  // Each k-step's fragment read from shared memory right before its mma, not U of them held in
-  // registers as the tile loop does; the same k-steps in the same order as tile_partial_groups.
-  const Nvfp4Staged::Rows rows = Nvfp4Staged::rows(tile, g, K);
-  const int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
-  float acc[GEMV_GROUPS][4] = {};
-  for (int step = warp; step < K / Nvfp4Weights::KSTEP; step += GEMV_WARPS) {
-    const int k = step * Nvfp4Weights::KSTEP + t * Nvfp4Weights::LANE_K;
-    Nvfp4Weights::X xv[GEMV_GROUPS];
-#pragma unroll
-    for (int grp = 0; grp < GEMV_GROUPS; ++grp) xv[grp] = xs[grp] ? Nvfp4Weights::load_x(xs[grp] + k) : Nvfp4Weights::zero_x();
-    Nvfp4Weights::mma_groups<GEMV_GROUPS>(acc, Nvfp4Staged::load(rows, k), xv, sh);
-  }
 #pragma unroll
   for (int grp = 0; grp < GEMV_GROUPS; ++grp) tile_store_partials<GEMV_WARPS>(red + grp * GEMV_RED, acc[grp]);
   __syncthreads();
@@ -133,7 +91,7 @@ __device__ __forceinline__ void pick_tokens(const u64 (&cand)[GEMV_GROUPS], int 
   if (threadIdx.x == 0) *pick.ticket = 0u;
 }
 
-template <class Wt, int U, class Out = u16, bool NORM = false, bool ARGMAX = false, bool STAGED = false>
+template <class Wt, int U, class Out = u16, bool NORM = false, bool ARGMAX = false>
 __device__ __forceinline__ void gemv(int tile, Out* y, const u16* x, const Wt& wt, const u16* residual,
                                      int B, int N, int K, int split1, int split2,
                                      const u16* norm_w = nullptr, float eps = 0.0f, const Pick& pick = {}) {
@@ -142,16 +100,12 @@ __device__ __forceinline__ void gemv(int tile, Out* y, const u16* x, const Wt& w
   __shared__ float inv_rms[NORM ? 8 * GEMV_GROUPS : 1];
   Wt::init_shared(sh);
   pdl_launch_dependents();
+  __syncthreads();
+  const int g = (threadIdx.x & 31) >> 2;
   const int n0 = tile * 16;
-  if constexpr (STAGED) {
-    gemv_partials_staged(red, wt, n0, x, B, K, sh);
-  } else {
-    __syncthreads();
-    const int g = (threadIdx.x & 31) >> 2;
-    if (threadIdx.x == 0) wt.prefetch(n0, min(16, N - n0), K);
-    const typename Wt::Rows rows = Wt::rows(wt, min(n0 + g, N - 1), wt, min(n0 + g + 8, N - 1), K);
-    gemv_partials<Wt, U, NORM>(red, rows, x, B, K, sh, norm_w);
-  }
+  if (threadIdx.x == 0) wt.prefetch(n0, min(16, N - n0), K);
+  const typename Wt::Rows rows = Wt::rows(wt, min(n0 + g, N - 1), wt, min(n0 + g + 8, N - 1), K);
+  gemv_partials<Wt, U, NORM>(red, rows, x, B, K, sh, norm_w);
   if constexpr (NORM) {  // warp w: rows w, w + GEMV_WARPS, ..; K % 8 == 0
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int b = warp; b < B; b += GEMV_WARPS) {
@@ -233,15 +187,6 @@ gemv_nvfp4(u16* y, const u16* x, const u8* codes, const u8* scales, const float*
   gemv<Nvfp4Weights, NVFP4_UNROLL>(blockIdx.x, y, x, Nvfp4Weights{codes, scales, tensor_scale}, residual, B, N, K,
                                    split1, split2);
 }
-
-#if !PERSISTENT_STEP
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
-gemv_nvfp4_staged(u16* y, const u16* x, const u8* codes, const u8* scales, const float* tensor_scale,
-                  const u16* residual, int B, int N, int K, int split1, int split2) {
-  gemv<Nvfp4Weights, NVFP4_UNROLL, u16, false, false, true>(
-      blockIdx.x, y, x, Nvfp4Weights{codes, scales, tensor_scale}, residual, B, N, K, split1, split2);
-}
-#endif
 
 // The LM head with the greedy choice folded in (see Pick)
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)

@@ -208,12 +208,6 @@ struct Nvfp4Staged : Nvfp4Weights {
     bulk_copy_g2s(tile + first * c, w.codes + (size_t)row0 * c, n * c, bar);
     bulk_copy_g2s(tile + 16 * c + first * s, w.scales + (size_t)row0 * s, n * s, bar);
   }
-  static __device__ X load_x_shared(u32 xk) {  // 32 bf16 activations at a shared address
-    X x;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) x.v[i] = lds_v4(xk + 16 * i);
-    return x;
-  }
 };
 
 // ---- the tile loop ---------------------------------------------------------------------------

@@ -10,7 +10,6 @@
 // it for every token (the mma's 8 columns) and writes each token that chose it; the others exit.
 // down: output stationary, one CTA per 16 of the H outputs, looping over the distinct experts in
 // first-occurrence order then the shared one: deterministic, no atomics.
-// moe_down_staged_nvfp4: the same down with its operands staged in shared memory (see there).
 #include "gemv_tile.cuh"
 
 #ifndef MOE_GATE_UP_WARPS
@@ -356,88 +355,5 @@ moe_gate_up_staged_nvfp4(u16* h, const u16* x, const int* ids,
     }
   }
   moe_gate_up_store(red, acc[0], h, pair_expert, e, wg.sum_scale(), wu.sum_scale(), j0, T, A, I);
-}
-
-// Down with its weights staged in shared memory, NVFP4 (kernels/moe.py STAGED_DOWN). Before the
-// wait (the ids are the router's, complete: see moe_gate_up), thread 0 bulk-copies the CTA's
-// 16-row tile of each listed expert into shared memory (Nvfp4Staged): one HBM latency for all of
-// the weights, and no weight in registers, so the CTA needs few warps and registers and fits on a
-// SM beside gate/up's. After the wait, h [T, A + 1, K]: MOE_DOWN_BULK_H 1, one more bulk copy
-// into shared memory; 0, each warp loads the x of MOE_DOWN_STAGED_UNROLL items at a time into
-// registers. Items go to warps as in moe_down (warp w: w, w + W, ...), so with the same
-// MOE_DOWN_WARPS the sums are moe_down's, bit for bit. N % 16 == 0, K % 128 == 0.
-// Dynamic shared memory: (T * A + 1) x 9K bytes of tiles (MOE_DOWN_BULK_H: then T (A + 1) K bf16).
-#ifndef MOE_DOWN_BULK_H
-#define MOE_DOWN_BULK_H 0
-#endif
-#ifndef MOE_DOWN_STAGED_UNROLL
-#define MOE_DOWN_STAGED_UNROLL 2
-#endif
-extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
-moe_down_staged_nvfp4(u16* y, const u16* h, const int* ids, const float* routing_weights,
-                      const u8* d_codes, const u8* d_scales, const float* d_tensor_scale,
-                      const u8* sd_codes, const u8* sd_scales, const float* sd_tensor_scale, int has_shared,
-                      const u16* residual, int T, int A, int N, int K, int E) {
-  constexpr int W = MOE_DOWN_WARPS, U = MOE_DOWN_STAGED_UNROLL;
-  extern __shared__ __align__(128) u8 down_staged[];
-  __shared__ float red[W * 4 * 32];
-  __shared__ int expert[MOE_MAX_PAIRS + 1];
-  __shared__ int slot[MOE_MAX_PAIRS + 1][8];
-  __shared__ float coef[MOE_MAX_PAIRS + 1][8];
-  __shared__ Nvfp4Weights::Shared sh;
-  __shared__ __align__(8) u64 bars[2];  // the tiles landed; h landed (MOE_DOWN_BULK_H)
-  const Nvfp4Weights stack{d_codes, d_scales, d_tensor_scale}, shared{sd_codes, sd_scales, sd_tensor_scale};
-  const u32 tile_bytes = 9u * K, tiles = smem_addr(down_staged), bar_w = smem_addr(bars), bar_h = bar_w + 8;
-  const u32 h_stage = tiles + (u32)(T * A + 1) * tile_bytes;
-  Nvfp4Weights::init_shared(sh);
-  if (threadIdx.x == 0) {
-    mbarrier_init(bar_w, 1);
-    mbarrier_init(bar_h, 1);
-    fence_mbarrier_init();
-  }
-  pdl_launch_dependents();
-  // (its barriers also publish the mbarriers' init to the CTA)
-  const int num_experts =
-      moe_expert_list(expert, slot, coef, ids, routing_weights, stack, shared, has_shared, T, A, E);
-  const int n0 = blockIdx.x * 16;
-  if (threadIdx.x == 0) {
-    mbarrier_arrive_expect_tx(bar_w, num_experts * tile_bytes);
-    for (int u = 0; u < num_experts; ++u) {
-      Nvfp4Staged::copy_rows(tiles + u * tile_bytes, 0, expert[u] < 0 ? shared : stack.expert(expert[u], N, K), n0,
-                             16, K, bar_w);
-    }
-  }
-  pdl_wait();
-  if (MOE_DOWN_BULK_H) {
-    const u32 h_bytes = (u32)(T * (A + 1) * K) * 2u;
-    if (threadIdx.x == 0) {
-      mbarrier_arrive_expect_tx(bar_h, h_bytes);
-      bulk_copy_g2s(h_stage, h, h_bytes, bar_h);
-    }
-    mbarrier_wait_parity(bar_h, 0);
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int steps = K / Nvfp4Weights::KSTEP, items = num_experts * steps;
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  mbarrier_wait_parity(bar_w, 0);  // every thread: the CTA never leaves with copies in flight
-  for (int f0 = warp; f0 < items; f0 += W * U) {
-    Nvfp4Weights::X xv[U];  // the round's x first (L2 trips side by side), then its mmas
-#pragma unroll
-    for (int i = 0; i < U; ++i) {
-      const int f = f0 + i * W, u = f / steps, k = (f - u * steps) * Nvfp4Weights::KSTEP + t * Nvfp4Weights::LANE_K;
-      const int s = f < items ? slot[u][g] : -1;
-      const size_t x_at = ((size_t)g * (A + 1) + s) * K + k;
-      xv[i] = s < 0 ? Nvfp4Weights::zero_x()
-                    : MOE_DOWN_BULK_H ? Nvfp4Staged::load_x_shared(h_stage + (u32)x_at * 2) : Nvfp4Weights::load_x(h + x_at);
-    }
-#pragma unroll
-    for (int i = 0; i < U; ++i) {
-      const int f = f0 + i * W, u = f / steps, k = (f - u * steps) * Nvfp4Weights::KSTEP + t * Nvfp4Weights::LANE_K;
-      if (f < items)
-        moe_down_accumulate<Nvfp4Weights>(acc, Nvfp4Staged::load(Nvfp4Staged::rows(tiles + u * tile_bytes, g, K), k),
-                                          xv[i], coef[u][2 * t], coef[u][2 * t + 1], sh);
-    }
-  }
-  moe_down_store(red, acc, y, residual, n0, T, N);
 }
 #endif

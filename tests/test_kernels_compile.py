@@ -201,33 +201,6 @@ def test_every_launch_shape_of_flint_uses_a_compiled_variant():
     assert [moe_mod.gate_up_warps("bf16", t) for t in (1, 3, 4, 8)] == [8, 8, 4, 4]
 
 
-def test_the_staged_down_is_taken_only_where_its_shared_memory_fits(monkeypatch):
-    import importlib
-    moe_mod = importlib.import_module("flint_sched.kernels.moe")
-    monkeypatch.setattr(moe_mod, "STAGED_DOWN", True)
-    monkeypatch.setattr(moe_mod, "STAGED_DOWN_BULK_H", False)
-    assert moe_mod.staged_down_bytes("nvfp4", 1, 6, 2048, 512) == 7 * 9 * 512
-    assert moe_mod.staged_down_bytes("nvfp4", 6, 6, 2048, 512) == 0      # 170 KB
-    monkeypatch.setattr(moe_mod, "STAGED_DOWN_BULK_H", True)
-    assert moe_mod.staged_down_bytes("nvfp4", 1, 6, 2048, 512) == 7 * 9 * 512 + 7 * 512 * 2
-    assert moe_mod.staged_down_bytes("nvfp4", 4, 6, 2048, 512) == 25 * 9 * 512 + 28 * 512 * 2
-    assert moe_mod.staged_down_bytes("nvfp4", 6, 6, 2048, 512) == 0      # 213 KB
-    assert moe_mod.staged_down_bytes("bf16", 1, 6, 2048, 512) == 0
-    assert moe_mod.staged_down_bytes("nvfp4", 1, 6, 2048, 96) == 0       # K % 128
-
-
-def test_the_staged_gemv_is_taken_for_small_nvfp4_tiles_only(monkeypatch):
-    import importlib
-    linear_mod = importlib.import_module("flint_sched.kernels.linear")
-    monkeypatch.setattr(linear_mod, "STAGED_GEMV", True)
-    assert linear_mod.staged_gemv("nvfp4", 5120, 2048, 1) and linear_mod.staged_gemv("nvfp4", 2048, 4096, 16)
-    assert not linear_mod.staged_gemv("nvfp4", 2048, 10240, 1)     # 90 KB of stage
-    assert not linear_mod.staged_gemv("nvfp4", 2048, 4096, 17)     # 3-4 groups
-    assert not linear_mod.staged_gemv("nvfp4", 37, 192, 1) and not linear_mod.staged_gemv("bf16", 5120, 2048, 1)
-    monkeypatch.setattr(linear_mod, "STAGED_GEMV", False)
-    assert not linear_mod.staged_gemv("nvfp4", 5120, 2048, 1)
-
-
 @pytest.mark.parametrize("waves", [1, 2, 8, 64])
 def test_the_argmax_workspace_holds_every_split_count(waves, monkeypatch):
     """argmax_workspace is sized for the most CTAs a row can take, so a WAVES changed after it is

@@ -20,8 +20,7 @@ VARIANTS = {
     "gemv.cu": tuple({"GEMV_WARPS": w, "X_BATCH": x, "GEMV_GROUPS": g} for w in (4, 8, 16) for x in (0, 1)
                      for g in (1, 2, 3, 4) if g <= 2 or w <= 8),
     "router.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),
-    "moe.cu": tuple({"MOE_GATE_UP_WARPS": w, "X_BATCH": x} for w in (4, 8) for x in (0, 1))
-    + ({"MOE_DOWN_WARPS": 4, "MOE_DOWN_BULK_H": 0, "MOE_DOWN_STAGED_UNROLL": 2},),   # moe.STAGED_DOWN_*
+    "moe.cu": tuple({"MOE_GATE_UP_WARPS": w, "X_BATCH": x} for w in (4, 8) for x in (0, 1)),
     "grouped_gemm.cu": tuple({"GROUPED_CHUNK": c, "GROUPED_TILES": t} for c in (16, 64) for t in (1, 4))
     + ({"GROUPED_CHUNK": 8, "GROUPED_TILES": 4},),                                # grouped.MOE_SMALL_CHUNK = 8
     "moe_routing.cu": ({"ROUTER_MAX_EXPERTS": 256}, {"ROUTER_MAX_EXPERTS": 1024}),
@@ -35,12 +34,11 @@ VARIANTS = {
 ENTRY_POINTS = (
     ("rmsnorm.cu", "rmsnorm_bf16"), ("rmsnorm.cu", "add_rmsnorm_f32"),
     ("gemv.cu", "gemv_bf16"), ("gemv.cu", "gemv_bf16_f32"), ("gemv.cu", "gemv_nvfp4"),
-    ("gemv.cu", "gemv_nvfp4_staged"),
     ("gemv.cu", "gemv_bf16_norm"), ("gemv.cu", "gemv_nvfp4_norm"),
     ("gemv.cu", "gate_up_bf16"), ("gemv.cu", "gate_up_nvfp4"),
     ("router.cu", "router_topk"), ("router.cu", "router_topk_cluster"),
     ("moe.cu", "moe_gate_up_bf16"), ("moe.cu", "moe_gate_up_nvfp4"),
-    ("moe.cu", "moe_down_bf16"), ("moe.cu", "moe_down_nvfp4"), ("moe.cu", "moe_down_staged_nvfp4"),
+    ("moe.cu", "moe_down_bf16"), ("moe.cu", "moe_down_nvfp4"),
     ("moe.cu", "moe_gate_up_staged_nvfp4"),
     ("argmax.cu", "argmax_bf16"), ("argmax.cu", "argmax_f32"),
     ("argmax.cu", "sample_bf16"), ("argmax.cu", "sample_f32"),

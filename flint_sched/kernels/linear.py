@@ -42,22 +42,6 @@ MAX_THREADS_PER_SM = 2048
 Weight = torch.Tensor | NVFP4Tensor
 
 
-# NVFP4 GEMVs (linear) with the CTA's 16 rows bulk-copied into shared memory before the wait
-# (cuda/gemv.cu gemv_nvfp4_staged): 46 registers a thread against 76-82, so more of their CTAs start
-# beside a kernel that holds most of a SM's registers (a down CTA of 16 warps: 48 K of 64 K) and load
-# their weights while it runs. The same bits. Taken where the tile fits STAGED_GEMV_MAX_BYTES
-# (9 K bytes: Flint's q/k/v and o_proj, not the dense down's K = 10240); not with a folded norm or argmax.
-STAGED_GEMV = False
-STAGED_GEMV_MAX_BYTES = 48 * 1024
-
-
-def staged_gemv(fmt: str, n: int, k: int, tokens: int) -> bool:
-    """Whether linear() takes gemv_nvfp4_staged for `tokens` rows times an [n, k] weight (see
-    STAGED_GEMV; at most 16 rows: with 4 groups a build of 8 warps spills)."""
-    return (STAGED_GEMV and fmt == "nvfp4" and tokens <= 16 and n % TILE_ROWS == 0 and k % 128 == 0
-            and 9 * k <= STAGED_GEMV_MAX_BYTES)
-
-
 def x_batch(fmt: str) -> int:
     """X_BATCH of cuda/gemv_tile.cuh: BF16 loads a round's activations together; NVFP4 loads each
     next to its mma (~80 instead of ~130 registers: more CTAs per SM for the FP4 decode's integer
@@ -253,17 +237,14 @@ def linear(x: torch.Tensor, weight: Weight, residual: torch.Tensor | None = None
     args = ([y, x, *w_args, I32(b), I32(n), I32(k)] if f32 else
             [y, x, *w_args, residual, I32(b), I32(n), I32(k), *splits])
     name = "gemv_bf16_f32" if f32 else f"gemv_{fmt}"
-    shared_bytes = 0
     if norm_weight is not None:
         name, args = name + "_norm", [*args, norm_weight, F32(norm_eps)]
     extra = ()
     if pick:
         name, args = name + "_argmax", [y, x, *w_args, I32(b), I32(n), I32(k), *pick]
         extra = tickets.defines()
-    elif norm_weight is None and staged_gemv(fmt, n, k, b):
-        name, shared_bytes = "gemv_nvfp4_staged", 9 * k
     _kernel(name, warps, x_batch(fmt), num_groups, extra).launch((tiles,), (32 * warps,), args, pdl=pdl,
-                                                          shared_bytes=shared_bytes, device=x.device.index)
+                                                          device=x.device.index)
     return y
 
 

@@ -43,15 +43,6 @@ ROUTER_ST_ASYNC = True
 # fit beside them, but lose: NVFP4 at 1K, ms a step at 1 / 4 / 6 requests, 16 warps 2.01 / 3.02 /
 # 3.71, 8 warps 2.01 / 3.16 / 3.95, 4 warps 2.14 / 3.64 / 4.60 (H200, RESULTS.md session 32).
 DOWN_WARPS = 16
-# NVFP4 down with its weights staged in shared memory (cuda/moe.cu moe_down_staged_nvfp4): every
-# weight tile bulk-copied before the wait, then no weight in registers, so the CTA needs few warps
-# and fits beside gate/up's. Taken while its tiles fit in STAGED_DOWN_MAX_BYTES of shared memory
-# (Flint: 6 requests, 170 KB, with h 213 KB; 4, 115 / 143 KB).
-STAGED_DOWN = False
-STAGED_DOWN_WARPS = 4
-STAGED_DOWN_MAX_BYTES = 160 * 1024
-STAGED_DOWN_BULK_H = False     # h by one more bulk copy after the wait (else each warp's loads)
-STAGED_DOWN_UNROLL = 2         # items whose x a warp loads at once (MOE_DOWN_STAGED_UNROLL)
 # NVFP4 gate/up with its weights staged in shared memory (cuda/moe.cu moe_gate_up_staged_nvfp4):
 # each CTA's 16 rows bulk-copied after the ids, all of its x loaded while they land. The same bits
 # as the plain kernel; NVFP4 at 1K, ms a step at 1 / 2 / 4 requests: 2.03 / 2.43 / 3.00 against
@@ -224,30 +215,11 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor, 
     if residual is not None:
         check_tensor(residual, "residual", torch.bfloat16, (t, n), h.device, 2)
     y = output(out, "out", (t, n), h)
-    staged = staged_down_bytes(fmt, t, a, n, i)
-    if staged:
-        _kernel("moe.cu", "moe_down_staged_nvfp4", (("MOE_DOWN_WARPS", STAGED_DOWN_WARPS),
-                                                     ("MOE_DOWN_BULK_H", int(STAGED_DOWN_BULK_H)),
-                                                     ("MOE_DOWN_STAGED_UNROLL", STAGED_DOWN_UNROLL))).launch(
-            (n // 16,), (32 * STAGED_DOWN_WARPS,),
-            [y, h, ids, routing_weights, *args, I32(int(has_shared)), residual, I32(t), I32(a), I32(n), I32(i),
-             I32(num_experts)], shared_bytes=staged, pdl=pdl, device=h.device.index)
-        return y
     _moe_kernel("moe_down", fmt, gate_up_warps(fmt, t)).launch(
         (cdiv(n, 16),), (32 * DOWN_WARPS,),
         [y, h, ids, routing_weights, *args, I32(int(has_shared)), residual, I32(t), I32(a), I32(n), I32(i),
          I32(num_experts)], pdl=pdl, device=h.device.index)
     return y
-
-
-def staged_down_bytes(fmt: str, tokens: int, top_k: int, n: int, i: int) -> int:
-    """The dynamic shared memory of moe_down_staged_nvfp4 for this shape (its T A + 1 weight tiles of
-    16 rows, 9 I bytes each; then h with STAGED_DOWN_BULK_H), or 0 where the staged down is not taken
-    (see STAGED_DOWN)."""
-    if not STAGED_DOWN or fmt != "nvfp4" or n % 16 or i % 128:
-        return 0
-    size = (tokens * top_k + 1) * 9 * i + (tokens * (top_k + 1) * i * 2 if STAGED_DOWN_BULK_H else 0)
-    return size if size <= STAGED_DOWN_MAX_BYTES else 0
 
 
 def moe(x: torch.Tensor, router_gate: torch.Tensor, router_bias: torch.Tensor, top_k: int, scaling: float,

@@ -93,41 +93,6 @@ def test_concatenated_rows_keep_each_parts_tensor_scale(fmt, b):
         assert_close_bf16(y[:, start:end], expected[:, start:end], f"{fmt} rows {start}:{end} B={b}")
 
 
-@pytest.mark.parametrize("warps", [4, 8, 16])
-@pytest.mark.parametrize("b", [1, 3, 8, 9, 16])
-def test_the_staged_nvfp4_gemv_is_the_plain_one_bit_for_bit(b, warps, monkeypatch):
-    """gemv_nvfp4_staged (linear.STAGED_GEMV) against gemv_nvfp4 on as many warps: q/k/v's three
-    parts with their tensor scales (one split inside a tile), o_proj's shape with the residual in
-    place, arbitrary bytes; eager, and in a graph replayed after a PDL launch."""
-    from flint_sched.kernels import linear as linear_mod
-
-    k = 2048
-    parts = [raw_nvfp4_weight(n, k, seed=n, tensor_scale=s) for n, s in ((4096, 0.25), (8, 3.0), (520, 1e-3))]
-    qkv, splits = concat_rows(parts)
-    o_proj = raw_nvfp4_weight(2048, 4096, seed=11)
-    x, x_o = activations(b, k, seed=b), activations(b, 4096, seed=b + 1)
-    residual = activations(b, 2048, seed=b + 2)
-    want_qkv = linear(x, qkv, row_splits=splits, warps=warps)
-    want_o = linear(x_o, o_proj, residual=residual, warps=warps)
-    monkeypatch.setattr(linear_mod, "STAGED_GEMV", True)
-    assert linear_mod.staged_gemv("nvfp4", 4624, k, b) and linear_mod.staged_gemv("nvfp4", 2048, 4096, b)
-    assert not linear_mod.staged_gemv("nvfp4", 2048, 10240, b) and not linear_mod.staged_gemv("nvfp4", 37, 192, b)
-    assert not linear_mod.staged_gemv("nvfp4", 4624, k, 17) and not linear_mod.staged_gemv("bf16", 4624, k, b)
-    assert torch.equal(linear(x, qkv, out=poisoned(b, 4624), row_splits=splits, warps=warps), want_qkv)
-    y_o = residual.clone()
-    assert torch.equal(linear(x_o, o_proj, residual=y_o, out=y_o, warps=warps), want_o)
-    y_qkv = poisoned(b, 4624)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        linear(x, qkv, out=y_qkv, row_splits=splits, warps=warps, pdl=True)
-        linear(x, qkv, out=y_qkv, row_splits=splits, warps=warps, pdl=True)
-    for _ in range(2):
-        y_qkv.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y_qkv, want_qkv)
-
-
 def test_row_splits_are_checked():
     x, w = activations(1, 64, seed=0), bf16_weight(32, 64, seed=0)
     for bad in ((0,), (40,), (16, 8), (4, 8, 12)):

@@ -202,16 +202,13 @@ def real_nvfp4_experts():
     return make_experts("nvfp4", REAL["experts"], REAL["hidden"], REAL["inter"], seed=1)
 
 
-@pytest.mark.parametrize("warps,bulk_h", [(4, False), (8, False), (16, False), (4, True), (16, True)])
 @pytest.mark.parametrize("tokens,same_ids", [(1, False), (2, False), (4, False), (3, True), (8, False)])
-def test_the_staged_experts_are_the_plain_ones_bit_for_bit(real_nvfp4_experts, tokens, same_ids, warps, bulk_h,
-                                                           monkeypatch):
-    """moe_gate_up_staged_nvfp4 and moe_down_staged_nvfp4 (kernels/moe.py STAGED_GATE_UP, STAGED_DOWN)
-    against the plain kernels (down on CTAs of as many warps): the same bits, eager and in a graph
-    replayed; the plain ones against the fp32 reference. With same_ids every token picks the same
-    experts (three tokens' slots on one tile). 8 tokens: the down's stages do not fit, so only
-    gate/up is staged."""
-    p, a, hidden, inter = real_nvfp4_experts, REAL["top_k"], REAL["hidden"], REAL["inter"]
+def test_the_staged_gate_up_is_the_plain_one_bit_for_bit(real_nvfp4_experts, tokens, same_ids, monkeypatch):
+    """moe_gate_up_staged_nvfp4 (kernels/moe.py STAGED_GATE_UP) against the plain kernel: the same
+    bits, eager and in a graph replayed after a PDL launch, with the down behind it; the plain ones
+    against the fp32 reference. With same_ids every token picks the same experts (three tokens'
+    slots on one tile)."""
+    p, a, hidden = real_nvfp4_experts, REAL["top_k"], REAL["hidden"]
     g = gen(200 + tokens)
     x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
     residual = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
@@ -219,16 +216,12 @@ def test_the_staged_experts_are_the_plain_ones_bit_for_bit(real_nvfp4_experts, t
            else distinct_ids(tokens, a, REAL["experts"], seed=tokens))
     weights = torch.rand(tokens, a, device="cuda", generator=g)
     h_ref, y_ref = expert_reference(x, ids, weights, p, residual)
-    monkeypatch.setattr(moe_kernels, "DOWN_WARPS", warps)
+    monkeypatch.setattr(moe_kernels, "STAGED_GATE_UP", False)
     h = moe_gate_up(x, ids, p["gate"], p["up"], p["shared_gate"], p["shared_up"])
     plain = moe_down(h, ids, weights, p["down"], p["shared_down"], residual=residual)
     assert_close_bf16(h, h_ref, f"moe_gate_up T={tokens}", rtol=2.0**-7, rel_l2=5e-3)
     assert_close_bf16(plain, y_ref, f"moe_down T={tokens}")
     monkeypatch.setattr(moe_kernels, "STAGED_GATE_UP", True)
-    monkeypatch.setattr(moe_kernels, "STAGED_DOWN", True)
-    monkeypatch.setattr(moe_kernels, "STAGED_DOWN_WARPS", warps)
-    monkeypatch.setattr(moe_kernels, "STAGED_DOWN_BULK_H", bulk_h)
-    assert (moe_kernels.staged_down_bytes("nvfp4", tokens, a, hidden, inter) > 0) == (tokens <= 4)
     h_out = torch.full_like(h, float("nan"))
     out = torch.full((tokens, hidden), float("nan"), device="cuda", dtype=torch.bfloat16)
 
