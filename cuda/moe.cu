@@ -159,19 +159,6 @@ __device__ __forceinline__ int moe_expert_list(int* expert, int (*slot)[8], floa
   return U;
 }
 
-// The warps' partials summed in order, plus the residual: y rows n0 .. n0 + 15 of T tokens.
-__device__ __forceinline__ void moe_down_store(float* red, const float (&acc)[4], u16* y, const u16* residual,
-                                               int n0, int T, int N) {
-  tile_store_partials<MOE_DOWN_WARPS>(red, acc);
-  __syncthreads();
-  const int r = threadIdx.x >> 3, b = threadIdx.x & 7, n = n0 + r;
-  if (r < 16 && n < N && b < T) {
-    float v = tile_sum<MOE_DOWN_WARPS>(red, r, b);
-    if (residual) v += bf16_to_f32(residual[(size_t)b * N + n]);
-    y[(size_t)b * N + n] = f32_to_bf16(v);
-  }
-}
-
 template <class Wt, int U>
 __device__ __forceinline__ void moe_down(int tile, u16* y, const u16* h, const int* ids,
                                          const float* routing_weights, const Wt& stack,
@@ -242,7 +229,14 @@ __device__ __forceinline__ void moe_down(int tile, u16* y, const u16* h, const i
     }
   }
   if (!waited) pdl_wait();  // a warp with no items
-  moe_down_store(red, acc, y, residual, n0, T, N);
+  tile_store_partials<MOE_DOWN_WARPS>(red, acc);
+  __syncthreads();
+  const int r = threadIdx.x >> 3, b = threadIdx.x & 7, n = n0 + r;
+  if (r < 16 && n < N && b < T) {
+    float v = tile_sum<MOE_DOWN_WARPS>(red, r, b);
+    if (residual) v += bf16_to_f32(residual[(size_t)b * N + n]);
+    y[(size_t)b * N + n] = f32_to_bf16(v);
+  }
 }
 
 // NOTE: at least 2 CTAs per SM: with no minimum, ptxas kept ~40 registers and issued each k-step's

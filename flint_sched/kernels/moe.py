@@ -182,15 +182,11 @@ def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: Weight, up: Weight,
         args += [None] * (6 if fmt == "nvfp4" else 2)
     h = output(out, "out", (t, a + 1, i), x)
     warps = gate_up_warps(fmt, t)
-    if STAGED_GATE_UP and fmt == "nvfp4" and i % 8 == 0 and k % 128 == 0:
-        _moe_kernel("moe_gate_up_staged", fmt, warps).launch(
-            (i // 8, t * a + int(has_shared)), (32 * warps,),
-            [h, x, ids, *args, I32(t), I32(a), I32(i), I32(k), I32(num_experts)], shared_bytes=9 * k, pdl=pdl,
-            device=x.device.index)
-        return h
-    _moe_kernel("moe_gate_up", fmt, warps).launch(
+    staged = STAGED_GATE_UP and fmt == "nvfp4" and i % 8 == 0 and k % 128 == 0
+    _moe_kernel("moe_gate_up_staged" if staged else "moe_gate_up", fmt, warps).launch(
         (cdiv(i, 8), t * a + int(has_shared)), (32 * warps,),
-        [h, x, ids, *args, I32(t), I32(a), I32(i), I32(k), I32(num_experts)], pdl=pdl, device=x.device.index)
+        [h, x, ids, *args, I32(t), I32(a), I32(i), I32(k), I32(num_experts)], shared_bytes=9 * k if staged else 0,
+        pdl=pdl, device=x.device.index)
     return h
 
 
