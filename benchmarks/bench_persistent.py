@@ -40,14 +40,19 @@ TILE_ROWS = 16
 BANDWIDTH = 4.26e12       # bytes/s, the H200's measured read bandwidth (KERNELS.md)
 
 
+def chain_shape(h: torch.Tensor, w: NVFP4Tensor, done: torch.Tensor) -> tuple[int, int, int]:
+    """(layers L, N, CTAs) of a chain over w [L, N, N], h [L + 1, N] and done [>= L] checked."""
+    layers, n, k = w.shape
+    if n != k or n % TILE_ROWS or tuple(h.shape) != (layers + 1, n) or done.numel() < layers:
+        raise ValueError(f"h [{layers + 1}, {n}] and done [>= {layers}] for w {tuple(w.shape)} with N == K")
+    return layers, n, n // TILE_ROWS
+
+
 def gemv_chain(h: torch.Tensor, w: NVFP4Tensor, done: torch.Tensor, warps: int, sleep_ns: int = 0,
                acq_rel: bool = False) -> None:
     """h [L + 1, N] bf16 (h[0] the input) <- the chain of w [L, N, N]; done: int32 [L], zeroed here.
     acq_rel: each count one release atomic (cuda/common.cuh TICKET_ACQ_REL) instead of fence.sc first."""
-    layers, n, k = w.shape
-    if n != k or n % TILE_ROWS or tuple(h.shape) != (layers + 1, n) or done.numel() < layers:
-        raise ValueError(f"h [{layers + 1}, {n}] and done [>= {layers}] for w {tuple(w.shape)} with N == K")
-    tiles = n // TILE_ROWS
+    layers, n, tiles = chain_shape(h, w, done)
     if tiles > resident_ctas(warps, "nvfp4"):     # every CTA must be resident, or the waits never end
         raise ValueError(f"{tiles} CTAs of {warps} warps do not fit on this GPU at once")
     done.zero_()
@@ -55,27 +60,24 @@ def gemv_chain(h: torch.Tensor, w: NVFP4Tensor, done: torch.Tensor, warps: int, 
                             {"GEMV_WARPS": warps, "X_BATCH": 0, "GEMV_GROUPS": 1, "CHAIN_SLEEP_NS": sleep_ns,
                              "TICKET_ACQ_REL": int(acq_rel)})
     kernel.launch((tiles, 1, 1), (32 * warps, 1, 1),
-                  [h, w.codes, w.block_scales, w.tensor_scale, done, I32(layers), I32(n), I32(k)])
+                  [h, w.codes, w.block_scales, w.tensor_scale, done, I32(layers), I32(n), I32(n)])
 
 
 def gemv_chain_ring(h: torch.Tensor, w: NVFP4Tensor, done: torch.Tensor, warps: int, stages: int,
                     sleep_ns: int = 0) -> None:
     """As gemv_chain, with the weights streamed into `stages` shared-memory stages a CTA by one more
     warp, ahead of the counters (cuda/gemv_chain.cu gemv_chain_ring_nvfp4)."""
-    layers, n, k = w.shape
-    if n != k or n % TILE_ROWS or tuple(h.shape) != (layers + 1, n) or done.numel() < layers:
-        raise ValueError(f"h [{layers + 1}, {n}] and done [>= {layers}] for w {tuple(w.shape)} with N == K")
+    layers, n, tiles = chain_shape(h, w, done)
     kernel = compile_kernel("gemv_chain.cu", "gemv_chain_ring_nvfp4",
                             {"GEMV_WARPS": warps, "X_BATCH": 0, "GEMV_GROUPS": 1, "CHAIN_SLEEP_NS": sleep_ns,
                              "RING_STAGES": stages, "TICKET_ACQ_REL": 1})
-    threads, ring_bytes = 32 * (warps + 1), stages * 9 * k      # a stage: 16 rows of K/2 codes, K/16 scales
-    tiles = n // TILE_ROWS
+    threads, ring_bytes = 32 * (warps + 1), stages * 9 * n      # a stage: 16 rows of K/2 codes, K/16 scales
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count
     if tiles > sms * kernel.resident_blocks(threads, ring_bytes):
         raise ValueError(f"{tiles} CTAs of {warps} + 1 warps and {ring_bytes} B of stages do not fit on this GPU at once")
     done.zero_()
     kernel.launch((tiles, 1, 1), (threads, 1, 1),
-                  [h, w.codes, w.block_scales, w.tensor_scale, done, I32(layers), I32(n), I32(k)],
+                  [h, w.codes, w.block_scales, w.tensor_scale, done, I32(layers), I32(n), I32(n)],
                   shared_bytes=ring_bytes)
 
 
