@@ -142,6 +142,12 @@ __device__ __forceinline__ void st_async_u32(u32 addr, u32 v, u32 remote_bar) {
                "r"(remote_bar)
                : "memory");
 }
+// st_async_u32 of 16 bytes (addr 16-byte aligned).
+__device__ __forceinline__ void st_async_v4(u32 addr, uint4 v, u32 remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+               ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(remote_bar)
+               : "memory");
+}
 // mbarrier_wait_parity at cluster scope: what other CTAs wrote with st_async_u32 is visible after it.
 __device__ __forceinline__ void mbarrier_wait_parity_cluster(u32 bar, u32 parity) {
   asm volatile(

@@ -3,6 +3,8 @@
 //   add_rmsnorm_f32: s = bf16(x + residual) with x fp32 (a GEMM's fp32 product; one rounding of
 //                    the sum, as torch.add(x, residual, out=bf16)), written to residual_out; x may
 //                    come as `parts` split-K partial products [parts][rows][H], added in order first
+//   add_rmsnorm_fixed: the same with x fixed point (common.cuh red_add_fixed: moe.cu moe_split's
+//                    sum), zeroed once read for the next sum
 //   out = bf16(s * rsqrt(mean(s^2) + eps) * weight)
 // One CTA per row. In place is allowed (out == x, residual_out == residual): every element is
 // read and written by the same thread, with ordinary (coherent) loads.
@@ -46,6 +48,21 @@ __device__ __forceinline__ void load_sum(u32 (&w)[4], const float* x, int parts,
     w[j] = pack_bf16x2(xs[2 * j] + bf16x2_lo(r[j]), xs[2 * j + 1] + bf16x2_hi(r[j]));
 }
 
+// x fixed point (value x 2^32), each element zeroed once read.
+__device__ __forceinline__ void load_sum(u32 (&w)[4], const long long* x, const u16* residual, size_t at) {
+  longlong2* xv = reinterpret_cast<longlong2*>(const_cast<long long*>(x) + at);
+  longlong2 p[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = xv[i];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) xv[i] = make_longlong2(0, 0);
+  const uint4 rv = *reinterpret_cast<const uint4*>(residual + at);
+  const u32 r[4] = {rv.x, rv.y, rv.z, rv.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    w[j] = pack_bf16x2(fixed_to_f32(p[j].x) + bf16x2_lo(r[j]), fixed_to_f32(p[j].y) + bf16x2_hi(r[j]));
+}
+
 // Row `row` of `rows` (x's parts are rows * H apart).
 template <class X>
 __device__ __forceinline__ void add_norm_row(int row, int rows, u16* out, u16* residual_out, const X* x, const u16* residual,
@@ -63,7 +80,9 @@ __device__ __forceinline__ void add_norm_row(int row, int rows, u16* out, u16* r
     const int v = threadIdx.x + i * blockDim.x;
     if (v >= num_vec) break;
     u32 w[4];
-    if constexpr (sizeof(X) == 4)
+    if constexpr (sizeof(X) == 8)
+      load_sum(w, x, residual, base + 8 * v);
+    else if constexpr (sizeof(X) == 4)
       load_sum(w, x, parts, (size_t)rows * H, residual, base + 8 * v);
     else
       load_sum(w, x, residual, base + 8 * v);
@@ -83,4 +102,10 @@ extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
 add_rmsnorm_f32(u16* out, u16* residual_out, const float* x, const u16* residual, const u16* weight,
                 int H, float eps, int parts) {
   add_norm_row(blockIdx.x, gridDim.x, out, residual_out, x, residual, weight, H, eps, parts);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS)
+add_rmsnorm_fixed(u16* out, u16* residual_out, long long* x, const u16* residual, const u16* weight, int H,
+                  float eps) {
+  add_norm_row(blockIdx.x, gridDim.x, out, residual_out, x, residual, weight, H, eps);
 }

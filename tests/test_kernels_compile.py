@@ -83,7 +83,7 @@ def test_kernel_resources_command(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["kernel_resources", "--source", "rmsnorm.cu", "--defines", "UNUSED_PROBE=1"])
     kernel_resources.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| rmsnorm.cu")]
-    assert {row.split("|")[3].strip() for row in rows} == {"add_rmsnorm_f32", "rmsnorm_bf16"}
+    assert {row.split("|")[3].strip() for row in rows} == {"add_rmsnorm_f32", "add_rmsnorm_fixed", "rmsnorm_bf16"}
     assert all(row.split("|")[2].strip() == "UNUSED_PROBE=1" and int(row.split("|")[4]) > 0 for row in rows)
 
 

@@ -32,8 +32,8 @@ from flint_sched.kernels.embedding import embed_tokens
 from flint_sched.kernels.grouped import grouped_gate_up, grouped_linear
 from flint_sched.kernels.grouped_moe import moe_grouped
 from flint_sched.kernels.linear import MAX_TOKENS, gate_up_silu, linear, weight_format
-from flint_sched.kernels.moe import moe_down, moe_gate_up, route, router_normalizes
-from flint_sched.kernels.norm import rms_norm
+from flint_sched.kernels.moe import moe_down, moe_gate_up, moe_split, moe_split_fits, route, router_normalizes
+from flint_sched.kernels.norm import add_rms_norm_fixed, rms_norm
 from flint_sched.kernels.prefill_attention import (
     PrefillMetadata,
     decode_ring_write,
@@ -94,6 +94,16 @@ PERSISTENT = False
 # 2.33 / 2.32 against 2.22 / 2.24), batch 4 3.18 / 3.28 against 3.30 / 3.32: each of the 64
 # attention CTAs normalizing its 8 query heads after the wait costs more than the launch. Off.
 FUSE_QK_ATTENTION = False
+
+# Fused steps: the MoE's gate/up and down in one launch (kernels/moe.py `moe_split`: each cluster of 8
+# CTAs does one expert's 128 intermediate rows and their share of down, summed into a fixed-point
+# accumulator by integer atomics: the same bits in any order), the residual added, the sum rounded
+# and normalized by the norm launch that follows (kernels/norm.py `add_rms_norm_fixed`, which zeroes
+# the accumulator). One dependent hop a MoE layer fewer. NVFP4 experts only (`moe_split_fits`), fused
+# steps of at most this many rows (0: never). Measured on an H100 (Flint at 1K, benchmarks/ab_decode.py,
+# RESULTS.md session 39), ms a step: batch 1 1.91-1.95 against 2.02-2.08; batch 2 2.42-2.58 against
+# 2.34-2.38 (its ~400 CTAs of 256 threads, two a SM, take two waves), 4 3.26-3.30 against 2.95-2.99.
+MOE_SPLIT_MAX_ROWS = 1
 
 # Prompt steps: their leading one-row entries (the decodes beside the chunks of a mixed step) attend
 # on the decode kernel, the chunks on the prefill kernel (PrefillMetadata.decodes). In the prefill
@@ -335,6 +345,14 @@ class KernelOps:
                 x = self._normed(x)
                 ids, weights = route(x, router, bias, c.num_experts_per_tok, c.routed_scaling_factor,
                                      pdl=self.pdl, workspace=self.ws.router)
+            fmt = weight_format(*experts)
+            if self.rows <= MOE_SPLIT_MAX_ROWS and moe_split_fits(fmt, c.hidden_size, c.moe_intermediate_size, self.rows):
+                acc = self.ws.moe_acc[: self.rows]          # zeros; the norm below leaves it so
+                moe_split(x, ids, weights, *experts, *shared, acc=acc, pdl=self.pdl)
+                normed = torch.empty_like(residual)
+                add_rms_norm_fixed(acc, residual, w[norm or "model.norm.weight"], self.eps, out=normed,
+                                   residual_out=out, pdl=self.pdl)
+                return out, None if norm is None else normed
             hidden = torch.empty(self.rows, c.num_experts_per_tok + 1, c.moe_intermediate_size,
                                  dtype=torch.bfloat16, device=x.device)
             hidden = moe_gate_up(x, ids, experts[0], experts[1], shared[0], shared[1], out=hidden, pdl=self.pdl)

@@ -33,6 +33,8 @@ class Workspaces:
         self.argmax = argmax_workspace(max(max_rows, max_seqs), c.vocab_size, device)
         self.pick = pick_workspace(max(max_rows, max_seqs), device)  # the LM head's own argmax (LM_HEAD_ARGMAX)
         self.moe_routing = self._routing(max_rows, device)
+        # The fused steps' MoE sum (kernel_ops.MOE_SPLIT_MAX_ROWS): zeros between layers (each norm clears it).
+        self.moe_acc = torch.zeros(max_rows, c.hidden_size, dtype=torch.int64, device=device)
         # Prompt steps replayed from graphs (up to prompt_graph_rows rows) share one, kept for good:
         # the graphs hold its addresses.
         self.prompt_graph_rows = prompt_graph_rows

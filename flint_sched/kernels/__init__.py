@@ -32,14 +32,14 @@ VARIANTS = {
                             for fuse in ({}, {"STEP_FUSE_QK": 1})),
 }
 ENTRY_POINTS = (
-    ("rmsnorm.cu", "rmsnorm_bf16"), ("rmsnorm.cu", "add_rmsnorm_f32"),
+    ("rmsnorm.cu", "rmsnorm_bf16"), ("rmsnorm.cu", "add_rmsnorm_f32"), ("rmsnorm.cu", "add_rmsnorm_fixed"),
     ("gemv.cu", "gemv_bf16"), ("gemv.cu", "gemv_bf16_f32"), ("gemv.cu", "gemv_nvfp4"),
     ("gemv.cu", "gemv_bf16_norm"), ("gemv.cu", "gemv_nvfp4_norm"),
     ("gemv.cu", "gate_up_bf16"), ("gemv.cu", "gate_up_nvfp4"),
     ("router.cu", "router_topk"), ("router.cu", "router_topk_cluster"),
     ("moe.cu", "moe_gate_up_bf16"), ("moe.cu", "moe_gate_up_nvfp4"),
     ("moe.cu", "moe_down_bf16"), ("moe.cu", "moe_down_nvfp4"),
-    ("moe.cu", "moe_gate_up_staged_nvfp4"),
+    ("moe.cu", "moe_gate_up_staged_nvfp4"), ("moe.cu", "moe_split_nvfp4"),
     ("argmax.cu", "argmax_bf16"), ("argmax.cu", "argmax_f32"),
     ("argmax.cu", "sample_bf16"), ("argmax.cu", "sample_f32"),
     ("qk_norm_rope_kv.cu", "qk_norm_rope_kv_bf16"), ("decode_attention.cu", "decode_attention_bf16"),

@@ -218,6 +218,60 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor, 
     return y
 
 
+SPLIT_CTAS = 8        # cuda/moe.cu MS_CTAS: a cluster of moe_split (16 intermediate rows a CTA)
+SPLIT_CHUNK = 16 * SPLIT_CTAS
+SPLIT_MAX_HIDDEN = SPLIT_CHUNK * 2 * 8   # MS_DOWN_TILES 16-row down tiles for each of MS_WARPS
+
+
+def moe_split_fits(fmt: str, hidden: int, intermediate: int, tokens: int) -> bool:
+    """Whether `moe_split` takes these shapes."""
+    return (fmt == "nvfp4" and 1 <= tokens <= MAX_TOKENS and intermediate % SPLIT_CHUNK == 0
+            and hidden % SPLIT_CHUNK == 0 and hidden <= SPLIT_MAX_HIDDEN)
+
+
+def moe_split(x: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor, gate: Weight, up: Weight,
+              down: Weight, shared_gate: Weight | None = None, shared_up: Weight | None = None,
+              shared_down: Weight | None = None, acc: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """acc [T, H] += what `moe_down(moe_gate_up(...), ...)` computes, in one launch (cuda/moe.cu
+    moe_split_nvfp4: each cluster of 8 CTAs does gate/up of one expert's 128 intermediate rows and
+    their share of down, added into acc by atomics). acc is fixed point, int64 of value x 2^32, so the
+    sum's bits do not depend on the atomics' order; it must hold zeros (or what to add to), and
+    kernels/norm.py `add_rms_norm_fixed` reads it and zeroes it. NVFP4 weights, shapes as
+    `moe_split_fits`."""
+    check_activations(x)
+    t, k = x.shape
+    a = _check_ids(ids, t, x.device)
+    num_experts, i = gate.shape[0], gate.shape[1]
+    n = down.shape[1]
+    fmt = weight_format(gate, up, down, shared_gate, shared_up, shared_down)
+    if not moe_split_fits(fmt, k, i, t) or n != k:
+        raise ValueError(f"moe_split takes NVFP4 experts, hidden and intermediate sizes multiples of {SPLIT_CHUNK} "
+                         f"(hidden <= {SPLIT_MAX_HIDDEN}) and 1..{MAX_TOKENS} tokens; got {fmt}, hidden {k}, "
+                         f"intermediate {i}, down to {n}, {t} tokens")
+    check_tensor(routing_weights, "routing_weights", torch.float32, (t, a), x.device, 4)
+    args = (weight_args(gate, "gate", (num_experts, i, k), x.device, num_experts)
+            + weight_args(up, "up", (num_experts, i, k), x.device, num_experts)
+            + weight_args(down, "down", (num_experts, n, i), x.device, num_experts))
+    shared = (shared_gate, shared_up, shared_down)
+    has_shared = shared_gate is not None
+    if any((s is not None) != has_shared for s in shared):
+        raise ValueError("give all three shared expert weights, or none")
+    if has_shared:
+        args += (weight_args(shared_gate, "shared_gate", (i, k), x.device)
+                 + weight_args(shared_up, "shared_up", (i, k), x.device)
+                 + weight_args(shared_down, "shared_down", (n, i), x.device))
+    else:
+        args += [None] * 9
+    if acc is None:
+        acc = torch.zeros(t, n, dtype=torch.int64, device=x.device)
+    check_tensor(acc, "acc", torch.int64, (t, n), x.device, 16)
+    _moe_kernel("moe_split", fmt, 4).launch(
+        (i // 16, t * a + int(has_shared)), (256,),
+        [acc, x, ids, routing_weights, *args, I32(t), I32(a), I32(i), I32(k), I32(n), I32(num_experts)],
+        shared_bytes=18 * k + 2 * 8 * SPLIT_CHUNK, pdl=pdl, device=x.device.index)
+    return acc
+
+
 def moe(x: torch.Tensor, router_gate: torch.Tensor, router_bias: torch.Tensor, top_k: int, scaling: float,
         gate: Weight, up: Weight, down: Weight, shared_gate: Weight | None = None,
         shared_up: Weight | None = None, shared_down: Weight | None = None,

@@ -1,4 +1,5 @@
-"""RMSNorm launchers (cuda/rmsnorm.cu): plain, and fused with the residual add (bf16 or fp32 x).
+"""RMSNorm launchers (cuda/rmsnorm.cu): plain, and fused with the residual add (bf16, fp32 or
+fixed-point x).
 
 x [..., H] bf16 contiguous, H % 8 == 0 and H <= 8192; fp32 math as `rms_norm` in
 model/reference.py; one CTA per row. In place is allowed: out may be x, residual_out may be residual.
@@ -59,6 +60,18 @@ def add_rms_norm_f32(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return out, residual_out
 
 
+def add_rms_norm_fixed(acc: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                       pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_f32 for a fixed-point sum (int64 of value x 2^32: kernels/moe.py `moe_split`),
+    which is zeroed once read, ready for the next sum."""
+    check_tensor(residual, "residual", torch.bfloat16, tuple(acc.shape), acc.device)
+    out = _like(residual, out, "out")
+    residual_out = _like(residual, residual_out, "residual_out")
+    _launch(out, residual_out, acc, residual, weight, eps, pdl, "add_rmsnorm_fixed")
+    return out, residual_out
+
+
 def _like(x: torch.Tensor, t: torch.Tensor | None, name: str) -> torch.Tensor:
     if t is None:
         return torch.empty_like(x)
@@ -73,7 +86,8 @@ def _launch(out, residual_out, x, residual, weight, eps: float, pdl: bool, name:
     h = x.shape[-1]
     if h % 8 or not 8 <= h <= MAX_HIDDEN:
         raise ValueError(f"hidden size must be a multiple of 8 in 8..{MAX_HIDDEN}, got {h}")
-    check_tensor(x, "x", torch.float32 if name == "add_rmsnorm_f32" else torch.bfloat16, tuple(x.shape), x.device)
+    dtype = {"add_rmsnorm_f32": torch.float32, "add_rmsnorm_fixed": torch.int64}.get(name, torch.bfloat16)
+    check_tensor(x, "x", dtype, tuple(x.shape), x.device)
     check_tensor(weight, "weight", torch.bfloat16, (h,), x.device)
     rows = x.numel() // (h * parts)
     if rows == 0:

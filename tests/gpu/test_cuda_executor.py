@@ -26,21 +26,29 @@ from gpu_checks import MAX_MODEL_LEN
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("cluster_router,fold_norms,persistent", [(True, False, False), (False, False, False),
-                                                                  (True, True, False), (True, False, True)],
-                         ids=["cluster-router", "ticket-router", "folded-norms", "persistent"])
-def test_decode_logits_match_the_reference(ckpt, cluster_router, fold_norms, persistent, monkeypatch):
+@pytest.mark.parametrize("cluster_router,fold_norms,persistent,split", [
+    (True, False, False, False), (False, False, False, False), (True, True, False, False), (True, False, True, False),
+    (True, False, False, True)], ids=["cluster-router", "ticket-router", "folded-norms", "persistent", "moe-split"])
+def test_decode_logits_match_the_reference(ckpt, cluster_router, fold_norms, persistent, split, monkeypatch):
     """Fused decode steps (both routers of kernels/moe.py: CLUSTER_ROUTER; the norms before q/k/v and
     the LM head folded into their GEMVs: kernel_ops.FOLD_NORMS; the layers as one persistent launch
-    a graph: kernel_ops.PERSISTENT) against the reference."""
+    a graph: kernel_ops.PERSISTENT; the MoE's gate/up and down in one launch at every fused batch:
+    kernel_ops.MOE_SPLIT_MAX_ROWS, where its shapes fit) against the reference."""
     moe_kernels = importlib.import_module("flint_sched.kernels.moe")   # the package exports a function `moe`
     monkeypatch.setattr(moe_kernels, "CLUSTER_ROUTER", cluster_router)
     monkeypatch.setattr(kernel_ops, "FOLD_NORMS", fold_norms)
     monkeypatch.setattr(kernel_ops, "PERSISTENT", persistent)
+    monkeypatch.setattr(kernel_ops, "MOE_SPLIT_MAX_ROWS", 8 if split else 0)
+    splits = []
+    moe_split = kernel_ops.moe_split
+    monkeypatch.setattr(kernel_ops, "moe_split", lambda *a, **kw: splits.append(1) or moe_split(*a, **kw))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (5, 600, 37)]
     decode_logits, outputs, _ = run(ckpt, prompts, max_tokens=6)
     assert len(decode_logits) == 3 * 6
+    c = ckpt.config
+    fits = moe_kernels.moe_split_fits(ckpt.weight_format, c.hidden_size, c.moe_intermediate_size, 3)
+    assert bool(splits) == (split and fits)
     check_against_reference(ckpt, prompts, decode_logits, outputs)
 
 

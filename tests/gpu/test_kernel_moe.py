@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from flint_sched.checkpoint.random_init import random_tensor
 from flint_sched.config import preset
 from flint_sched.kernels import moe, moe_down, moe_gate_up, route, router_workspace
-from flint_sched.kernels.moe import router_normalizes
-from flint_sched.kernels.norm import rms_norm
+from flint_sched.kernels.moe import moe_split, router_normalizes
+from flint_sched.kernels.norm import add_rms_norm_fixed, rms_norm
 from flint_sched.model.reference import FlintReference
 from flint_sched.model.reference import route as reference_route
 from flint_sched.model.weights import tensor_specs
@@ -241,6 +241,85 @@ def test_the_staged_gate_up_is_the_plain_one_bit_for_bit(real_nvfp4_experts, tok
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(h_out, h) and torch.equal(out, plain)
+
+
+SMALL_SPLIT = dict(experts=24, top_k=4, hidden=512, inter=256)   # 2 chunks of 128, 4 down tiles a CTA
+
+
+@pytest.mark.parametrize("tokens,same_ids,shared", [(1, False, True), (2, False, True), (4, False, True),
+                                                    (3, True, True), (8, False, True), (5, False, False)])
+@pytest.mark.parametrize("shape", ["real", "small"])
+def test_moe_split_sums_what_the_two_launches_do(real_nvfp4_experts, shape, tokens, same_ids, shared):
+    """moe_split (gate/up and down in one launch, each cluster's share of down added into a
+    fixed-point accumulator by integer atomics; kernels/moe.py), then the norm that adds the residual
+    and zeroes the accumulator (add_rms_norm_fixed): against the fp32 reference as close as the two
+    launches are, the accumulator zero again after, and the same bits in graph replays after PDL
+    launches as eager (the atomics' order does not matter). same_ids: every token picks the same
+    experts."""
+    if shape == "real":
+        p, dims = real_nvfp4_experts, REAL
+    else:
+        dims = SMALL_SPLIT
+        p = make_experts("nvfp4", dims["experts"], dims["hidden"], dims["inter"], seed=11)
+    a, hidden, experts = dims["top_k"], dims["hidden"], dims["experts"]
+    g = gen(300 + tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    residual = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    norm_weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).bfloat16()
+    ids = (distinct_ids(1, a, experts, seed=5).repeat(tokens, 1) if same_ids
+           else distinct_ids(tokens, a, experts, seed=tokens))
+    weights = torch.rand(tokens, a, device="cuda", generator=g)
+    sg, su, sd = (p["shared_gate"], p["shared_up"], p["shared_down"]) if shared else (None, None, None)
+    q = dict(p, shared_gate=sg, shared_up=su, shared_down=sd)
+    if not shared:     # the reference always adds the shared expert: give it zero weights' worth
+        q = dict(p, shared_gate=p["shared_gate"], shared_up=p["shared_up"],
+                 shared_down=NVFP4Tensor(torch.zeros_like(p["shared_down"].codes), p["shared_down"].block_scales,
+                                         p["shared_down"].tensor_scale))
+    _, y_ref = expert_reference(x, ids, weights, q)
+    h = moe_gate_up(x, ids, p["gate"], p["up"], sg, su)
+    two_launches = moe_down(h, ids, weights, p["down"], sd)
+
+    acc = torch.zeros(tokens, hidden, device="cuda", dtype=torch.int64)
+    assert moe_split(x, ids, weights, p["gate"], p["up"], p["down"], sg, su, sd, acc=acc) is acc
+    y = (acc.double() * 2.0**-32).float()
+    assert_close_bf16(y, y_ref, f"moe_split T={tokens}")
+    assert_close_bf16(y.bfloat16(), two_launches.float(), f"moe_split against the launches T={tokens}",
+                      rtol=2.0**-7, rel_l2=5e-3)
+    normed, out = add_rms_norm_fixed(acc, residual, norm_weight, 1e-6)
+    assert torch.count_nonzero(acc) == 0, "the norm left the accumulator non-zero"
+    assert_close_bf16(out, y_ref + residual.float(), f"moe_split + residual T={tokens}")
+    assert torch.equal(normed, rms_norm(out, norm_weight, 1e-6))
+
+    normed_out, out_out = torch.full_like(normed, float("nan")), torch.full_like(out, float("nan"))
+
+    def block():
+        moe_split(x, ids, weights, p["gate"], p["up"], p["down"], sg, su, sd, acc=acc, pdl=True)
+        add_rms_norm_fixed(acc, residual, norm_weight, 1e-6, out=normed_out, residual_out=out_out, pdl=True)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        block()
+    for _ in range(3):
+        normed_out.fill_(float("nan"))
+        out_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.count_nonzero(acc) == 0
+        assert torch.equal(out_out, out) and torch.equal(normed_out, normed)
+
+
+def test_moe_split_refuses_what_it_cannot_take(real_nvfp4_experts):
+    p, a = real_nvfp4_experts, REAL["top_k"]
+    x = torch.zeros(1, REAL["hidden"], device="cuda", dtype=torch.bfloat16)
+    ids, weights = distinct_ids(1, a, REAL["experts"], seed=1), torch.rand(1, a, device="cuda")
+    bf16 = make_experts("bf16", 4, 256, 128)
+    with pytest.raises(ValueError, match="NVFP4 experts"):
+        moe_split(torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16), ids.remainder(4), weights,
+                  bf16["gate"], bf16["up"], bf16["down"])
+    with pytest.raises(ValueError, match="all three shared"):
+        moe_split(x, ids, weights, p["gate"], p["up"], p["down"], p["shared_gate"])
+    with pytest.raises(ValueError, match="acc must be torch.int64"):
+        moe_split(x, ids, weights, p["gate"], p["up"], p["down"], acc=torch.zeros(1, REAL["hidden"], device="cuda"))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flint_sched.kernels import fused_add_rms_norm, rms_norm
-from flint_sched.kernels.norm import add_rms_norm_f32
+from flint_sched.kernels.norm import add_rms_norm_f32, add_rms_norm_fixed
 from flint_sched.model.reference import rms_norm as reference_rms_norm
 from gpu_checks import assert_close_bf16
 
@@ -102,3 +102,19 @@ def test_add_rms_norm_f32_adds_split_k_parts_in_order(tokens, parts):
     assert torch.equal(residual_out, expected_s) and torch.equal(out, expected_out)
     with pytest.raises(ValueError, match="parts"):
         add_rms_norm_f32(torch.zeros(9, tokens, 2048, device="cuda"), residual, weight, EPS)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_add_rms_norm_fixed_reads_the_fixed_point_sum_and_zeroes_it(tokens):
+    """acc int64 of value x 2^32 (kernels/moe.py moe_split's sum): as add_rms_norm_f32 of the value
+    (int64 -> fp32 rounded to nearest, times 2^-32), bit for bit; acc all zeros after."""
+    _, residual, weight = inputs(tokens, 2048, seed=8)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    value = 50 * torch.randn(tokens, 2048, device="cuda", generator=g, dtype=torch.float64)
+    acc = torch.round(value * 2.0**32).to(torch.int64)
+    expected_out, expected_s = add_rms_norm_f32(acc.float() * 2.0**-32, residual, weight, EPS)
+    out, residual_out = add_rms_norm_fixed(acc, residual, weight, EPS)
+    assert torch.equal(residual_out, expected_s) and torch.equal(out, expected_out)
+    assert torch.count_nonzero(acc) == 0
+    with pytest.raises(ValueError, match="torch.int64"):
+        add_rms_norm_fixed(acc.float(), residual, weight, EPS)
