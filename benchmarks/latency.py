@@ -148,8 +148,10 @@ WARMUP_SECONDS = 0.25   # untimed steps before a case's timed ones: the first af
 
 
 def _step_seconds(executor, args, plan: StepPlan) -> float:
-    """Median wall time of the plan's step (after WARMUP_SECONDS of untimed ones, at least one and at
-    most 100), waited for each time."""
+    """Median wall time of the plan's step (after a first untimed one, which may capture its graphs,
+    and WARMUP_SECONDS of untimed ones, at most 100), waited for each time."""
+    executor.execute(plan)
+    _sync(executor.device)
     warm_until = time.perf_counter() + WARMUP_SECONDS
     for _ in range(100):
         executor.execute(plan)
