@@ -1,4 +1,4 @@
-"""kernel_ops.FOLD_NORMS, ROUTER_NORMS and LM_HEAD_ARGMAX on the CPU: the fused path's forward over recording stand-ins
+"""kernel_ops.FOLD_NORMS, ROUTER_NORMS, LM_HEAD_ARGMAX and MOE_SPLIT_MAX_ROWS on the CPU: the fused path's forward over recording stand-ins
 for the kernels, counting which RMSNorms launch and which GEMVs and routers take a norm's weight (the
 kernels themselves are checked on the GPU: tests/gpu/test_kernel_linear.py, test_kernel_moe.py,
 test_cuda_executor.py)."""
@@ -11,6 +11,7 @@ import torch
 from flint_sched.config import preset
 from flint_sched.executor import kernel_ops
 from flint_sched.executor.forward import forward
+from flint_sched.kernels.moe import moe_split_fits as moe_kernels_fits
 
 
 class Weights(dict):
@@ -54,8 +55,9 @@ def fused_forward(config, rows=2):
     kv = SimpleNamespace(ring={j: (None, None) for j in range(c.num_hidden_layers)}, ring_index=list(
         range(c.num_hidden_layers)), full={j: (None, None) for j in range(c.num_hidden_layers)},
         full_index=list(range(c.num_hidden_layers)))
-    weights = kernel_ops.KernelWeights(c, Weights(c), qkv, kv, SimpleNamespace(router=None, attention=None,
-                                                                               argmax=None, pick="pick"))
+    weights = kernel_ops.KernelWeights(c, Weights(c), qkv, kv, SimpleNamespace(
+        router=None, attention=None, argmax=None, pick="pick",
+        moe_acc=torch.zeros(8, c.hidden_size, dtype=torch.int64)))
     inputs = SimpleNamespace(num_rows=None, tokens=None, sources=None, sampled=None, table_scatter=None,
                              positions=torch.zeros(rows), ring_slots=torch.zeros(rows),
                              block_tables=torch.zeros(rows, 1), seq_lens=torch.zeros(rows), max_model_len=64,
@@ -107,3 +109,51 @@ def test_the_lm_head_makes_the_greedy_choice_itself(monkeypatch, folded):
     assert logits.shape == (2, config.vocab_size)
     assert heads == [(True, "pick", None) if folded else (False, None, None)]
     assert calls.count("greedy") == (0 if folded else 1)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_split_moe_takes_batch_1_and_its_norm_clears_the_sum(monkeypatch, rows):
+    """kernel_ops.MOE_SPLIT_MAX_ROWS (1): a one-row fused step runs each MoE layer's experts as one
+    moe_split into the workspace's fixed-point sum, then add_rms_norm_fixed over that sum (the norm
+    that follows, or at the last layer one whose output is unused), writing the layer's hidden state;
+    two rows take moe_gate_up and moe_down."""
+    config = preset("flint-tiny")
+    calls = []
+    stand_ins(monkeypatch, calls)
+    monkeypatch.setattr(kernel_ops, "moe_gate_up", lambda x, ids, *w, out, pdl: calls.append("gate_up") or out)
+    monkeypatch.setattr(kernel_ops, "moe_down", lambda h, ids, weights, *w, residual, out, pdl: calls.append("down") or out)
+    fits = []
+    monkeypatch.setattr(kernel_ops, "moe_split_fits", lambda *a: fits.append(a) or True)  # bf16 stand-ins
+    sums = []
+
+    def moe_split(x, ids, weights, *experts, acc, pdl):
+        assert len(experts) == 6 and acc.dtype == torch.int64 and acc.shape == (rows, config.hidden_size)
+        sums.append(acc.data_ptr())
+        calls.append("split")
+        return acc
+
+    def add_rms_norm_fixed(acc, residual, weight, eps, out, residual_out, pdl):
+        assert acc.data_ptr() == sums[-1] and out.shape == residual_out.shape == residual.shape
+        calls.append("fixed_norm")
+        return out, residual_out
+
+    monkeypatch.setattr(kernel_ops, "moe_split", moe_split)
+    monkeypatch.setattr(kernel_ops, "add_rms_norm_fixed", add_rms_norm_fixed)
+    assert fused_forward(config, rows=rows).shape == (rows, config.vocab_size)
+    moe_layers = sum(config.is_moe(i) for i in range(config.num_hidden_layers))
+    if rows == 1:
+        assert calls.count("split") == moe_layers and "gate_up" not in calls and "down" not in calls
+        assert calls.count("fixed_norm") == moe_layers
+        assert len(set(sums)) == 1 and all(a[1:] == (config.hidden_size, config.moe_intermediate_size, 1) for a in fits)
+    else:
+        assert calls.count("gate_up") == calls.count("down") == moe_layers and "split" not in calls
+
+
+def test_the_split_moe_fits_nvfp4_experts_of_flint_shapes():
+    c = preset("flint")
+    assert moe_kernels_fits("nvfp4", c.hidden_size, c.moe_intermediate_size, 1)
+    assert moe_kernels_fits("nvfp4", c.hidden_size, c.moe_intermediate_size, 8)
+    assert not moe_kernels_fits("bf16", c.hidden_size, c.moe_intermediate_size, 1)       # 64 KB tiles
+    assert not moe_kernels_fits("nvfp4", c.hidden_size, c.moe_intermediate_size, 9)
+    assert not moe_kernels_fits("nvfp4", 64, 64, 1)                                      # flint-tiny
+    assert not moe_kernels_fits("nvfp4", 4096, c.moe_intermediate_size, 1)               # > 2 down tiles a warp
