@@ -3,7 +3,7 @@
 //   add_rmsnorm_f32: s = bf16(x + residual) with x fp32 (a GEMM's fp32 product; one rounding of
 //                    the sum, as torch.add(x, residual, out=bf16)), written to residual_out; x may
 //                    come as `parts` split-K partial products [parts][rows][H], added in order first
-//   add_rmsnorm_fixed: the same with x fixed point (common.cuh red_add_fixed: moe.cu moe_split's
+//   add_rmsnorm_fixed: the same with x fixed point (common.cuh red_add_fixed: moe_split.cu's
 //                    sum), zeroed once read for the next sum
 //   out = bf16(s * rsqrt(mean(s^2) + eps) * weight)
 // One CTA per row. In place is allowed (out == x, residual_out == residual): every element is

@@ -39,7 +39,7 @@ ENTRY_POINTS = (
     ("router.cu", "router_topk"), ("router.cu", "router_topk_cluster"),
     ("moe.cu", "moe_gate_up_bf16"), ("moe.cu", "moe_gate_up_nvfp4"),
     ("moe.cu", "moe_down_bf16"), ("moe.cu", "moe_down_nvfp4"),
-    ("moe.cu", "moe_gate_up_staged_nvfp4"), ("moe.cu", "moe_split_nvfp4"),
+    ("moe.cu", "moe_gate_up_staged_nvfp4"), ("moe_split.cu", "moe_split_nvfp4"),
     ("argmax.cu", "argmax_bf16"), ("argmax.cu", "argmax_f32"),
     ("argmax.cu", "sample_bf16"), ("argmax.cu", "sample_f32"),
     ("qk_norm_rope_kv.cu", "qk_norm_rope_kv_bf16"), ("decode_attention.cu", "decode_attention_bf16"),

@@ -218,7 +218,7 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor, 
     return y
 
 
-SPLIT_CTAS = 8        # cuda/moe.cu MS_CTAS: a cluster of moe_split (16 intermediate rows a CTA)
+SPLIT_CTAS = 8        # cuda/moe_split.cu MS_CTAS: a cluster of moe_split (16 intermediate rows a CTA)
 SPLIT_CHUNK = 16 * SPLIT_CTAS
 SPLIT_MAX_HIDDEN = SPLIT_CHUNK * 2 * 8   # MS_DOWN_TILES 16-row down tiles for each of MS_WARPS
 
@@ -232,7 +232,7 @@ def moe_split_fits(fmt: str, hidden: int, intermediate: int, tokens: int) -> boo
 def moe_split(x: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor, gate: Weight, up: Weight,
               down: Weight, shared_gate: Weight | None = None, shared_up: Weight | None = None,
               shared_down: Weight | None = None, acc: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """acc [T, H] += what `moe_down(moe_gate_up(...), ...)` computes, in one launch (cuda/moe.cu
+    """acc [T, H] += what `moe_down(moe_gate_up(...), ...)` computes, in one launch (cuda/moe_split.cu
     moe_split_nvfp4: each cluster of 8 CTAs does gate/up of one expert's 128 intermediate rows and
     their share of down, added into acc by atomics). acc is fixed point, int64 of value x 2^32, so the
     sum's bits do not depend on the atomics' order; it must hold zeros (or what to add to), and
@@ -265,7 +265,7 @@ def moe_split(x: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor,
     if acc is None:
         acc = torch.zeros(t, n, dtype=torch.int64, device=x.device)
     check_tensor(acc, "acc", torch.int64, (t, n), x.device, 16)
-    _moe_kernel("moe_split", fmt, 4).launch(
+    _kernel("moe_split.cu", "moe_split_nvfp4").launch(
         (i // 16, t * a + int(has_shared)), (256,),
         [acc, x, ids, routing_weights, *args, I32(t), I32(a), I32(i), I32(k), I32(n), I32(num_experts)],
         shared_bytes=18 * k + 2 * 8 * SPLIT_CHUNK, pdl=pdl, device=x.device.index)
