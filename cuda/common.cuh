@@ -100,14 +100,15 @@ __device__ __forceinline__ void sts_v4(u32 addr, uint4 v) {
                : "memory");
 }
 
-// Data written by other CTAs of this kernel (after a fence): read from L2, bypassing L1. The
-// intrinsics are ordinary memory reads to the compiler (kept below fences, free to overlap).
 // Fixed-point sums (value x 2^32 in an int64): integer atomics add in any order to the same bits,
 // where fp32 atomics would round differently from run to run. |value| < 2^31, steps of 2^-32.
 __device__ __forceinline__ void red_add_fixed(long long* p, float v) {
   atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)__float2ll_rn(v * 0x1p32f));
 }
 __device__ __forceinline__ float fixed_to_f32(long long v) { return __ll2float_rn(v) * 0x1p-32f; }
+
+// Data written by other CTAs of this kernel (after a fence): read from L2, bypassing L1. The
+// intrinsics are ordinary memory reads to the compiler (kept below fences, free to overlap).
 __device__ __forceinline__ float ld_cg_f32(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ u64 ld_cg_u64(const u64* p) { return __ldcg(p); }
 
