@@ -298,30 +298,8 @@ moe_gate_up_staged_nvfp4(u16* h, const u16* x, const int* ids,
   }
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const u16* xg = g < T ? x + (size_t)g * K : nullptr;
-  const Nvfp4Staged::Rows rows = Nvfp4Staged::rows(tile, g, K);
-  const int steps = K / Nvfp4Weights::KSTEP;
   float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
-  bool landed = false;
-  for (int s0 = warp; s0 < steps; s0 += MOE_GATE_UP_WARPS * NVFP4_UNROLL) {
-    Nvfp4Weights::X xv[NVFP4_UNROLL][1];  // the round's x first: its L2 trips overlap the copies
-#pragma unroll
-    for (int u = 0; u < NVFP4_UNROLL; ++u) {
-      const int s = s0 + u * MOE_GATE_UP_WARPS;
-      xv[u][0] = xg && s < steps ? Nvfp4Weights::load_x(xg + s * Nvfp4Weights::KSTEP + t * Nvfp4Weights::LANE_K)
-                                 : Nvfp4Weights::zero_x();
-    }
-    if (!landed) {
-      mbarrier_wait_parity(bar_w, 0);
-      landed = true;
-    }
-#pragma unroll
-    for (int u = 0; u < NVFP4_UNROLL; ++u) {
-      const int s = s0 + u * MOE_GATE_UP_WARPS;
-      if (s < steps)
-        Nvfp4Weights::mma_groups<1>(acc, Nvfp4Staged::load(rows, s * Nvfp4Weights::KSTEP + t * Nvfp4Weights::LANE_K),
-                                    xv[u], sh);
-    }
-  }
+  moe_staged_tile_partial<MOE_GATE_UP_WARPS>(acc, Nvfp4Staged::rows(tile, g, K), xg, warp, t, K, bar_w, sh);
   moe_gate_up_store(red, acc[0], h, pair_expert, e, wg.sum_scale(), wu.sum_scale(), j0, T, A, I);
 }
 #endif

@@ -29,3 +29,34 @@ __device__ __forceinline__ bool moe_pair_expert(int* pair_expert, const int* ids
     if (pair_expert[q] == e) return false;
   return true;
 }
+
+// One warp's partial sums of a staged 16-row tile (`rows`: its codes and scales in shared memory,
+// landing on bar_w) against token g's x (xg, or nullptr past the batch): k-steps tw, tw + TW, ...
+// of K / KSTEP. The round's x is loaded before the first wait, so its L2 trips overlap the copies.
+template <int TW>
+__device__ __forceinline__ void moe_staged_tile_partial(float (&acc)[1][4], const Nvfp4Staged::Rows& rows,
+                                                        const u16* xg, int tw, int t, int K, u32 bar_w,
+                                                        const Nvfp4Weights::Shared& sh) {
+  const int steps = K / Nvfp4Weights::KSTEP;
+  bool landed = false;
+  for (int s0 = tw; s0 < steps; s0 += TW * NVFP4_UNROLL) {
+    Nvfp4Weights::X xv[NVFP4_UNROLL][1];
+#pragma unroll
+    for (int u = 0; u < NVFP4_UNROLL; ++u) {
+      const int s = s0 + u * TW;
+      xv[u][0] = xg && s < steps ? Nvfp4Weights::load_x(xg + s * Nvfp4Weights::KSTEP + t * Nvfp4Weights::LANE_K)
+                                 : Nvfp4Weights::zero_x();
+    }
+    if (!landed) {
+      mbarrier_wait_parity(bar_w, 0);
+      landed = true;
+    }
+#pragma unroll
+    for (int u = 0; u < NVFP4_UNROLL; ++u) {
+      const int s = s0 + u * TW;
+      if (s < steps)
+        Nvfp4Weights::mma_groups<1>(acc, Nvfp4Staged::load(rows, s * Nvfp4Weights::KSTEP + t * Nvfp4Weights::LANE_K),
+                                    xv[u], sh);
+    }
+  }
+}

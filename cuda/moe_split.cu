@@ -87,30 +87,8 @@ moe_split_nvfp4(long long* acc, const u16* x, const int* ids, const float* routi
   // Gate/up: tile warp / TW on TW warps, as moe_gate_up_staged's CTA.
   const u16* xg = g < T ? x + (size_t)g * K : nullptr;
   const int tile = warp / TW, tw = warp % TW;
-  const Nvfp4Staged::Rows rows = Nvfp4Staged::rows(tiles + tile * 9 * K, g, K);
-  const int steps = K / Nvfp4Weights::KSTEP;
   float gu[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
-  bool landed = false;
-  for (int s0 = tw; s0 < steps; s0 += TW * NVFP4_UNROLL) {
-    Nvfp4Weights::X xv[NVFP4_UNROLL][1];
-#pragma unroll
-    for (int u = 0; u < NVFP4_UNROLL; ++u) {
-      const int s = s0 + u * TW;
-      xv[u][0] = xg && s < steps ? Nvfp4Weights::load_x(xg + s * Nvfp4Weights::KSTEP + t * Nvfp4Weights::LANE_K)
-                                 : Nvfp4Weights::zero_x();
-    }
-    if (!landed) {
-      mbarrier_wait_parity(bar_w, 0);
-      landed = true;
-    }
-#pragma unroll
-    for (int u = 0; u < NVFP4_UNROLL; ++u) {
-      const int s = s0 + u * TW;
-      if (s < steps)
-        Nvfp4Weights::mma_groups<1>(gu, Nvfp4Staged::load(rows, s * Nvfp4Weights::KSTEP + t * Nvfp4Weights::LANE_K),
-                                    xv[u], sh);
-    }
-  }
+  moe_staged_tile_partial<TW>(gu, Nvfp4Staged::rows(tiles + tile * 9 * K, g, K), xg, tw, t, K, bar_w, sh);
 #pragma unroll
   for (int i = 0; i < 4; ++i) red[tile][(tw * 4 + i) * 32 + (threadIdx.x & 31)] = gu[0][i];
   __syncthreads();
