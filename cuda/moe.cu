@@ -293,8 +293,7 @@ moe_gate_up_staged_nvfp4(u16* h, const u16* x, const int* ids,
                                 : Nvfp4Weights{u_codes, u_scales, u_tensor_scale}.expert(e, I, K);
   if (threadIdx.x == 0) {
     mbarrier_arrive_expect_tx(bar_w, 9u * K);
-    Nvfp4Staged::copy_rows(tile, 0, wg, j0, 8, K, bar_w);
-    Nvfp4Staged::copy_rows(tile, 8, wu, j0, 8, K, bar_w);
+    moe_stage_tile(tile, wg, wu, j0, K, bar_w);
   }
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const u16* xg = g < T ? x + (size_t)g * K : nullptr;

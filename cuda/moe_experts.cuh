@@ -30,6 +30,14 @@ __device__ __forceinline__ bool moe_pair_expert(int* pair_expert, const int* ids
   return true;
 }
 
+// One thread: a staged 16-row tile of rows j0..j0 + 7 of gate (tile rows 0-7) and of up (8-15), the
+// layout moe_staged_tile_partial reads; 9 K bytes completing on bar (whose expected bytes the caller sets).
+__device__ __forceinline__ void moe_stage_tile(u32 tile, const Nvfp4Weights& wg, const Nvfp4Weights& wu, int j0,
+                                               int K, u32 bar) {
+  Nvfp4Staged::copy_rows(tile, 0, wg, j0, 8, K, bar);
+  Nvfp4Staged::copy_rows(tile, 8, wu, j0, 8, K, bar);
+}
+
 // One warp's partial sums of a staged 16-row tile (`rows`: its codes and scales in shared memory,
 // landing on bar_w) against token g's x (xg, or nullptr past the batch): k-steps tw, tw + TW, ...
 // of K / KSTEP. The round's x is loaded before the first wait, so its L2 trips overlap the copies.

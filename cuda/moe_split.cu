@@ -62,10 +62,8 @@ moe_split_nvfp4(long long* acc, const u16* x, const int* ids, const float* routi
                                 : Nvfp4Weights{d_codes, d_scales, d_tensor_scale}.expert(e, N, I);
   if (threadIdx.x == 0) {
     mbarrier_arrive_expect_tx(bar_w, 18u * K);
-    Nvfp4Staged::copy_rows(tiles, 0, wg, j0, 8, K, bar_w);
-    Nvfp4Staged::copy_rows(tiles, 8, wu, j0, 8, K, bar_w);
-    Nvfp4Staged::copy_rows(tiles + 9 * K, 0, wg, j0 + 8, 8, K, bar_w);
-    Nvfp4Staged::copy_rows(tiles + 9 * K, 8, wu, j0 + 8, 8, K, bar_w);
+    moe_stage_tile(tiles, wg, wu, j0, K, bar_w);
+    moe_stage_tile(tiles + 9 * K, wg, wu, j0 + 8, K, bar_w);
   }
   if (threadIdx.x < 8) {  // token b's coefficient: routing weight x sum scale, 0 where b did not choose e
     const int b = threadIdx.x, slot = b < T ? moe_slot_of(pair_expert, b, A, e) : -1;
