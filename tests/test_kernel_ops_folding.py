@@ -11,7 +11,9 @@ import torch
 from flint_sched.config import preset
 from flint_sched.executor import kernel_ops
 from flint_sched.executor.forward import forward
+from flint_sched.kernels.moe import _shared_expert_args
 from flint_sched.kernels.moe import moe_split_fits as moe_kernels_fits
+from flint_sched.quant.nvfp4 import NVFP4Tensor
 
 
 class Weights(dict):
@@ -157,3 +159,25 @@ def test_the_split_moe_fits_nvfp4_experts_of_flint_shapes():
     assert not moe_kernels_fits("nvfp4", c.hidden_size, c.moe_intermediate_size, 9)
     assert not moe_kernels_fits("nvfp4", 64, 64, 1)                                      # flint-tiny
     assert not moe_kernels_fits("nvfp4", 4096, c.moe_intermediate_size, 1)               # > 2 down tiles a warp
+
+
+def test_the_moe_launchers_take_a_whole_shared_expert_or_none():
+    """kernels/moe.py's launchers pass the shared expert's weights checked, in order, or null pointers
+    in their places (3 an NVFP4 weight, 1 a bf16 one); a partial one is refused."""
+    def nvfp4(n, k):
+        return NVFP4Tensor(torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 16, dtype=torch.uint8),
+                           torch.ones(1))
+    cpu = torch.device("cpu")
+    gate, up, down = nvfp4(256, 512), nvfp4(256, 512), nvfp4(512, 256)
+    weights = (("shared_gate", gate, (256, 512)), ("shared_up", up, (256, 512)), ("shared_down", down, (512, 256)))
+    args, has_shared = _shared_expert_args("nvfp4", cpu, *weights)
+    assert has_shared and len(args) == 9
+    assert args[0] is gate.codes and args[4] is up.block_scales and args[8] is down.tensor_scale
+    assert _shared_expert_args("nvfp4", cpu, *((n, None, s) for n, _, s in weights)) == ([None] * 9, False)
+    assert _shared_expert_args("bf16", cpu, ("shared_down", None, (512, 256))) == ([None], False)
+    with pytest.raises(ValueError, match="all three shared expert weights"):
+        _shared_expert_args("nvfp4", cpu, *weights[:2], ("shared_down", None, (512, 256)))
+    with pytest.raises(ValueError, match="both shared expert weights"):
+        _shared_expert_args("nvfp4", cpu, ("shared_gate", None, (256, 512)), weights[1])
+    with pytest.raises(ValueError, match="shared_gate.codes must have shape"):
+        _shared_expert_args("nvfp4", cpu, ("shared_gate", gate, (256, 1024)))

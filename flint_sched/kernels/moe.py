@@ -172,14 +172,9 @@ def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: Weight, up: Weight,
     stack = (num_experts, i, k)
     args = (weight_args(gate, "gate", stack, x.device, num_experts)
             + weight_args(up, "up", stack, x.device, num_experts))
-    has_shared = shared_gate is not None
-    if has_shared != (shared_up is not None):
-        raise ValueError("give both shared_gate and shared_up, or neither")
-    if has_shared:
-        args += weight_args(shared_gate, "shared_gate", (i, k), x.device)
-        args += weight_args(shared_up, "shared_up", (i, k), x.device)
-    else:
-        args += [None] * (6 if fmt == "nvfp4" else 2)
+    shared_args, has_shared = _shared_expert_args(fmt, x.device, ("shared_gate", shared_gate, (i, k)),
+                                                  ("shared_up", shared_up, (i, k)))
+    args += shared_args
     h = output(out, "out", (t, a + 1, i), x)
     warps = gate_up_warps(fmt, t)
     staged = STAGED_GATE_UP and fmt == "nvfp4" and i % 8 == 0 and k % 128 == 0
@@ -205,9 +200,8 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor, 
     num_experts, n = down.shape[0], down.shape[1]
     fmt = weight_format(down, shared_down)
     args = weight_args(down, "down", (num_experts, n, i), h.device, num_experts)
-    has_shared = shared_down is not None
-    args += (weight_args(shared_down, "shared_down", (n, i), h.device) if has_shared
-             else [None] * (3 if fmt == "nvfp4" else 1))
+    shared_args, has_shared = _shared_expert_args(fmt, h.device, ("shared_down", shared_down, (n, i)))
+    args += shared_args
     if residual is not None:
         check_tensor(residual, "residual", torch.bfloat16, (t, n), h.device, 2)
     y = output(out, "out", (t, n), h)
@@ -252,16 +246,9 @@ def moe_split(x: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor,
     args = (weight_args(gate, "gate", (num_experts, i, k), x.device, num_experts)
             + weight_args(up, "up", (num_experts, i, k), x.device, num_experts)
             + weight_args(down, "down", (num_experts, n, i), x.device, num_experts))
-    shared = (shared_gate, shared_up, shared_down)
-    has_shared = shared_gate is not None
-    if any((s is not None) != has_shared for s in shared):
-        raise ValueError("give all three shared expert weights, or none")
-    if has_shared:
-        args += (weight_args(shared_gate, "shared_gate", (i, k), x.device)
-                 + weight_args(shared_up, "shared_up", (i, k), x.device)
-                 + weight_args(shared_down, "shared_down", (n, i), x.device))
-    else:
-        args += [None] * 9
+    shared_args, has_shared = _shared_expert_args(fmt, x.device, ("shared_gate", shared_gate, (i, k)),
+                                                  ("shared_up", shared_up, (i, k)), ("shared_down", shared_down, (n, i)))
+    args += shared_args
     if acc is None:
         acc = torch.zeros(t, n, dtype=torch.int64, device=x.device)
     check_tensor(acc, "acc", torch.int64, (t, n), x.device, 16)
@@ -280,6 +267,22 @@ def moe(x: torch.Tensor, router_gate: torch.Tensor, router_bias: torch.Tensor, t
     ids, weights = route(x, router_gate, router_bias, top_k, scaling, workspace=workspace)
     h = moe_gate_up(x, ids, gate, up, shared_gate, shared_up)
     return moe_down(h, ids, weights, down, shared_down, residual)
+
+
+_ALL_OF = {2: "both", 3: "all three"}
+
+
+def _shared_expert_args(fmt: str, device: torch.device,
+                        *weights: tuple[str, Weight | None, tuple[int, int]]) -> tuple[list, bool]:
+    """The shared expert's weight arguments (each (name, weight, shape)), checked, and whether there is
+    one: all of them given, or none (null pointers in their places: 3 an NVFP4 weight, 1 a bf16 one)."""
+    given = [w is not None for _, w, _ in weights]
+    if not any(given):
+        return [None] * (len(weights) * (3 if fmt == "nvfp4" else 1)), False
+    if not all(given):
+        names = ", ".join(name for name, _, _ in weights)
+        raise ValueError(f"give {_ALL_OF[len(weights)]} shared expert weights ({names}), or none")
+    return [arg for name, w, shape in weights for arg in weight_args(w, name, shape, device)], True
 
 
 def _check_ids(ids: torch.Tensor, num_tokens: int, device: torch.device) -> int:
