@@ -13,6 +13,7 @@ import torch
 from flint_sched.config import FlintConfig
 from flint_sched.kernels import attention as attn
 from flint_sched.kernels.grouped_moe import moe_routing_workspace
+from flint_sched.kernels.linear import MAX_TOKENS
 from flint_sched.kernels.moe import router_workspace
 from flint_sched.kernels.sampling import argmax_workspace, pick_workspace
 
@@ -33,8 +34,9 @@ class Workspaces:
         self.argmax = argmax_workspace(max(max_rows, max_seqs), c.vocab_size, device)
         self.pick = pick_workspace(max(max_rows, max_seqs), device)  # the LM head's own argmax (LM_HEAD_ARGMAX)
         self.moe_routing = self._routing(max_rows, device)
-        # The fused steps' MoE sum (kernel_ops.MOE_SPLIT_MAX_ROWS): zeros between layers (each norm clears it).
-        self.moe_acc = torch.zeros(max_rows, c.hidden_size, dtype=torch.int64, device=device)
+        # The fused steps' MoE sum (kernel_ops.MOE_SPLIT_MAX_ROWS; moe_split takes at most MAX_TOKENS rows):
+        # zeros between layers (each norm clears it).
+        self.moe_acc = torch.zeros(min(max_rows, MAX_TOKENS), c.hidden_size, dtype=torch.int64, device=device)
         # Prompt steps replayed from graphs (up to prompt_graph_rows rows) share one, kept for good:
         # the graphs hold its addresses.
         self.prompt_graph_rows = prompt_graph_rows
