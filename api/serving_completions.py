@@ -2,8 +2,10 @@
 
 Choice i of prompt p has index p * n + i. `echo` puts the prompt text before the output (in the
 stream: as each choice's first chunk); with `logprobs` its logprobs start with the prompt's tokens
-(prompt logprobs: in a stream the echo chunk comes with the choice's first output). `suffix` is
-refused (400); `prompt_logprobs` when streaming too, as in vLLM.
+(prompt logprobs: in a stream the echo chunk comes with the choice's first output). `echo` with
+`max_tokens: 0` returns the prompt alone, scored with `logprobs` (OpenAI's legacy way to score a
+text, as vLLM does: one token is generated and dropped; finish_reason "length", 0 completion
+tokens). `suffix` is refused (400); `prompt_logprobs` when streaming too, as in vLLM.
 `text_offset` counts characters of the tokens' texts from the start of the choice's output.
 """
 
@@ -94,6 +96,11 @@ def check_supported(request: CompletionRequest, max_logprobs: int = MAX_LOGPROBS
         raise bad_request("prompt_logprobs is not available when streaming", "prompt_logprobs")
 
 
+def echo_only(request: CompletionRequest) -> bool:
+    """`echo` with `max_tokens: 0`: the prompt back (and its logprobs), nothing generated."""
+    return request.echo and request.max_tokens == 0
+
+
 def prepare_prompts(ctx: ServingContext, request: CompletionRequest) -> list[PreparedPrompt]:
     """Validates and tokenizes every prompt (APIError 4xx on bad input). Runs off the loop."""
     check_supported(request, ctx.config.max_logprobs)
@@ -117,7 +124,8 @@ def prepare_prompts(ctx: ServingContext, request: CompletionRequest) -> list[Pre
         ids = ctx.encode(prompt, "prompt", keep) if isinstance(prompt, str) else prompt
         text = prompt if isinstance(prompt, str) else (ctx.tokenizer.decode(ids) if request.echo else "")
         try:
-            params = sampling_params(request, max_tokens=ctx.max_tokens(request.max_tokens, len(ids)),
+            max_tokens = 1 if echo_only(request) else ctx.max_tokens(request.max_tokens, len(ids))
+            params = sampling_params(request, max_tokens=max_tokens,
                                      logprobs=request.logprobs, skip_special_tokens=request.skip_special_tokens,
                                      structured_outputs=found[0] if found else None, prompt_logprobs=prompt_logprobs)
         except ValueError as error:
@@ -163,16 +171,25 @@ def echoed_logprobs(tokenizer, prompt_ids: list[int], entries: list[TokenLogprob
 def full_choice(ctx: ServingContext, index: int, prompt: PreparedPrompt, request: CompletionRequest,
                 final: RequestOutput, out: CompletionOutput) -> CompletionChoice:
     logprobs, names = None, logprob_names(ctx.tokenizer, request)
+    if echo_only(request):
+        if request.logprobs is not None and final.prompt_logprobs is not None:
+            logprobs, _ = prompt_token_logprobs(names, prompt.token_ids, final.prompt_logprobs)
+        return CompletionChoice(index=index, text=prompt.text, logprobs=logprobs, finish_reason="length",
+                                stop_reason=None, prompt_logprobs=prompt_logprobs_of(ctx, request, final))
     if request.echo and out.logprobs is not None and final.prompt_logprobs is not None:
         logprobs = echoed_logprobs(names, prompt.token_ids, final.prompt_logprobs, out)
     elif out.logprobs is not None:
         logprobs, _ = completion_logprobs(names, out.logprobs, 0)
-    prompt_logprobs = None
-    if request.prompt_logprobs is not None and final.prompt_logprobs is not None:
-        prompt_logprobs = prompt_logprobs_json(ctx.tokenizer, final.prompt_logprobs)
     return CompletionChoice(index=index, text=(prompt.text if request.echo else "") + out.text, logprobs=logprobs,
                             finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                            prompt_logprobs=prompt_logprobs)
+                            prompt_logprobs=prompt_logprobs_of(ctx, request, final))
+
+
+def prompt_logprobs_of(ctx: ServingContext, request: CompletionRequest, final: RequestOutput):
+    """vLLM's `prompt_logprobs` field, where the request asked for it."""
+    if request.prompt_logprobs is None or final.prompt_logprobs is None:
+        return None
+    return prompt_logprobs_json(ctx.tokenizer, final.prompt_logprobs)
 
 
 @dataclass
@@ -199,6 +216,7 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
     finished = [False] * len(offsets)
     # echo + logprobs: a choice's echo waits for its first output, which has the prompt logprobs
     scored_echo = s.request.echo and s.request.logprobs is not None
+    generates = not echo_only(s.request)
     names = logprob_names(s.ctx.tokenizer, s.request)
     running = continuous_usage(s.request.stream_options)
     echoed = [not s.request.echo] * len(offsets)
@@ -216,7 +234,6 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
             num_cached_tokens[prompt_index] = max(num_cached_tokens[prompt_index], out.num_cached_tokens)
             for output in out.outputs:
                 index = prompt_index * n + output.index
-                num_tokens[index] = len(output.token_ids)
                 if finished[index]:
                     continue
                 if not echoed[index] and out.prompt_logprobs is not None:
@@ -226,6 +243,11 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
                     yield s.chunk([CompletionChoice(index=index, text=prompt.text, logprobs=logprobs,
                                                     finish_reason=None)])
                 finished[index] = output.finished
+                if not generates:                     # the prompt alone: the generated token is dropped
+                    if output.finished:
+                        yield s.chunk([CompletionChoice(index=index, text="", logprobs=None, finish_reason="length")])
+                    continue
+                num_tokens[index] = len(output.token_ids)
                 logprobs = None
                 if output.delta_logprobs:
                     logprobs, offsets[index] = completion_logprobs(names, output.delta_logprobs, offsets[index])
@@ -286,7 +308,8 @@ async def create_completion(ctx: ServingContext, request: Request, body: bytes) 
     choices = [full_choice(ctx, p * n + out.index, prompts[p], completion, final, out)
                for p, final in enumerate(finals) for out in final.outputs]
     num_prompt = sum(len(p.token_ids) for p in prompts)
-    num_completion = sum(len(out.token_ids) for final in finals for out in final.outputs)
+    num_completion = 0 if echo_only(completion) else sum(len(out.token_ids) for final in finals
+                                                         for out in final.outputs)
     response = CompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                   usage=usage(num_prompt, num_completion,
                                               sum(final.num_cached_tokens for final in finals)))

@@ -137,6 +137,42 @@ def test_echo_with_logprobs_scores_the_prompt(client):
     assert scored.token_logprobs[:-1] == lp.token_logprobs[:len(scored.token_logprobs) - 1]
 
 
+def test_echo_with_max_tokens_zero_returns_the_prompt_scored(client):
+    prompt = "the cat sat on the mat"
+    scored = client.completions.create(model="flint-tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                       temperature=0.0)
+    [choice] = scored.choices
+    lp = choice.logprobs
+    assert choice.text == prompt and "".join(lp.tokens) == prompt and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(lp.tokens)
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    generated = client.completions.create(model="flint-tiny", prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                          temperature=0.0).choices[0].logprobs
+    assert generated.tokens[:-1] == lp.tokens and generated.token_logprobs[:-1] == lp.token_logprobs
+    plain = client.completions.create(model="flint-tiny", prompt=[prompt, "a dog"], max_tokens=0, echo=True, n=2)
+    assert [c.text for c in sorted(plain.choices, key=lambda c: c.index)] == [prompt, prompt, "a dog", "a dog"]
+    assert all(c.logprobs is None and c.finish_reason == "length" for c in plain.choices)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="flint-tiny", prompt=prompt, max_tokens=0)
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_a_streamed_echo_with_max_tokens_zero_is_the_prompt_alone(client, logprobs):
+    prompt = "the cat sat"
+    full = client.completions.create(model="flint-tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=logprobs,
+                                     n=2).choices[0]
+    chunks = list(client.completions.create(model="flint-tiny", prompt=prompt, max_tokens=0, echo=True,
+                                            logprobs=logprobs, n=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(c.text for c in mine) == prompt
+        assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + ["length"]
+        tokens = [t for c in mine if c.logprobs for t in c.logprobs.tokens]
+        assert tokens == (full.logprobs.tokens if logprobs else [])
+    assert chunks[-1].usage.completion_tokens == 0
+
+
 def test_a_streamed_echo_with_logprobs_matches_the_full_answer(client):
     prompt = "the cat sat"
     full = client.completions.create(model="flint-tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=1,
