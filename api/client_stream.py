@@ -147,6 +147,7 @@ class _ChatChoiceState:
     last_tool_index: int = -1
     finish_reason: str | None = None
     logprobs: list | None = None
+    token_ids: list[int] | None = None
 
 
 def _joined_or_none(parts: list[str]) -> str | None:
@@ -176,13 +177,15 @@ def add_tool_call_delta(state: _ChatChoiceState, delta: ToolCallDelta) -> None:
 
 def accumulate_chat(chunks: Iterable[ChatCompletionChunk]) -> ChatCompletion:
     """Folds chat chunks into a `ChatCompletion`: content and reasoning concatenated per choice index (empty
-    becomes null, as in a non-streamed message), tool calls completed, the last finish_reason and usage kept."""
+    becomes null, as in a non-streamed message), tool calls completed, the last finish_reason and usage kept; return_token_ids: the token ids too."""
     states: dict[int, _ChatChoiceState] = {}
     head = ChatCompletionChunk()
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
     for chunk in chunks:
         head = chunk if not head.id else head
         usage = chunk.usage or usage
+        prompt_token_ids = chunk.prompt_token_ids if chunk.prompt_token_ids is not None else prompt_token_ids
         for choice in chunk.choices:
             state = states.setdefault(choice.index, _ChatChoiceState())
             delta = choice.delta
@@ -196,6 +199,8 @@ def accumulate_chat(chunks: Iterable[ChatCompletionChunk]) -> ChatCompletion:
             state.finish_reason = choice.finish_reason or state.finish_reason
             if choice.logprobs is not None and choice.logprobs.content is not None:
                 state.logprobs = (state.logprobs or []) + choice.logprobs.content
+            if choice.token_ids is not None:
+                state.token_ids = (state.token_ids or []) + choice.token_ids
     choices = [
         ChatChoice(
             index=index,
@@ -206,15 +211,20 @@ def accumulate_chat(chunks: Iterable[ChatCompletionChunk]) -> ChatCompletion:
                                      function=FunctionCall(call.name, "".join(call.arguments)))
                             for _, call in sorted(state.tool_calls.items())]),
             finish_reason=state.finish_reason,
-            logprobs=None if state.logprobs is None else ChatLogprobs(content=state.logprobs))
+            logprobs=None if state.logprobs is None else ChatLogprobs(content=state.logprobs),
+            token_ids=state.token_ids)
         for index, state in sorted(states.items())
     ]
-    return ChatCompletion(id=head.id, created=head.created, model=head.model, choices=choices, usage=usage)
+    return ChatCompletion(id=head.id, created=head.created, model=head.model, choices=choices, usage=usage,
+                          prompt_token_ids=prompt_token_ids)
 
 
 def accumulate_completion(chunks: Iterable[Completion]) -> Completion:
-    """Folds `/v1/completions` chunks into one `Completion`: text and logprobs concatenated per choice index."""
+    """Folds `/v1/completions` chunks into one `Completion`: text, logprobs and token ids concatenated per
+    choice index."""
     texts: dict[int, list[str]] = {}
+    prompt_ids: dict[int, list[int]] = {}
+    token_ids: dict[int, list[int]] = {}
     finish: dict[int, str | None] = {}
     logprobs: dict[int, CompletionLogprobs] = {}
     head = Completion()
@@ -225,6 +235,10 @@ def accumulate_completion(chunks: Iterable[Completion]) -> Completion:
         for choice in chunk.choices:
             texts.setdefault(choice.index, []).append(choice.text)
             finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+            if choice.prompt_token_ids is not None:
+                prompt_ids[choice.index] = choice.prompt_token_ids
+            if choice.token_ids is not None:
+                token_ids.setdefault(choice.index, []).extend(choice.token_ids)
             if choice.logprobs is not None:
                 acc = logprobs.setdefault(choice.index, CompletionLogprobs())
                 acc.tokens += choice.logprobs.tokens
@@ -232,6 +246,7 @@ def accumulate_completion(chunks: Iterable[Completion]) -> Completion:
                 acc.text_offset += choice.logprobs.text_offset
                 if choice.logprobs.top_logprobs is not None:
                     acc.top_logprobs = (acc.top_logprobs or []) + choice.logprobs.top_logprobs
-    choices = [CompletionChoice(index=i, text="".join(parts), finish_reason=finish[i], logprobs=logprobs.get(i))
+    choices = [CompletionChoice(index=i, text="".join(parts), finish_reason=finish[i], logprobs=logprobs.get(i),
+                                prompt_token_ids=prompt_ids.get(i), token_ids=token_ids.get(i))
                for i, parts in sorted(texts.items())]
     return Completion(id=head.id, created=head.created, model=head.model, choices=choices, usage=usage)

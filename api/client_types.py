@@ -81,6 +81,7 @@ class ChatChoice(msgspec.Struct):
     message: ChatMessage
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None           # with return_token_ids=True
 
 
 class ChatCompletion(msgspec.Struct):
@@ -90,6 +91,7 @@ class ChatCompletion(msgspec.Struct):
     model: str = ""
     choices: list[ChatChoice] = []
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None    # with return_token_ids=True
 
 
 class FunctionDelta(msgspec.Struct):
@@ -120,6 +122,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: ChatDelta = msgspec.field(default_factory=ChatDelta)
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None           # with return_token_ids=True: this chunk's
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -129,6 +132,7 @@ class ChatCompletionChunk(msgspec.Struct):
     model: str = ""
     choices: list[ChatChunkChoice] = []
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None    # with return_token_ids=True: in the first chunk
 
 
 class CompletionChoice(msgspec.Struct):
@@ -136,6 +140,8 @@ class CompletionChoice(msgspec.Struct):
     text: str = ""
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
+    prompt_token_ids: list[int] | None = None    # with return_token_ids=True (a stream: the first chunk)
+    token_ids: list[int] | None = None
 
 
 class Completion(msgspec.Struct):

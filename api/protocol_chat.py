@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from flint_sched.api.protocol import (
     ChatMessage,
@@ -68,6 +69,7 @@ class ChatCompletionRequest(ConstraintFields, kw_only=True):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     return_tokens_as_token_ids: bool = False   # vLLM's: logprobs name tokens "token_id:N"
+    return_token_ids: bool = False             # vLLM's: the prompt's and the output's token ids too
 
 
 class FunctionCallOut(Reply, kw_only=True):
@@ -111,6 +113,7 @@ class ChatChoice(Reply, kw_only=True):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET         # return_token_ids: the output's
 
 
 class ChatCompletionResponse(Reply, kw_only=True):
@@ -121,6 +124,7 @@ class ChatCompletionResponse(Reply, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids
 
 
 class DeltaFunctionCall(Schema, kw_only=True):
@@ -152,6 +156,7 @@ class ChatStreamChoice(Reply, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET         # return_token_ids: this chunk's
 
 
 class ChatCompletionChunk(Schema, kw_only=True):
@@ -161,6 +166,7 @@ class ChatCompletionChunk(Schema, kw_only=True):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None        # return_token_ids: in the first chunk
 
 
 CHAT_SCHEMAS = (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from msgspec import UNSET, UnsetType
+
 from flint_sched.api.protocol import ConstraintFields, PromptLogprob, Reply, Schema, StreamOptions, Usage
 
 Prompt = str | list[str | int | list[int]]
@@ -45,6 +47,7 @@ class CompletionRequest(ConstraintFields, kw_only=True):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     return_tokens_as_token_ids: bool = False   # vLLM's: logprobs name tokens "token_id:N"
+    return_token_ids: bool = False             # vLLM's: the prompt's and the output's token ids too
 
 
 class CompletionLogprobs(Reply, kw_only=True):
@@ -61,6 +64,9 @@ class CompletionChoice(Reply, kw_only=True):
     finish_reason: str | None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    # return_token_ids: the prompt's (a stream: in the choice's first chunk) and the output's (a stream: the chunk's)
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionResponse(Reply, kw_only=True):

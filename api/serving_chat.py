@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
+from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -88,10 +89,10 @@ class PreparedChat:
     parser_prefix: str                         # the forced call start the parser reads first
     new_parser: Callable[[], OutputParser]
 
-    def chunk(self, choices: list[ChatStreamChoice], usage_=None) -> bytes:
+    def chunk(self, choices: list[ChatStreamChoice], usage_=None, prompt_token_ids=None) -> bytes:
         return sse_event(ChatCompletionChunk(id=self.request_id, object="chat.completion.chunk",
                                              created=self.created, model=self.model, choices=choices,
-                                             usage=usage_))
+                                             usage=usage_, prompt_token_ids=prompt_token_ids))
 
 
 def render_messages(ctx: ServingContext, messages: list[ChatMessage], tools: list[dict] | None,
@@ -218,7 +219,8 @@ def full_choice(ctx: ServingContext, prepared: PreparedChat, out: CompletionOutp
     logprobs = chat_logprobs(names, out.logprobs) if out.logprobs is not None else None
     return ChatChoice(index=out.index, message=message, logprobs=logprobs,
                       finish_reason=prepared.policy.finish_reason(out.finish_reason, bool(calls)),
-                      stop_reason=out.stop_reason)
+                      stop_reason=out.stop_reason,
+                      token_ids=list(out.token_ids) if prepared.request.return_token_ids else UNSET)
 
 
 def delta_message(delta: OutputDelta, include_reasoning: bool) -> DeltaMessage:
@@ -253,14 +255,15 @@ class StreamedChoice:
         """The chunk choice for one output, or None when it changes nothing visible."""
         delta = delta_message(self.parse(out), self.prepared.request.include_reasoning)
         logprobs = chat_logprobs(self.tokenizer, out.delta_logprobs) if out.delta_logprobs else None
+        ids = list(out.delta_token_ids) if self.prepared.request.return_token_ids else UNSET
         if not out.finished:
-            if delta.is_empty and logprobs is None:
+            if delta.is_empty and logprobs is None and not ids:
                 return None
-            return ChatStreamChoice(index=out.index, delta=delta, logprobs=logprobs)
+            return ChatStreamChoice(index=out.index, delta=delta, logprobs=logprobs, token_ids=ids)
         self.finished = True
         reason = self.prepared.policy.finish_reason(out.finish_reason, self.parser.has_tool_calls)
         return ChatStreamChoice(index=out.index, delta=delta, logprobs=logprobs, finish_reason=reason,
-                                stop_reason=out.stop_reason)
+                                stop_reason=out.stop_reason, token_ids=ids)
 
 
 async def chat_events(ctx: ServingContext, prepared: PreparedChat, stream) -> AsyncIterator[bytes]:
@@ -269,9 +272,10 @@ async def chat_events(ctx: ServingContext, prepared: PreparedChat, stream) -> As
     choices = [StreamedChoice(prepared, logprob_names(ctx.tokenizer, prepared.request)) for _ in range(n)]
     num_prompt = len(prepared.prompt_token_ids)
     running = continuous_usage(prepared.request.stream_options)
-    for index in range(n):
+    prompt_ids = prepared.prompt_token_ids if prepared.request.return_token_ids else None
+    for index in range(n):                     # return_token_ids: the prompt's in the first chunk
         yield prepared.chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
-                             usage(num_prompt, 0) if running else None)
+                             usage(num_prompt, 0) if running else None, None if index else prompt_ids)
     num_tokens = [0] * n
     num_cached_tokens = 0
     try:
@@ -322,5 +326,6 @@ async def create_chat_completion(ctx: ServingContext, request: Request, body: by
                                       choices=choices, usage=usage(len(prepared.prompt_token_ids),
                                                                    sum(len(o.token_ids) for o in final.outputs),
                                                                    final.num_cached_tokens),
-                                      prompt_logprobs=prompt_logprobs)
+                                      prompt_logprobs=prompt_logprobs,
+                                      prompt_token_ids=prepared.prompt_token_ids if chat.return_token_ids else UNSET)
     return Response(msgspec.json.encode(response), media_type="application/json")

@@ -180,6 +180,50 @@ def test_completions_prompts_echo_and_logprobs(client, http):
     assert echoed.choices[0].text.startswith("Hello there")
 
 
+def streamed_ids(events: list[dict], n: int) -> tuple[list, list[list[int]]]:
+    """The prompt_token_ids each event carried (chat: the chunk's; completions: the choice's), and
+    every choice's token_ids concatenated."""
+    prompts, outputs = [], [[] for _ in range(n)]
+    for event in events:
+        prompts += [event["prompt_token_ids"]] if "prompt_token_ids" in event else []
+        for choice in event["choices"]:
+            prompts += [choice["prompt_token_ids"]] if "prompt_token_ids" in choice else []
+            outputs[choice["index"]] += choice.get("token_ids", [])
+    return prompts, outputs
+
+
+def test_chat_return_token_ids_streamed_and_not(http):
+    ask = {"model": "flint-tiny", "messages": MESSAGES, "max_tokens": 6, "temperature": 0, "n": 2}
+    prompt = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    plain = http.post("/v1/chat/completions", json=ask).json()
+    assert "prompt_token_ids" not in plain and all("token_ids" not in c for c in plain["choices"])
+    full = http.post("/v1/chat/completions", json={**ask, "return_token_ids": True}).json()
+    assert full["prompt_token_ids"] == prompt
+    outputs = [c["token_ids"] for c in sorted(full["choices"], key=lambda c: c["index"])]
+    assert sum(map(len, outputs)) == full["usage"]["completion_tokens"] and outputs[0] == outputs[1]
+    events = sse_events(http.post("/v1/chat/completions", json={**ask, "return_token_ids": True, "stream": True}).text)
+    assert "prompt_token_ids" in events[0] and streamed_ids(events, 2) == ([prompt], outputs)
+    plain = sse_events(http.post("/v1/chat/completions", json={**ask, "stream": True}).text)
+    assert streamed_ids(plain, 2) == ([], [[], []])
+
+
+def test_completions_return_token_ids_streamed_and_not(http):
+    prompts = [http.post("/tokenize", json={"prompt": text}).json()["tokens"] for text in ("Hello there", "A dog")]
+    ask = {"model": "flint-tiny", "prompt": ["Hello there", "A dog"], "max_tokens": 4, "temperature": 0,
+           "return_token_ids": True}
+    full = http.post("/v1/completions", json=ask).json()
+    choices = sorted(full["choices"], key=lambda c: c["index"])
+    assert [c["prompt_token_ids"] for c in choices] == prompts
+    assert sum(len(c["token_ids"]) for c in choices) == full["usage"]["completion_tokens"]
+    for echo in (False, True):
+        events = sse_events(http.post("/v1/completions", json={**ask, "stream": True, "echo": echo}).text)
+        sent, outputs = streamed_ids(events, 2)
+        assert sorted(sent) == sorted(prompts) and outputs == [c["token_ids"] for c in choices]
+    alone = http.post("/v1/completions", json={**ask, "echo": True, "max_tokens": 0}).json()
+    assert [c["token_ids"] for c in alone["choices"]] == [[], []]
+    assert "token_ids" not in http.post("/v1/completions", json={**ask, "return_token_ids": False}).json()["choices"][0]
+
+
 def test_sixty_four_concurrent_streams_complete_well_formed(server):
     async def one(client: httpx.AsyncClient, i: int) -> list:
         body = {"model": "flint-tiny", "messages": [{"role": "user", "content": f"Count to {i}"}],

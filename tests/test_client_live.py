@@ -21,6 +21,15 @@ async def test_chat_completions_and_streams_on_flint_tiny(request):
         assert (reply.choices[0].message.content or "") == (streamed.choices[0].message.content or "")
         text = await client.completions("Once upon", max_tokens=3, temperature=0, ignore_eos=True)
         assert text.usage.completion_tokens == 3
+        ids = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        for result in (await client.chat(messages, **ids),
+                       await (await client.chat(messages, stream=True, **ids)).collect()):
+            assert len(result.prompt_token_ids) == result.usage.prompt_tokens and len(result.choices[0].token_ids) == 3
+        for result in (await client.completions("Once upon", **ids),
+                       await (await client.completions("Once upon", stream=True, **ids)).collect()):
+            assert len(result.choices[0].prompt_token_ids) == result.usage.prompt_tokens
+            assert len(result.choices[0].token_ids) == 3
+        assert reply.choices[0].token_ids is None and text.choices[0].token_ids is None
         results = await asyncio.gather(*(client.chat(messages, max_tokens=3, ignore_eos=True) for _ in range(8)))
         assert all(r.usage.completion_tokens == 3 for r in results)
         with pytest.raises(FlintAPIError) as err:
