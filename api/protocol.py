@@ -177,6 +177,7 @@ class TokenizeRequest(Schema, kw_only=True):
     tools: list[ChatTool] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 

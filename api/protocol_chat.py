@@ -53,6 +53,7 @@ class ChatCompletionRequest(ConstraintFields, kw_only=True):
     parallel_tool_calls: bool = True
     user: str | None = None
     include_reasoning: bool = True
+    chat_template: str | None = None           # vLLM's: this request's template (--trust-request-chat-template)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True         # vLLM's: open the assistant's turn after the messages
     continue_final_message: bool = False       # vLLM's: the model goes on writing the last message

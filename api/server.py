@@ -71,6 +71,7 @@ class ServerConfig:
     exclude_tools_when_tool_choice_none: bool = False
     chat_template: str | None = None                 # the template text; None: the checkpoint's or ours
     default_chat_template_kwargs: Mapping = field(default_factory=dict)
+    trust_request_chat_template: bool = False        # vLLM's: a request's own `chat_template` is rendered
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_level: str = "info"

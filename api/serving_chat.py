@@ -97,9 +97,16 @@ class PreparedChat:
 
 def render_messages(ctx: ServingContext, messages: list[ChatMessage], tools: list[dict] | None,
                     template_kwargs: dict | None, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> str:
-    """The conversation through the chat template (request kwargs over the server's defaults); with
-    `continue_final_message` the last message is left open for the model to go on writing."""
+                    continue_final_message: bool = False, chat_template: str | None = None) -> str:
+    """The conversation through the chat template (the request's own where the server trusts it;
+    request kwargs over the server's defaults); with `continue_final_message` the last message is
+    left open for the model to go on writing."""
+    template = ctx.chat_template
+    if chat_template is not None:
+        if not ctx.config.trust_request_chat_template:
+            raise bad_request("a request's own chat_template is refused: the server renders it only when started "
+                              "with --trust-request-chat-template", "chat_template")
+        template = chat_template
     if continue_final_message and add_generation_prompt:
         raise bad_request("continue_final_message needs add_generation_prompt: false (the model continues the "
                           "final message instead of starting a new one)", "continue_final_message")
@@ -107,7 +114,7 @@ def render_messages(ctx: ServingContext, messages: list[ChatMessage], tools: lis
     kwargs = {**ctx.config.default_chat_template_kwargs, **(template_kwargs or {})}
     kwargs = {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
     try:
-        return render_chat(ctx.chat_template, message_dicts(messages), tools,
+        return render_chat(template, message_dicts(messages), tools,
                            add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, **kwargs)
     except ValueError as error:
@@ -148,7 +155,7 @@ def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> Prepare
             raise bad_request(f"top_logprobs must be in [0, {most}] (--max-logprobs)", "top_logprobs")
     check_tool_call_arguments(request.messages)
     prompt = render_messages(ctx, request.messages, policy.template_tools, request.chat_template_kwargs,
-                             request.add_generation_prompt, request.continue_final_message)
+                             request.add_generation_prompt, request.continue_final_message, request.chat_template)
     prompt_suffix, parser_prefix = force_call(policy, prompt)
     prompt += prompt_suffix
     thinking = ends_in_reasoning(prompt)

@@ -41,7 +41,8 @@ def tokenize_body(ctx: ServingContext, body: bytes) -> Response:
     if req.messages is not None:
         check_tool_call_arguments(req.messages)
         text, param = render_messages(ctx, req.messages, tool_dicts(req.tools), req.chat_template_kwargs,
-                                      req.add_generation_prompt, req.continue_final_message), "messages"
+                                      req.add_generation_prompt, req.continue_final_message,
+                                      req.chat_template), "messages"
     ids = ctx.encode(text, param)
     if len(ids) > ctx.max_model_len:
         raise too_long(len(ids), ctx.max_model_len, param)

@@ -143,6 +143,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, or the template itself")
     p.add_argument("--default-chat-template-kwargs", type=_json_object, default={},
                    help='JSON object of chat template kwargs, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a request's own `chat_template` (a Jinja template, sandboxed, run on the server); "
+                        "without it such a request gets 400")
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="larger request bodies get 413 (default: 32 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=None, metavar="SECONDS",
@@ -187,6 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         chat_template=resolve_chat_template(args.chat_template),
         default_chat_template_kwargs=args.default_chat_template_kwargs,
+        trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         shutdown_timeout_s=DEFAULT_SHUTDOWN_TIMEOUT_S if args.shutdown_timeout is None else args.shutdown_timeout,
         log_level=args.uvicorn_log_level,

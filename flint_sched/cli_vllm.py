@@ -65,7 +65,7 @@ NATIVE_FLAGS = (
     "--tokenizer", "--revision", "--tokenizer-revision", "--download-dir", "--load-format", "--dtype",
     "--kv-cache-dtype", "--seed", "--enforce-eager", "--async-scheduling",
     "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser", "--exclude-tools-when-tool-choice-none",
-    "--chat-template", "--default-chat-template-kwargs", "--shutdown-timeout", "--uvicorn-log-level", "--device",
+    "--chat-template", "--default-chat-template-kwargs", "--trust-request-chat-template", "--shutdown-timeout", "--uvicorn-log-level", "--device",
     "--enable-prefix-caching", "--no-enable-prefix-caching",
 )
 

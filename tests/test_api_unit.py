@@ -281,6 +281,31 @@ async def test_app_in_process_template_overrides_and_engine_death(parts):
     await run_app(parts, config, requests)
 
 
+async def test_a_requests_own_chat_template_needs_the_servers_trust(parts):
+    own = {"chat_template": "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[go]"}
+
+    async def refused(client, state):
+        for route, body in (("/tokenize", {"messages": USER, **own}),
+                            ("/v1/chat/completions", {"messages": USER, "max_tokens": 2, **own})):
+            response = await client.post(route, json=body)
+            assert response.status_code == 400, route
+            error = response.json()["error"]
+            assert error["param"] == "chat_template" and "--trust-request-chat-template" in error["message"]
+
+    async def rendered(client, state):
+        tokens = (await client.post("/tokenize", json={"messages": USER, **own})).json()["tokens"]
+        assert (await client.post("/detokenize", json={"tokens": tokens})).json()["prompt"] == "[user]hi[go]"
+        reply = await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, **own})
+        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(tokens)
+        broken = await client.post("/tokenize", json={"messages": USER, "chat_template": "{% for m in messages %}"})
+        assert broken.status_code == 400 and "chat template failed" in broken.json()["error"]["message"]
+        default = (await client.post("/tokenize", json={"messages": USER})).json()["tokens"]
+        assert default != tokens
+
+    await run_app(parts, ServerConfig(), refused)
+    await run_app(parts, ServerConfig(trust_request_chat_template=True), rendered)
+
+
 async def test_app_in_process_thinking_default_and_openapi(parts):
     async def requests(client, state):
         tokens = (await client.post("/tokenize", json={"messages": USER})).json()["tokens"]

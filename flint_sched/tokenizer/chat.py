@@ -36,9 +36,8 @@ def render_chat(
     """Renders OpenAI-style `messages` into prompt text; kwargs (e.g. `enable_thinking`) go to the template."""
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-    compiled = _compile(template)
     try:
-        text = compiled.render(
+        text = _compile(template).render(
             messages=[_with_parsed_arguments(message) for message in messages],
             tools=tools,
             add_generation_prompt=add_generation_prompt,
