@@ -236,6 +236,7 @@ def sampling_params(request, *, max_tokens: int, logprobs: int | None, skip_spec
         bad_words=tuple(request.bad_words or ()),
         structured_outputs=structured_outputs,
         prompt_logprobs=prompt_logprobs,
+        cache_salt=request.cache_salt,
     )
 
 

@@ -48,6 +48,7 @@ class CompletionRequest(ConstraintFields, kw_only=True):
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     return_tokens_as_token_ids: bool = False   # vLLM's: logprobs name tokens "token_id:N"
     return_token_ids: bool = False             # vLLM's: the prompt's and the output's token ids too
+    cache_salt: str | None = None              # vLLM's: only requests of the same salt share cached prefixes
 
 
 class CompletionLogprobs(Reply, kw_only=True):

@@ -79,6 +79,9 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None
+    # vLLM's: mixed into the prefix cache's keys, so only requests with the same salt share cached KV
+    # (one tenant cannot learn from hit timings which prompts another sent)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         values = {
@@ -112,6 +115,8 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, min_value=0)
             if self.prompt_logprobs > MAX_LOGPROBS:
                 raise ValueError(f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {self.prompt_logprobs}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
         if values["temperature"] < 0.0:

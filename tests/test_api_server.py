@@ -224,6 +224,23 @@ def test_completions_return_token_ids_streamed_and_not(http):
     assert "token_ids" not in http.post("/v1/completions", json={**ask, "return_token_ids": False}).json()["choices"][0]
 
 
+def test_cache_salt_keeps_cached_prefixes_apart(http):
+    text = "Salted prefixes are shared only within one salt. " * 6
+
+    def cached(salt=None, route="/v1/completions"):
+        body = {"model": "flint-tiny", "max_tokens": 1, **({"cache_salt": salt} if salt is not None else {})}
+        body |= {"prompt": text} if route == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
+        response = http.post(route, json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached() == 0 and cached("tenant-a") == 0 and cached("tenant-b") == 0
+    assert cached("tenant-a") > 0 and cached() > 0
+    assert cached("tenant-a", "/v1/chat/completions") == 0 and cached("tenant-a", "/v1/chat/completions") > 0
+    error = error_of(http.post("/v1/completions", json={"model": "flint-tiny", "prompt": text, "cache_salt": ""}))
+    assert error["param"] == "cache_salt" and "non-empty" in error["message"]
+
+
 def test_sixty_four_concurrent_streams_complete_well_formed(server):
     async def one(client: httpx.AsyncClient, i: int) -> list:
         body = {"model": "flint-tiny", "messages": [{"role": "user", "content": f"Count to {i}"}],

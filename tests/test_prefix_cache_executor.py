@@ -110,6 +110,21 @@ def test_the_same_prompt_twice_hits_all_but_its_last_block(tiny_config):
         assert torch.equal(row, server.logits_of("b")[pos])
 
 
+def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt(tiny_config):
+    weights = fp32_weights(tiny_config, 2)
+    prompt = tokens(random.Random(3), tiny_config.vocab_size, 64)        # 4 full blocks of 16
+    server = Server(tiny_config, weights, 16, budget=16)
+    salts = {"plain": None, "alice": "alice", "bob": "bob", "alice again": "alice", "plain again": None}
+    for rid, salt in salts.items():
+        server.add(rid, prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, cache_salt=salt))
+        server.run()
+    assert server.cached == {"plain": 0, "alice": 0, "bob": 0, "alice again": 48, "plain again": 48}
+    assert len({tuple(out) for out in server.outputs.values()}) == 1
+    server.assert_no_leak()
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")
+
+
 def test_recomputing_the_last_window_would_not_be_exact(tiny_config):
     """Why rings are restored from snapshots, not rebuilt: with the full layers' K/V all in place,
     recompute only the window - 1 positions before a hit at 640 into an empty ring, and the

@@ -4,7 +4,8 @@
     key(block i) = H(key(block i-1), tokens of block i)
 
 Two blocks have one key only when every token up to their end is equal and so is the extra key
-(the model and its revision: whatever else changes the KV). SHA-256, not Python's hash(): one
+(the model and its revision: whatever else changes the KV). A request with a cache salt starts
+from H(root, "salt", salt) instead, so it shares blocks only with requests of the same salt. SHA-256, not Python's hash(): one
 server holds many users' prompts, and a collision would serve one user's KV to another.
 """
 
@@ -17,6 +18,10 @@ from collections.abc import Sequence
 
 def root_key(extra_key: str) -> bytes:
     return hashlib.sha256(b"flint-prefix-cache\x00" + extra_key.encode()).digest()
+
+
+def salted_root(root: bytes, salt: str) -> bytes:
+    return hashlib.sha256(root + b"salt\x00" + salt.encode()).digest()
 
 
 def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:

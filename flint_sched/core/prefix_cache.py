@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flint_sched.core.block_hash import extend_block_keys, root_key
+from flint_sched.core.block_hash import extend_block_keys, root_key, salted_root
 from flint_sched.core.kv_allocator import HybridKVAllocator, KVAllocation
 from flint_sched.core.request import Request, RequestStatus
 
@@ -87,8 +87,12 @@ class PrefixCache:
         self._pending_copies: list[tuple[int, int]] = []
 
     def keys(self, request: Request) -> list[bytes]:
-        """The block keys of the request's full blocks (computed once, grown as tokens come)."""
-        return extend_block_keys(request.block_keys, request.all_token_ids, self.block_size, self.root)
+        """The block keys of the request's full blocks (computed once, grown as tokens come), from
+        the salted root when the request has a cache salt."""
+        salt, root = request.sampling_params.cache_salt, self.root
+        if salt is not None and not request.block_keys:
+            root = salted_root(root, salt)
+        return extend_block_keys(request.block_keys, request.all_token_ids, self.block_size, root)
 
     def find(self, request: Request) -> PrefixHit:
         """The longest cached prefix with a snapshot at its end, leaving one token to compute."""
