@@ -81,7 +81,9 @@ class StructuredOutputsRequest(Schema, kw_only=True):
 
 
 class ConstraintFields(Schema, kw_only=True):
-    """The output constraints and prompt logprobs that chat and completions requests share (vLLM's names)."""
+    """The output constraints and prompt logprobs that chat and completions requests share (vLLM's
+    names), and vLLM's fields that would change the answer but are not served here: refused (400,
+    sampling_params) rather than ignored."""
 
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -90,6 +92,9 @@ class ConstraintFields(Schema, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prompt_logprobs: int | None = None
+    use_beam_search: bool = False
+    priority: int = 0
+    logits_processors: Any = None
 
 
 class PromptLogprob(Reply, kw_only=True):
@@ -212,6 +217,13 @@ def sampling_params(request, *, max_tokens: int, logprobs: int | None, skip_spec
     """The engine's SamplingParams from a chat or completions request (ValueError names the field)."""
     if request.n > MAX_N:
         raise ValueError(f"n must be <= {MAX_N}, got {request.n}")
+    if request.use_beam_search:
+        raise ValueError("use_beam_search is not supported: every choice is sampled on its own")
+    if request.priority != 0:
+        raise ValueError(f"priority {request.priority}: requests are served first come, first served here "
+                         "(no priority scheduling); leave it out or 0")
+    if request.logits_processors is not None:
+        raise ValueError("logits_processors are not supported: no custom logits processors run here")
     stop = [request.stop] if isinstance(request.stop, str) else (request.stop or ())
     return SamplingParams(
         n=request.n,

@@ -241,6 +241,16 @@ def test_cache_salt_keeps_cached_prefixes_apart(http):
     assert error["param"] == "cache_salt" and "non-empty" in error["message"]
 
 
+@pytest.mark.parametrize("field", [{"use_beam_search": True}, {"priority": 1}, {"logits_processors": ["x"]}],
+                         ids=lambda field: next(iter(field)))
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_vllm_fields_not_served_here_are_refused_not_ignored(http, route, field):
+    body = {"model": "flint-tiny", "max_tokens": 1, "messages": MESSAGES, "prompt": "hi"}
+    assert error_of(http.post(route, json={**body, **field}))["param"] == next(iter(field))
+    neutral = {"use_beam_search": False, "priority": 0, "logits_processors": None}
+    assert http.post(route, json={**body, **neutral}).status_code == 200
+
+
 def test_sixty_four_concurrent_streams_complete_well_formed(server):
     async def one(client: httpx.AsyncClient, i: int) -> list:
         body = {"model": "flint-tiny", "messages": [{"role": "user", "content": f"Count to {i}"}],
