@@ -49,6 +49,7 @@ class CompletionRequest(ConstraintFields, kw_only=True):
     return_tokens_as_token_ids: bool = False   # vLLM's: logprobs name tokens "token_id:N"
     return_token_ids: bool = False             # vLLM's: the prompt's and the output's token ids too
     cache_salt: str | None = None              # vLLM's: only requests of the same salt share cached prefixes
+    request_id: str | None = None              # vLLM's: names the response (an X-Request-Id header wins)
 
 
 class CompletionLogprobs(Reply, kw_only=True):

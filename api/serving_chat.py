@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -53,6 +52,7 @@ from flint_sched.api.streaming import (
     ExchangeGuard,
     SSEResponse,
     engine_failed,
+    exchange_ids,
     last_output,
     sse_error,
     sse_event,
@@ -135,7 +135,7 @@ def check_content_parts(messages: list[ChatMessage]) -> None:
                 raise bad_request(f"messages[{i}].content[{j}]: a text part needs `text`", "messages")
 
 
-def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> PreparedChat:
+def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest, request_id: str) -> PreparedChat:
     """Validates and renders (APIError 4xx on bad input); no engine work yet. Runs off the loop."""
     model = ctx.model_name(request.model)
     policy = tool_policy(request, ctx.config.tool_flags)
@@ -178,8 +178,8 @@ def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest) -> Prepare
         return make_output_parser(reasoning_parser, policy.tool_call_parser, thinking=thinking,
                                   tools=policy.parser_tools, parallel_tool_calls=policy.parallel_tool_calls)
 
-    return PreparedChat(request, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, prompt_ids, params,
-                        policy, parser_prefix, new_parser)
+    return PreparedChat(request, request_id, int(time.time()), model, prompt_ids, params, policy, parser_prefix,
+                        new_parser)
 
 
 def output_constraint(ctx: ServingContext, request: ChatCompletionRequest, policy: ToolPolicy,
@@ -309,11 +309,16 @@ async def chat_events(ctx: ServingContext, prepared: PreparedChat, stream) -> As
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request, body: bytes) -> Response:
-    prepared = await ctx.off_loop(lambda: prepare_chat(ctx, ctx.decode(body, ChatCompletionRequest)))
+    def prepare() -> tuple[PreparedChat, str]:
+        chat = ctx.decode(body, ChatCompletionRequest)
+        response_id, engine_id = exchange_ids("chatcmpl-", request.headers, chat.request_id)
+        return prepare_chat(ctx, chat, response_id), engine_id
+
+    prepared, engine_id = await ctx.off_loop(prepare)
     chat = prepared.request
     guard = ExchangeGuard(ctx.engine, ctx.metrics, request.receive)
     try:
-        stream = guard.add(prepared.prompt_token_ids, prepared.params, prepared.request_id)
+        stream = guard.add(prepared.prompt_token_ids, prepared.params, engine_id)
     except BaseException:
         guard.close()
         raise

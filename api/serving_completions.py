@@ -12,7 +12,6 @@ tokens). `suffix` is refused (400); `prompt_logprobs` when streaming too, as in 
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -46,6 +45,7 @@ from flint_sched.api.streaming import (
     ExchangeGuard,
     SSEResponse,
     engine_failed,
+    exchange_ids,
     merge_streams,
     sse_error,
     sse_event,
@@ -305,10 +305,10 @@ async def create_completion(ctx: ServingContext, request: Request, body: bytes) 
         return completion, ctx.model_name(completion.model), prepare_prompts(ctx, completion)
 
     completion, model, prompts = await ctx.off_loop(prepare)
-    request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    (request_id, engine_id), created = exchange_ids("cmpl-", request.headers, completion.request_id), int(time.time())
     guard = ExchangeGuard(ctx.engine, ctx.metrics, request.receive)
     try:
-        streams = [guard.add(p.token_ids, p.params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+        streams = [guard.add(p.token_ids, p.params, f"{engine_id}-{i}") for i, p in enumerate(prompts)]
     except BaseException:
         guard.close()
         raise

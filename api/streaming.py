@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
@@ -135,6 +136,17 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tu
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def exchange_ids(prefix: str, headers, body_id: str | None) -> tuple[str, str]:
+    """(the response's id, the base of its engine request ids), as vLLM names a response: `prefix`
+    and the client's X-Request-Id header, else the body's `request_id`, else a fresh id. A client's
+    id gets a suffix in the engine, so that requests reusing one stay apart."""
+    given = headers.get("x-request-id") or body_id
+    if not given:
+        fresh = f"{prefix}{uuid.uuid4().hex}"
+        return fresh, fresh
+    return f"{prefix}{given}", f"{prefix}{given}-{uuid.uuid4().hex[:8]}"
 
 
 class ExchangeGuard:

@@ -251,6 +251,24 @@ def test_vllm_fields_not_served_here_are_refused_not_ignored(http, route, field)
     assert http.post(route, json={**body, **neutral}).status_code == 200
 
 
+def test_a_clients_request_id_names_the_response(server, http):
+    chat = {"model": "flint-tiny", "messages": MESSAGES, "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json={**chat, "request_id": "mine-1"}).json()["id"] == "chatcmpl-mine-1"
+    headed = http.post("/v1/chat/completions", json={**chat, "request_id": "body"}, headers={"X-Request-Id": "head"})
+    assert headed.json()["id"] == "chatcmpl-head"
+    events = sse_events(http.post("/v1/completions", json={"model": "flint-tiny", "prompt": "hi", "max_tokens": 2,
+                                                          "stream": True, "request_id": "mine-2"}).text)
+    assert {event["id"] for event in events} == {"cmpl-mine-2"}
+
+    async def twice():             # one id in two requests at once: both are served
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            return await asyncio.gather(*(client.post("/v1/chat/completions", json={**chat, "max_tokens": 8},
+                                                      headers={"X-Request-Id": "same"}) for _ in range(2)))
+
+    assert [r.json()["id"] for r in asyncio.run(twice())] == ["chatcmpl-same"] * 2
+    assert http.post("/v1/chat/completions", json=chat).json()["id"] != "chatcmpl-same"
+
+
 def test_sixty_four_concurrent_streams_complete_well_formed(server):
     async def one(client: httpx.AsyncClient, i: int) -> list:
         body = {"model": "flint-tiny", "messages": [{"role": "user", "content": f"Count to {i}"}],
