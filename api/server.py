@@ -42,6 +42,7 @@ from flint_sched.api.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAM
 from flint_sched.api.protocol import ModelCard, ModelList, VersionResponse, decode_request
 from flint_sched.api.serving_chat import create_chat_completion
 from flint_sched.api.serving_completions import create_completion
+from flint_sched.api.serving_responses import ResponseStore, create_response, retrieve_response
 from flint_sched.api.serving_tokenization import detokenize, tokenize
 from flint_sched.api.tool_choice import ToolFlags
 from flint_sched.engine.config import EngineConfig
@@ -159,6 +160,7 @@ class ServingContext:
     created: int = field(default_factory=lambda: int(time.time()))
     prepare_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         NUM_PREPARE_THREADS, thread_name_prefix="flint-prepare"))
+    responses: ResponseStore = field(default_factory=ResponseStore)     # /v1/responses with store: true
 
     def __post_init__(self) -> None:
         self.chars_per_token = max_chars_per_token(self.state.tokenizer)
@@ -345,6 +347,8 @@ def build_app(engine_state: EngineState, server_config: ServerConfig, lifecycle:
     routes = [
         Route("/v1/chat/completions", _post(create_chat_completion), methods=["POST"]),
         Route("/v1/completions", _post(create_completion), methods=["POST"]),
+        Route("/v1/responses", _post(create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
         Route("/v1/models", _get(list_models), methods=["GET"]),
         Route("/tokenize", _post(tokenize), methods=["POST"]),
         Route("/detokenize", _post(detokenize), methods=["POST"]),

@@ -1,0 +1,459 @@
+"""`POST /v1/responses` and `GET /v1/responses/{id}`: OpenAI's Responses API on the chat path.
+
+A request becomes a chat request (`chat_request`): `instructions` a system message first; `input`
+as messages (a text is one user message, `developer` reads as `system`), `function_call` items as
+the assistant's tool calls, `function_call_output` items as tool messages, a `reasoning` item as the
+next assistant turn's reasoning; `previous_response_id` puts a stored response's conversation (its
+input and output, not its instructions) before them. It runs as a chat completion (prepare_chat:
+the template, tool choice, structured output, sampling, the parsers), and the parsed output becomes
+output items: `reasoning`, a `message` with one `output_text`, a `function_call` per call.
+
+A stream sends the Responses events, each as `event: <type>` and its JSON: response.created and
+.in_progress, then per item output_item.added, its part or arguments (.added, deltas, .done),
+output_item.done, and response.completed (or .incomplete, .failed). Responses with `store` (the
+default) are kept in memory, the newest STORE_SIZE of them, for GET and `previous_response_id`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from flint_sched.api.errors import APIError, bad_request
+from flint_sched.api.parsers import OutputDelta
+from flint_sched.api.parsers.reasoning import THINK_END
+from flint_sched.api.protocol_chat import ChatCompletionRequest
+from flint_sched.api.protocol_responses import (
+    FunctionCallItem,
+    IncompleteDetails,
+    InputItem,
+    InputTokensDetails,
+    MessageItem,
+    OutputItem,
+    OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
+    ResponseError,
+    ResponseEvent,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from flint_sched.api.serving_chat import PreparedChat, StreamedChoice, prepare_chat
+from flint_sched.api.streaming import ExchangeGuard, SSEResponse, engine_failed, exchange_ids, last_output
+from flint_sched.engine.outputs import CompletionOutput, EngineError, RequestOutput
+
+if TYPE_CHECKING:
+    from flint_sched.api.server import ServingContext
+
+STORE_SIZE = 1024               # stored responses kept (the oldest go first)
+ABORTED = ResponseError(code="server_error", message="generation was aborted (the server is shutting down)")
+_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+_PASSED_ON = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop", "user",
+              "parallel_tool_calls", "cache_salt")
+
+
+@dataclass
+class Stored:
+    """A stored response: its conversation (without instructions, with its output) and the object."""
+
+    messages: list[dict]
+    response: ResponseObject
+
+
+@dataclass
+class ResponseStore:
+    """The newest STORE_SIZE stored responses, by id (one per API process)."""
+
+    items: OrderedDict[str, Stored] = field(default_factory=OrderedDict)
+
+    def get(self, response_id: str, param: str | None = None) -> Stored:
+        stored = self.items.get(response_id)
+        if stored is None:
+            raise APIError(404, f"response {response_id!r} not found (responses are kept in memory, the newest "
+                                f"{STORE_SIZE}, and only with store: true)", param)
+        return stored
+
+    def put(self, response_id: str, stored: Stored) -> None:
+        self.items[response_id] = stored
+        while len(self.items) > STORE_SIZE:
+            self.items.popitem(last=False)
+
+
+def _text(content, where: str) -> str:
+    """The text of a `content` (a string, or text parts joined); 400 for other parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    for part in content:
+        if part.type not in _TEXT_PARTS or part.text is None:
+            raise bad_request(f"{where}: '{part.type}' parts are not supported (this model reads text only)", "input")
+    return "".join(part.text for part in content)
+
+
+def input_messages(items: list[InputItem]) -> list[dict]:
+    """`input` items as chat messages (see the module docstring)."""
+    messages: list[dict] = []
+    reasoning = None                     # a reasoning item's text, for the next assistant turn
+
+    def assistant_turn() -> dict:
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and reasoning is None:
+            return last
+        messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
+        return messages[-1]
+
+    for i, item in enumerate(items):
+        kind = item.type or ("message" if item.role is not None else None)
+        where = f"input[{i}]"
+        if kind == "message":
+            role = {"developer": "system"}.get(item.role, item.role)
+            if role not in ("user", "system", "assistant"):
+                raise bad_request(f"{where}: unknown role {item.role!r}", "input")
+            text = _text(item.content, where)
+            if role == "assistant":
+                turn = assistant_turn()
+                turn["content"] = (turn["content"] or "") + text
+            else:
+                messages.append({"role": role, "content": text})
+            reasoning = None
+        elif kind == "function_call":
+            if not item.call_id or not item.name:
+                raise bad_request(f"{where}: a function_call needs call_id and name", "input")
+            turn = assistant_turn()
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments or "{}"}}
+            turn.setdefault("tool_calls", []).append(call)
+            reasoning = None
+        elif kind == "function_call_output":
+            if not item.call_id:
+                raise bad_request(f"{where}: a function_call_output needs call_id", "input")
+            output = item.output if isinstance(item.output, str) else _text(item.output, where)
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        elif kind == "reasoning":
+            parts = (item.content if isinstance(item.content, list) else None) or item.summary or []
+            reasoning = _text(parts, where)
+        else:
+            raise bad_request(f"{where}: input items of type {kind!r} are not supported (messages, function_call, "
+                              "function_call_output and reasoning are)", "input")
+    return messages
+
+
+def chat_tools(request: ResponsesRequest) -> list[dict] | None:
+    if request.tools is None:
+        return None
+    tools = []
+    for i, tool in enumerate(request.tools):
+        if tool.type != "function" or not tool.name:
+            raise bad_request(f"tools[{i}]: only function tools (with a name) are supported, got {tool.type!r}",
+                              "tools")
+        function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters,
+                    "strict": tool.strict}
+        tools.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
+    return tools
+
+
+def chat_tool_choice(choice) -> str | dict | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.type != "function" or not choice.name:
+        raise bad_request(f"tool_choice of type {choice.type!r} is not supported: use none, auto, required or "
+                          '{"type": "function", "name": ...}', "tool_choice")
+    return {"type": "function", "function": {"name": choice.name}}
+
+
+def response_format(request: ResponsesRequest) -> dict | None:
+    fmt = request.text.format if request.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise bad_request('text.format "json_schema" needs a schema', "text")
+        return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_,
+                                                       "strict": fmt.strict}}
+    raise bad_request(f"unknown text.format type {fmt.type!r}: use text, json_object or json_schema", "text")
+
+
+def check_supported(request: ResponsesRequest) -> None:
+    if request.background:
+        raise bad_request("background responses are not supported: leave background out or false", "background")
+    if request.truncation not in (None, "disabled"):
+        raise bad_request("truncation must be \"disabled\": a conversation past the context is refused, not cut",
+                          "truncation")
+    if request.top_logprobs:
+        raise bad_request("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)", "top_logprobs")
+    if request.max_output_tokens is not None and request.max_output_tokens < 1:
+        raise bad_request(f"max_output_tokens must be >= 1, got {request.max_output_tokens}", "max_output_tokens")
+
+
+def chat_request(request: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionRequest, list[dict]]:
+    """The chat request to run, and the conversation to store (history and input, no instructions)."""
+    check_supported(request)
+    new = ([{"role": "user", "content": request.input}] if isinstance(request.input, str)
+           else input_messages(request.input))
+    conversation = history + new
+    messages = ([{"role": "system", "content": request.instructions}] if request.instructions else []) + conversation
+    if not messages:
+        raise bad_request("input is empty", "input")
+    fields: dict[str, Any] = {"messages": messages, "max_completion_tokens": request.max_output_tokens,
+                              "tools": chat_tools(request), "tool_choice": chat_tool_choice(request.tool_choice),
+                              "response_format": response_format(request)}
+    fields.update({name: getattr(request, name) for name in _PASSED_ON})
+    kwargs = dict(request.chat_template_kwargs or {})
+    if request.reasoning is not None and request.reasoning.effort == "none":
+        kwargs["enable_thinking"] = False
+    fields["chat_template_kwargs"] = kwargs or None
+    fields = {name: value for name, value in fields.items() if value is not None}
+    return msgspec.convert(fields, ChatCompletionRequest), conversation
+
+
+@dataclass
+class Exchange:
+    """One response being made: the request, its chat form, and what the object echoes."""
+
+    request: ResponsesRequest
+    prepared: PreparedChat
+    conversation: list[dict]
+    created_at: int
+
+    def response(self, status: str, output: list[OutputItem], usage: ResponseUsage | None = None,
+                 error: ResponseError | None = None) -> ResponseObject:
+        req, params = self.request, self.prepared.params
+        fmt = msgspec.to_builtins(req.text.format) if req.text is not None and req.text.format else {"type": "text"}
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+        return ResponseObject(
+            id=self.prepared.request_id, created_at=self.created_at, status=status, error=error,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens, model=self.prepared.model,
+            output=output, parallel_tool_calls=req.parallel_tool_calls, previous_response_id=req.previous_response_id,
+            reasoning=msgspec.to_builtins(req.reasoning) if req.reasoning else {"effort": None, "summary": None},
+            store=req.store, temperature=params.temperature, text={"format": fmt},
+            tool_choice=choice if isinstance(choice, str) else msgspec.to_builtins(choice),
+            tools=[msgspec.to_builtins(t) for t in req.tools or ()], top_p=params.top_p, truncation="disabled",
+            usage=usage, user=req.user, metadata=dict(req.metadata or {}))
+
+    def usage(self, final: RequestOutput, out: CompletionOutput, tokenizer) -> ResponseUsage:
+        reasoning, parser = 0, self.prepared.new_parser().reasoning
+        if parser is not None and parser.thinking:            # the output starts inside reasoning
+            end = tokenizer.token_id(THINK_END)
+            reasoning = out.token_ids.index(end) if end in out.token_ids else len(out.token_ids)
+        prompt, generated = len(self.prepared.prompt_token_ids), len(out.token_ids)
+        return ResponseUsage(input_tokens=prompt, input_tokens_details=InputTokensDetails(
+            cached_tokens=final.num_cached_tokens), output_tokens=generated,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning), total_tokens=prompt + generated)
+
+    def store(self, ctx: ServingContext, response: ResponseObject) -> None:
+        if self.request.store:
+            ctx.responses.put(response.id, Stored(self.conversation + output_messages(response.output), response))
+
+
+def status_of(finish_reason: str | None) -> str:
+    """A response's status from its output's finish reason."""
+    return {"length": "incomplete", "abort": "failed"}.get(finish_reason, "completed")
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def output_messages(output: list[OutputItem]) -> list[dict]:
+    """A response's output as the assistant turn that continues its conversation."""
+    turn: dict = {"role": "assistant", "content": None}
+    for item in output:
+        if isinstance(item, ReasoningItem):
+            turn["reasoning"] = "".join(part.text for part in item.content)
+        elif isinstance(item, MessageItem):
+            turn["content"] = (turn["content"] or "") + "".join(part.text for part in item.content)
+        else:
+            turn.setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": {
+                "name": item.name, "arguments": item.arguments}})
+    return [turn]
+
+
+def output_items(reasoning: str | None, content: str | None, calls: list[tuple[str, str, str]],
+                 incomplete: bool) -> list[OutputItem]:
+    """The output items of a parsed output (calls: (call id, name, arguments)); the last one is
+    `incomplete` when generation was cut."""
+    items: list[OutputItem] = []
+    if reasoning:
+        items.append(ReasoningItem(id=_item_id("rs"), status="completed", content=[ReasoningText(text=reasoning)]))
+    if content:
+        items.append(MessageItem(id=_item_id("msg"), status="completed", content=[OutputText(text=content)]))
+    for call_id, name, arguments in calls:
+        items.append(FunctionCallItem(id=_item_id("fc"), status="completed", call_id=call_id, name=name,
+                                      arguments=arguments))
+    if incomplete and items:
+        items[-1].status = "incomplete"
+    return items
+
+
+class EventStream:
+    """The events of a streamed response, from the parser's deltas: at most one item is open."""
+
+    def __init__(self, exchange: Exchange):
+        self.exchange = exchange
+        self.sequence = 0
+        self.items: list[OutputItem] = []
+        self.open: OutputItem | None = None
+        self.call_index: int | None = None            # the parser's index of the open call
+
+    def event(self, type_: str, **fields) -> bytes:
+        payload = msgspec.json.encode(ResponseEvent(type=type_, sequence_number=self.sequence, **fields))
+        self.sequence += 1
+        return b"event: " + type_.encode() + b"\ndata: " + payload + b"\n\n"
+
+    def start(self) -> list[bytes]:
+        response = self.exchange.response("in_progress", [])
+        return [self.event("response.created", response=response),
+                self.event("response.in_progress", response=response)]
+
+    def _open(self, item: OutputItem, part: OutputText | ReasoningText | None = None) -> list[bytes]:
+        """Starts an item (added empty, then its one part)."""
+        events = self.close()
+        self.open = item
+        index = len(self.items)
+        self.items.append(item)
+        events.append(self.event("response.output_item.added", output_index=index, item=item))
+        if part is not None:
+            item.content.append(part)
+            events.append(self.event("response.content_part.added", item_id=item.id, output_index=index,
+                                     content_index=0, part=part))
+        return events
+
+    def close(self, status: str = "completed") -> list[bytes]:
+        """Ends the open item (its .done events); none left open."""
+        item, self.open, self.call_index = self.open, None, None
+        if item is None:
+            return []
+        index = len(self.items) - 1
+        item.status = status
+        events = []
+        if isinstance(item, MessageItem):
+            part = item.content[0]
+            events += [self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
+                                  text=part.text, logprobs=[]),
+                       self.event("response.content_part.done", item_id=item.id, output_index=index,
+                                  content_index=0, part=part)]
+        elif isinstance(item, ReasoningItem):
+            part = item.content[0]
+            events += [self.event("response.reasoning_text.done", item_id=item.id, output_index=index,
+                                  content_index=0, text=part.text),
+                       self.event("response.content_part.done", item_id=item.id, output_index=index,
+                                  content_index=0, part=part)]
+        else:
+            events.append(self.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                                     arguments=item.arguments))
+        events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def feed(self, delta: OutputDelta) -> list[bytes]:
+        events: list[bytes] = []
+        if delta.reasoning:
+            if not isinstance(self.open, ReasoningItem):
+                events += self._open(ReasoningItem(id=_item_id("rs"), status="in_progress", content=[]),
+                                     ReasoningText(text=""))
+            self.open.content[0].text += delta.reasoning
+            events.append(self.event("response.reasoning_text.delta", item_id=self.open.id,
+                                     output_index=len(self.items) - 1, content_index=0, delta=delta.reasoning))
+        if delta.content:
+            if not isinstance(self.open, MessageItem):
+                events += self._open(MessageItem(id=_item_id("msg"), status="in_progress", content=[]),
+                                     OutputText(text=""))
+            self.open.content[0].text += delta.content
+            events.append(self.event("response.output_text.delta", item_id=self.open.id,
+                                     output_index=len(self.items) - 1, content_index=0, delta=delta.content,
+                                     logprobs=[]))
+        for call in delta.tool_calls:
+            function = call.get("function") or {}
+            if call.get("id") is not None and call["index"] != self.call_index:
+                events += self._open(FunctionCallItem(id=_item_id("fc"), status="in_progress", call_id=call["id"],
+                                                      name=function.get("name") or "", arguments=""))
+                self.call_index = call["index"]
+            if function.get("arguments") and isinstance(self.open, FunctionCallItem):
+                self.open.arguments += function["arguments"]
+                events.append(self.event("response.function_call_arguments.delta", item_id=self.open.id,
+                                         output_index=len(self.items) - 1, delta=function["arguments"]))
+        return events
+
+
+async def response_events(ctx: ServingContext, exchange: Exchange, stream) -> AsyncIterator[bytes]:
+    events = EventStream(exchange)
+    choice = StreamedChoice(exchange.prepared, ctx.tokenizer)
+    for event in events.start():
+        yield event
+    final = None
+    try:
+        async for out in stream:
+            final = out
+            for output in out.outputs:
+                for event in events.feed(choice.parse(output)):
+                    yield event
+    except EngineError as error:
+        for event in events.close("incomplete"):
+            yield event
+        failure = ResponseError(code="server_error", message=engine_failed(error).message)
+        yield events.event("response.failed", response=exchange.response("failed", events.items, error=failure))
+        return
+    finally:
+        await stream.aclose()
+    out = final.outputs[0]
+    status = status_of(out.finish_reason)
+    for event in events.close("completed" if status == "completed" else "incomplete"):
+        yield event
+    response = exchange.response(status, events.items, exchange.usage(final, out, ctx.tokenizer),
+                                 ABORTED if status == "failed" else None)
+    exchange.store(ctx, response)
+    yield events.event(f"response.{status}", response=response)
+
+
+async def create_response(ctx: ServingContext, request: Request, body: bytes) -> Response:
+    def prepare() -> tuple[Exchange, str]:
+        req = ctx.decode(body, ResponsesRequest)
+        history = (ctx.responses.get(req.previous_response_id, "previous_response_id").messages
+                   if req.previous_response_id else [])
+        chat, conversation = chat_request(req, history)
+        response_id, engine_id = exchange_ids("resp_", request.headers, req.request_id)
+        return Exchange(req, prepare_chat(ctx, chat, response_id), conversation, int(time.time())), engine_id
+
+    exchange, engine_id = await ctx.off_loop(prepare)
+    prepared = exchange.prepared
+    guard = ExchangeGuard(ctx.engine, ctx.metrics, request.receive)
+    try:
+        stream = guard.add(prepared.prompt_token_ids, prepared.params, engine_id)
+    except BaseException:
+        guard.close()
+        raise
+    if exchange.request.stream:
+        return SSEResponse(response_events(ctx, exchange, stream), guard)
+    try:
+        final = await last_output(stream, guard)
+    finally:
+        guard.close()
+    if final is None:
+        return Response(status_code=499)
+    out = final.outputs[0]
+    parsed = prepared.new_parser().parse(prepared.parser_prefix + out.text)
+    calls = [(call.id, call.name, call.arguments_json) for call in parsed.tool_calls]
+    status = status_of(out.finish_reason)
+    output = output_items(parsed.reasoning, parsed.content, calls, incomplete=status != "completed")
+    response = exchange.response(status, output, exchange.usage(final, out, ctx.tokenizer),
+                                 ABORTED if status == "failed" else None)
+    exchange.store(ctx, response)
+    return Response(msgspec.json.encode(response), media_type="application/json")
+
+
+async def retrieve_response(request: Request) -> Response:
+    """`GET /v1/responses/{response_id}`: a stored response, or 404."""
+    ctx: ServingContext = request.app.state.ctx
+    stored = ctx.responses.get(request.path_params["response_id"])
+    return Response(msgspec.json.encode(stored.response), media_type="application/json")
