@@ -49,11 +49,11 @@ from flint_sched.api.protocol_chat import (
 )
 from flint_sched.api.streaming import (
     SSE_DONE,
-    ExchangeGuard,
     SSEResponse,
     engine_failed,
     exchange_ids,
     last_output,
+    one_request,
     sse_error,
     sse_event,
 )
@@ -316,18 +316,11 @@ async def create_chat_completion(ctx: ServingContext, request: Request, body: by
 
     prepared, engine_id = await ctx.off_loop(prepare)
     chat = prepared.request
-    guard = ExchangeGuard(ctx.engine, ctx.metrics, request.receive)
-    try:
-        stream = guard.add(prepared.prompt_token_ids, prepared.params, engine_id)
-    except BaseException:
-        guard.close()
-        raise
+    guard, stream = one_request(ctx.engine, ctx.metrics, request.receive, prepared.prompt_token_ids, prepared.params,
+                                engine_id)
     if chat.stream:
         return SSEResponse(chat_events(ctx, prepared, stream), guard)
-    try:
-        final = await last_output(stream, guard)
-    finally:
-        guard.close()
+    final = await last_output(stream, guard)
     if final is None:
         return Response(status_code=499)
     choices = [full_choice(ctx, prepared, out) for out in final.outputs]

@@ -49,7 +49,7 @@ from flint_sched.api.protocol_responses import (
     ResponseUsage,
 )
 from flint_sched.api.serving_chat import PreparedChat, StreamedChoice, prepare_chat
-from flint_sched.api.streaming import ExchangeGuard, SSEResponse, engine_failed, exchange_ids, last_output
+from flint_sched.api.streaming import SSEResponse, engine_failed, exchange_ids, last_output, one_request
 from flint_sched.engine.outputs import CompletionOutput, EngineError, RequestOutput
 
 if TYPE_CHECKING:
@@ -427,18 +427,11 @@ async def create_response(ctx: ServingContext, request: Request, body: bytes) ->
 
     exchange, engine_id = await ctx.off_loop(prepare)
     prepared = exchange.prepared
-    guard = ExchangeGuard(ctx.engine, ctx.metrics, request.receive)
-    try:
-        stream = guard.add(prepared.prompt_token_ids, prepared.params, engine_id)
-    except BaseException:
-        guard.close()
-        raise
+    guard, stream = one_request(ctx.engine, ctx.metrics, request.receive, prepared.prompt_token_ids, prepared.params,
+                                engine_id)
     if exchange.request.stream:
         return SSEResponse(response_events(ctx, exchange, stream), guard)
-    try:
-        final = await last_output(stream, guard)
-    finally:
-        guard.close()
+    final = await last_output(stream, guard)
     if final is None:
         return Response(status_code=499)
     out = final.outputs[0]

@@ -176,14 +176,27 @@ class ExchangeGuard:
         self.watcher.close()
 
 
+def one_request(engine, metrics: ServerMetrics, receive, prompt: list[int], params: SamplingParams,
+                request_id: str) -> tuple[ExchangeGuard, AsyncIterator[RequestOutput]]:
+    """The guard of an exchange of one engine request, and the request's stream."""
+    guard = ExchangeGuard(engine, metrics, receive)
+    try:
+        return guard, guard.add(prompt, params, request_id)
+    except BaseException:
+        guard.close()
+        raise
+
+
 async def last_output(stream: AsyncIterator[RequestOutput], guard: ExchangeGuard) -> RequestOutput | None:
-    """The final output of a request (None when the client left first)."""
+    """The final output of a request (None when the client left first); the exchange is then over."""
     last = None
     try:
         async for out in until_disconnect(stream, guard.watcher):
             last = out
     except EngineError as error:
         raise engine_failed(error) from error
+    finally:
+        guard.close()
     return last if last is not None and last.finished else None
 
 
