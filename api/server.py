@@ -16,6 +16,7 @@ import dataclasses
 import hmac
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -77,6 +79,18 @@ class ServerConfig:
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_level: str = "info"
     max_logprobs: int = 20                           # vLLM's --max-logprobs: the most a request may ask for
+    # vLLM's CORS defaults (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials)
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    root_path: str = ""                              # vLLM's --root-path: a proxy's prefix
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    access_log: bool = True                          # off: vLLM's --disable-uvicorn-access-log
+    request_id_headers: bool = False                 # vLLM's --enable-request-id-headers
+    force_include_usage: bool = False                # vLLM's --enable-force-include-usage
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -306,6 +320,33 @@ def openapi(ctx: ServingContext) -> Response:
     return Response(openapi_document(), media_type="application/json")
 
 
+def route_path(scope) -> str:
+    """The request's path below --root-path (a proxy may or may not have cut the prefix off)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+class RequestIdHeaderMiddleware:
+    """vLLM's --enable-request-id-headers: every response carries X-Request-Id (the request's own
+    header, else a new id)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id")
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 class APIKeyMiddleware:
     """401 on `/v1/*` without `Authorization: Bearer <key>`."""
 
@@ -314,7 +355,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if self.expected is not None and scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if self.expected is not None and scope["type"] == "http" and route_path(scope).startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 await error_response(errors.unauthorized(), {"www-authenticate": "Bearer"})(scope, receive, send)
@@ -362,6 +403,13 @@ def build_app(engine_state: EngineState, server_config: ServerConfig, lifecycle:
     app = Starlette(routes=routes, exception_handlers=errors.EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.ctx = ctx
     app.add_middleware(APIKeyMiddleware, api_key=server_config.api_key)
+    if server_config.request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
+    # outermost, as in vLLM: a browser's preflight is answered before the key is asked for
+    app.add_middleware(CORSMiddleware, allow_origins=list(server_config.allowed_origins),
+                       allow_methods=list(server_config.allowed_methods),
+                       allow_headers=list(server_config.allowed_headers),
+                       allow_credentials=server_config.allow_credentials)
     return app
 
 
@@ -389,6 +437,9 @@ def serve(engine_state: EngineState, server_config: ServerConfig) -> int:
     # http="auto": httptools (a dependency) parses HTTP/1.1, not h11: at 256 streams ~20 µs less
     # server CPU per streamed token (benchmarks/RESULTS.md, session 10)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                            log_level=server_config.log_level, timeout_graceful_shutdown=5)
+                            log_level=server_config.log_level, timeout_graceful_shutdown=5,
+                            root_path=server_config.root_path, access_log=server_config.access_log,
+                            ssl_keyfile=server_config.ssl_keyfile, ssl_certfile=server_config.ssl_certfile,
+                            ssl_ca_certs=server_config.ssl_ca_certs)
     FlintServer(config, lifecycle, lambda: engine_state.engine).run()
     return lifecycle.exit_code

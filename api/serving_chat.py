@@ -303,7 +303,7 @@ async def chat_events(ctx: ServingContext, prepared: PreparedChat, stream) -> As
     finally:
         await stream.aclose()
     options = prepared.request.stream_options
-    if options is not None and options.include_usage:
+    if (options is not None and options.include_usage) or ctx.config.force_include_usage:
         yield prepared.chunk([], usage(len(prepared.prompt_token_ids), sum(num_tokens), num_cached_tokens))
     yield SSE_DONE
 

@@ -282,7 +282,7 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
         if merged is None:
             await streams[0].aclose()
     options = s.request.stream_options
-    if options is not None and options.include_usage:
+    if (options is not None and options.include_usage) or s.ctx.config.force_include_usage:
         yield s.chunk([], usage(sum(len(p.token_ids) for p in s.prompts), sum(num_tokens), sum(num_cached_tokens)))
     yield SSE_DONE
 

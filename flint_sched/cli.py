@@ -161,6 +161,19 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     cli_vllm.add_arguments(p)
 
 
+def _vllm_server_fields(args: argparse.Namespace) -> dict:
+    """ServerConfig's fields from vLLM's server flags (cli_vllm: CORS, the proxy prefix, TLS, logs)."""
+    return {
+        **{name: cli_vllm.json_strings(cli_vllm.flag(f"--{name.replace('_', '-')}"), getattr(args, f"vllm_{name}"))
+           for name in ("allowed_origins", "allowed_methods", "allowed_headers")},
+        "allow_credentials": bool(args.vllm_allow_credentials), "root_path": args.vllm_root_path or "",
+        "ssl_keyfile": args.vllm_ssl_keyfile, "ssl_certfile": args.vllm_ssl_certfile,
+        "ssl_ca_certs": args.vllm_ssl_ca_certs, "access_log": not args.vllm_disable_uvicorn_access_log,
+        "request_id_headers": bool(args.vllm_enable_request_id_headers),
+        "force_include_usage": bool(args.vllm_enable_force_include_usage),
+    }
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from flint_sched.api.server import (
         DEFAULT_ENGINE_ITERATION_TIMEOUT_S,
@@ -194,7 +207,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         shutdown_timeout_s=DEFAULT_SHUTDOWN_TIMEOUT_S if args.shutdown_timeout is None else args.shutdown_timeout,
         log_level=args.uvicorn_log_level,
-        max_logprobs=20 if args.vllm_max_logprobs is None else int(args.vllm_max_logprobs))
+        max_logprobs=20 if args.vllm_max_logprobs is None else int(args.vllm_max_logprobs),
+        **_vllm_server_fields(args))
     engine_config = EngineConfig(
         model=model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=int(args.vllm_block_size or 16),

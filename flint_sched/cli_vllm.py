@@ -7,6 +7,7 @@ test keeps the two in step), and `check` turns parsed values into notices or a r
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 
 SUPPORTED, IGNORED, REFUSED = "supported", "ignored", "refused"
@@ -54,6 +55,32 @@ COMPAT_FLAGS = (
                "supported: the HTTP server runs in the engine's process (--api-server-count 0)"),
     CompatFlag(("--speculative-config",), "JSON", "refused: speculative decoding is not implemented"),
     CompatFlag(("--enable-lora",), None, "refused: LoRA adapters are not supported"),
+    CompatFlag(("--lora-modules",), "NAME=PATH", "refused: LoRA adapters are not supported"),
+    CompatFlag(("--allowed-origins",), "JSON", 'supported: CORS origins, a JSON list (default ["*"], as in vLLM)'),
+    CompatFlag(("--allowed-methods",), "JSON", 'supported: CORS methods (default ["*"])'),
+    CompatFlag(("--allowed-headers",), "JSON", 'supported: CORS headers (default ["*"])'),
+    CompatFlag(("--allow-credentials",), None, "supported: CORS requests may carry credentials"),
+    CompatFlag(("--root-path",), "PATH", "supported: the path prefix a proxy serves the API under"),
+    CompatFlag(("--ssl-keyfile",), "PATH", "supported: HTTPS, with --ssl-certfile"),
+    CompatFlag(("--ssl-certfile",), "PATH", "supported: HTTPS, with --ssl-keyfile"),
+    CompatFlag(("--ssl-ca-certs",), "PATH",
+               "supported: the CA certificates that client certificates are checked against"),
+    CompatFlag(("--disable-uvicorn-access-log",), None, "supported: no access log line per request"),
+    CompatFlag(("--enable-request-id-headers",), None,
+               "supported: every response carries X-Request-Id (the request's own, or a new one)"),
+    CompatFlag(("--enable-force-include-usage",), None,
+               "supported: every stream ends with its usage chunk, asked for or not"),
+    CompatFlag(("--disable-fastapi-docs",), None, "ignored: no /docs pages are served (GET /openapi.json is)"),
+    CompatFlag(("--limit-mm-per-prompt",), "JSON",
+               "ignored: the model reads text only (image and audio parts are refused per request)"),
+    CompatFlag(("--compilation-config", "-O"), "JSON", "ignored: decode runs on our kernels from CUDA graphs"),
+    CompatFlag(("--max-parallel-loading-workers",), "N", "ignored: the checkpoint is read by one process"),
+    CompatFlag(("--structured-outputs-config", "--guided-decoding-backend"), "VALUE",
+               "ignored: structured outputs always run on llguidance"),
+    CompatFlag(("--enable-log-outputs",), None, "ignored: requests are not logged"),
+    CompatFlag(("--enable-sleep-mode",), None, "refused: no sleep mode (the weights stay on the GPU)"),
+    CompatFlag(("--tool-parser-plugin",), "PATH", "refused: no parser plugins (glm47 is built in)"),
+    CompatFlag(("--hf-overrides",), "JSON", "refused: the model's configuration is not overridden"),
 )
 
 # vLLM flags that flint-sched has as flags of its own (docs/vllm.md lists them as supported)
@@ -65,7 +92,8 @@ NATIVE_FLAGS = (
     "--tokenizer", "--revision", "--tokenizer-revision", "--download-dir", "--load-format", "--dtype",
     "--kv-cache-dtype", "--seed", "--enforce-eager", "--async-scheduling",
     "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser", "--exclude-tools-when-tool-choice-none",
-    "--chat-template", "--default-chat-template-kwargs", "--trust-request-chat-template", "--shutdown-timeout", "--uvicorn-log-level", "--device",
+    "--chat-template", "--default-chat-template-kwargs", "--trust-request-chat-template", "--shutdown-timeout",
+    "--uvicorn-log-level", "--device",
     "--enable-prefix-caching", "--no-enable-prefix-caching",
 )
 
@@ -86,6 +114,23 @@ def _int(flag: CompatFlag, value: str) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"{flag.names[0]}: expected an integer, got {value!r}") from None
+
+
+def json_strings(flag: CompatFlag, value: str | None, default: tuple[str, ...] = ("*",)) -> tuple[str, ...]:
+    """A flag's JSON list of strings (vLLM's CORS flags); the default when not given."""
+    if value is None:
+        return default
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise ValueError(f"{flag.names[0]}: expected a JSON list of strings, e.g. '[\"*\"]', got {value!r}")
+    return tuple(items)
+
+
+def flag(name: str) -> CompatFlag:
+    return next(f for f in COMPAT_FLAGS if f.names[0] == name)
 
 
 def check(args: argparse.Namespace) -> list[str]:
@@ -113,6 +158,11 @@ def check(args: argparse.Namespace) -> list[str]:
         elif name == "--max-logprobs":
             if not 0 <= _int(flag, value) <= 20:
                 raise ValueError(f"{spelled}: must be in [0, 20] (20 is the most this server computes)")
+            continue
+        elif name in ("--allowed-origins", "--allowed-methods", "--allowed-headers"):
+            json_strings(flag, value)
+            continue
+        elif flag.what_happens.startswith(SUPPORTED):
             continue
         elif flag.what_happens.startswith(REFUSED):
             raise ValueError(f"{spelled}: {flag.what_happens.removeprefix('refused: ')}")

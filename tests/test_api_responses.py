@@ -63,9 +63,9 @@ def test_a_tool_result_continues_the_stored_response(scripted):
     call = first.output[-1]
     assert scripted.responses.retrieve(first.id).output[-1].call_id == call.call_id
     # the scripted model answers "Plain answer." when PLAIN_ANSWER is in the prompt: the tool's output is
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "PLAIN_ANSWER"}
     follow = scripted.responses.create(model=SCRIPTED_MODEL, previous_response_id=first.id, tools=[WEATHER],
-                                       reasoning={"effort": "none"}, input=[{"type": "function_call_output", "call_id": call.call_id,
-                                               "output": "PLAIN_ANSWER"}])
+                                       reasoning={"effort": "none"}, input=[result])
     assert follow.previous_response_id == first.id and follow.output_text == "Plain answer."
     assert follow.usage.input_tokens > first.usage.input_tokens
     # the same conversation given whole, without the store

@@ -33,6 +33,8 @@ def test_common_vllm_launch_flags_are_accepted_with_notices():
     (["--kv-cache-dtype", "fp8_e5m2"], "invalid choice"), (["--block-size", "0"], "positive number of tokens"),
     (["--speculative-config", "{}"], "speculative decoding"), (["--enable-lora"], "LoRA"),
     (["--cpu-offload-gb", "8"], "offloaded"), (["--max-logprobs", "50"], "[0, 20]"),
+    (["--enable-sleep-mode"], "sleep mode"), (["--lora-modules", "a=b"], "LoRA"),
+    (["--allowed-origins", "*"], "JSON list of strings"),
 ])
 def test_what_is_not_done_here_is_refused_with_serves_usage(argv, reason, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path))
@@ -100,6 +102,52 @@ def test_the_docs_table_lists_every_vllm_flag():
 def test_bench_latency_with_the_cuda_executor_and_no_gpu_fails_at_once(capsys):
     assert main(["bench", "latency", "--model", "flint", "--executor", "cuda", "--device", "cpu"]) == 2
     assert "--executor cuda needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_vllm_server_flags_reach_the_server_config():
+    from flint_sched.cli import _vllm_server_fields
+    args = serve_args("--allowed-origins", '["https://a.example"]', "--allow-credentials", "--root-path", "/llm",
+                      "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--disable-uvicorn-access-log",
+                      "--enable-request-id-headers", "--enable-force-include-usage", "--disable-fastapi-docs",
+                      "-O3", "--limit-mm-per-prompt", '{"image": 0}')
+    notices = cli_vllm.check(args)
+    assert {n.split()[0].rstrip(":") for n in notices} == {"--disable-fastapi-docs", "--compilation-config",
+                                                           "--limit-mm-per-prompt"}
+    fields = _vllm_server_fields(args)
+    assert fields["allowed_origins"] == ("https://a.example",) and fields["allowed_methods"] == ("*",)
+    assert fields["allow_credentials"] and fields["root_path"] == "/llm" and not fields["access_log"]
+    assert (fields["ssl_keyfile"], fields["ssl_certfile"], fields["ssl_ca_certs"]) == ("k.pem", "c.pem", None)
+    assert fields["request_id_headers"] and fields["force_include_usage"]
+    defaults = _vllm_server_fields(serve_args())
+    assert defaults["allowed_origins"] == ("*",) and defaults["access_log"] and not defaults["request_id_headers"]
+
+
+async def test_cors_request_id_headers_root_path_and_forced_usage(tiny_config):
+    import httpx
+
+    from flint_sched.api.server import EngineState, ServerConfig, build_app
+    from flint_sched.checkpoint.make import dummy_checkpoint
+    from flint_sched.engine.builder import build_parts
+    from flint_sched.engine.config import EngineConfig
+    ckpt = dummy_checkpoint(tiny_config, "bf16", seed=3, device="cpu")
+    parts = build_parts(EngineConfig(device="cpu", max_num_seqs=4, num_kv_blocks=64, max_model_len=128),
+                        progress=False, checkpoint=ckpt)
+    config = ServerConfig(api_key="k", request_id_headers=True, force_include_usage=True, root_path="/llm")
+    app = build_app(EngineState(parts, "dummy"), config)
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, root_path="/llm")
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            answer = await client.options("/llm/v1/chat/completions", headers=preflight)
+            assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
+            assert (await client.post("/llm/v1/chat/completions", json=chat)).status_code == 401   # key asked
+            key = {"Authorization": "Bearer k", "X-Request-Id": "trace-1"}
+            streamed = await client.post("/llm/v1/chat/completions", json=chat, headers=key)
+            assert streamed.status_code == 200 and streamed.headers["x-request-id"] == "trace-1"
+            assert '"usage":{"prompt_tokens"' in streamed.text.rsplit("data: ", 2)[1]      # not asked for
+            assert len((await client.get("/llm/health")).headers["x-request-id"]) == 32
 
 
 async def test_max_logprobs_caps_what_a_request_may_ask(tiny_config):
