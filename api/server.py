@@ -363,6 +363,26 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class InvocationFields(msgspec.Struct):
+    """What tells an invocation's kind (the values left unread; empty where absent)."""
+
+    messages: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
+    input: msgspec.Raw = msgspec.Raw()
+
+
+async def invocations(ctx: ServingContext, request: Request, body: bytes) -> Response:
+    """vLLM's (SageMaker's) POST /invocations: a chat request (`messages`), a completions request
+    (`prompt`) or a responses request (`input`), by its fields."""
+    fields = await ctx.off_loop(ctx.decode, body, InvocationFields)
+    for given, handler in ((fields.messages, create_chat_completion), (fields.prompt, create_completion),
+                           (fields.input, create_response)):
+        if given:
+            return await handler(ctx, request, body)
+    raise errors.bad_request("an invocation is a chat (`messages`), completions (`prompt`) or responses (`input`) "
+                             "request")
+
+
 def build_app(engine_state: EngineState, server_config: ServerConfig, lifecycle: Lifecycle | None = None) -> Starlette:
     """The Starlette app; its lifespan starts the engine on the serving loop and stops it after."""
     metrics_ = ServerMetrics(server_config.served_model_names[0], lambda: engine_state.engine)
@@ -395,6 +415,7 @@ def build_app(engine_state: EngineState, server_config: ServerConfig, lifecycle:
         Route("/detokenize", _post(detokenize), methods=["POST"]),
         Route("/health", _get(health), methods=["GET"]),
         Route("/ping", _get(health), methods=["GET", "POST"]),        # vLLM's (SageMaker's) alias of /health
+        Route("/invocations", _post(invocations), methods=["POST"]),  # vLLM's (SageMaker's): by the body
         Route("/metrics", _get_async(metrics), methods=["GET"]),
         Route("/reset_prefix_cache", _get(reset_prefix_cache), methods=["POST"]),
         Route("/version", _get(version), methods=["GET"]),

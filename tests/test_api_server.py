@@ -269,6 +269,17 @@ def test_a_clients_request_id_names_the_response(server, http):
     assert http.post("/v1/chat/completions", json=chat).json()["id"] != "chatcmpl-same"
 
 
+def test_invocations_route_by_the_body(http):
+    kinds = {"messages": ({"messages": MESSAGES}, "chat.completion"), "prompt": ({"prompt": "hi"}, "text_completion"),
+             "input": ({"input": "hi"}, "response")}
+    for fields, kind in kinds.values():
+        answer = http.post("/invocations", json={"model": "flint-tiny", "max_tokens": 2, "max_output_tokens": 2,
+                                                 **fields})
+        assert answer.status_code == 200 and answer.json()["object"] == kind, answer.text
+    assert "an invocation is" in error_of(http.post("/invocations", json={"model": "flint-tiny"}))["message"]
+    assert error_of(http.post("/invocations", content=b"{nope"))["type"] == "invalid_request_error"
+
+
 def test_sixty_four_concurrent_streams_complete_well_formed(server):
     async def one(client: httpx.AsyncClient, i: int) -> list:
         body = {"model": "flint-tiny", "messages": [{"role": "user", "content": f"Count to {i}"}],
