@@ -47,7 +47,8 @@ async def _engine_process(state: EngineState, server_config: ServerConfig) -> in
     gc_watch = PauseWatch()                      # the engine's long collections are logged too
     gc_watch.install()
     fields = {f.name: getattr(server_config, f.name) for f in dataclasses.fields(server_config)}
-    fields["default_chat_template_kwargs"] = dict(server_config.default_chat_template_kwargs)
+    for name in ("default_chat_template_kwargs", "sampling_defaults"):   # read-only views do not pickle
+        fields[name] = dict(fields[name])
     setup = {"server_config": fields, "tokenizer": state.tokenizer, "model_root": state.model_root,
              "max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
     connected: list[EngineConnection] = []

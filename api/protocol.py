@@ -7,6 +7,7 @@ in protocol_chat.py and protocol_completions.py; ALL_SCHEMAS feeds /openapi.json
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
@@ -209,12 +210,17 @@ class VersionResponse(Reply, kw_only=True):
 
 MAX_N = 128
 MIN_LOGPROB = -9999.0        # JSON has no -inf; vLLM clamps the same way
+# A request's sampling fields left out take these (vLLM's defaults), or the server's
+# --override-generation-config values (ServerConfig.sampling_defaults)
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 def sampling_params(request, *, max_tokens: int, logprobs: int | None, skip_special_tokens: bool,
                     structured_outputs: StructuredOutputsParams | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """The engine's SamplingParams from a chat or completions request (ValueError names the field)."""
+                    prompt_logprobs: int | None = None, defaults: Mapping[str, Any] = SAMPLING_DEFAULTS,
+                    ) -> SamplingParams:
+    """The engine's SamplingParams from a chat or completions request (ValueError names the field);
+    `defaults` for the sampling fields it leaves out."""
     if request.n > MAX_N:
         raise ValueError(f"n must be <= {MAX_N}, got {request.n}")
     if request.use_beam_search:
@@ -225,16 +231,15 @@ def sampling_params(request, *, max_tokens: int, logprobs: int | None, skip_spec
     if request.logits_processors is not None:
         raise ValueError("logits_processors are not supported: no custom logits processors run here")
     stop = [request.stop] if isinstance(request.stop, str) else (request.stop or ())
+    given = {name: getattr(request, name) for name in SAMPLING_DEFAULTS}
+    sampling = {name: defaults.get(name, SAMPLING_DEFAULTS[name]) if value is None else value
+                for name, value in given.items()}
     return SamplingParams(
         n=request.n,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=0 if request.top_k is None else request.top_k,
-        min_p=0.0 if request.min_p is None else request.min_p,
+        **sampling,
         seed=request.seed,
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
-        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
         logit_bias=dict(request.logit_bias or {}),
         logprobs=logprobs,
         stop=tuple(stop),

@@ -41,13 +41,14 @@ from flint_sched.api.limits import check_json_depth, check_text_fits, max_chars_
 from flint_sched.api.metrics import CONTENT_TYPE, ServerMetrics
 from flint_sched.api.openapi import openapi_document
 from flint_sched.api.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
-from flint_sched.api.protocol import ModelCard, ModelList, VersionResponse, decode_request
+from flint_sched.api.protocol import SAMPLING_DEFAULTS, ModelCard, ModelList, VersionResponse, decode_request
 from flint_sched.api.serving_chat import create_chat_completion
 from flint_sched.api.serving_completions import create_completion
 from flint_sched.api.serving_responses import ResponseStore, create_response, retrieve_response
 from flint_sched.api.serving_tokenization import detokenize, tokenize
 from flint_sched.api.tool_choice import ToolFlags
 from flint_sched.engine.config import EngineConfig
+from flint_sched.sampling_params import SamplingParams
 from flint_sched.tokenizer import default_chat_template
 
 if TYPE_CHECKING:
@@ -91,6 +92,9 @@ class ServerConfig:
     access_log: bool = True                          # off: vLLM's --disable-uvicorn-access-log
     request_id_headers: bool = False                 # vLLM's --enable-request-id-headers
     force_include_usage: bool = False                # vLLM's --enable-force-include-usage
+    # vLLM's --override-generation-config: sampling fields a request leaves out (SAMPLING_DEFAULTS'
+    # names), and max_tokens: the most a request that gives none may generate
+    sampling_defaults: Mapping = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -101,6 +105,8 @@ class ServerConfig:
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; known: {TOOL_CALL_PARSER_NAMES}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSER_NAMES:
             raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; known: {REASONING_PARSER_NAMES}")
+        check_sampling_defaults(self.sampling_defaults)
+        object.__setattr__(self, "sampling_defaults", MappingProxyType(dict(self.sampling_defaults)))
         if not isinstance(self.default_chat_template_kwargs, Mapping):
             raise ValueError("default chat template kwargs must be a JSON object")
         object.__setattr__(self, "default_chat_template_kwargs",
@@ -113,6 +119,18 @@ class ServerConfig:
     @property
     def tool_flags(self) -> ToolFlags:
         return ToolFlags(self.enable_auto_tool_choice, self.tool_call_parser, self.exclude_tools_when_tool_choice_none)
+
+
+def check_sampling_defaults(defaults: Mapping) -> None:
+    """ValueError unless `defaults` holds SAMPLING_DEFAULTS' fields and max_tokens, each valid."""
+    unknown = set(defaults) - set(SAMPLING_DEFAULTS) - {"max_tokens"}
+    if unknown:
+        raise ValueError(f"generation config: unknown sampling fields {sorted(unknown)}; known: "
+                         f"{sorted([*SAMPLING_DEFAULTS, 'max_tokens'])}")
+    try:
+        SamplingParams(**defaults)                   # its own checks, its messages
+    except ValueError as error:
+        raise ValueError(f"sampling defaults (--override-generation-config): {error}") from None
 
 
 def resolve_chat_template(value: str | None) -> str | None:
@@ -228,7 +246,7 @@ class ServingContext:
         if left < 1:
             raise errors.bad_request(f"this model's maximum context length is {self.max_model_len} tokens, but "
                                      f"the prompt has {num_prompt_tokens}")
-        return left
+        return min(left, self.config.sampling_defaults.get("max_tokens", left))
 
     @staticmethod
     def decode(body: bytes, schema):

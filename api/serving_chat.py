@@ -170,7 +170,8 @@ def prepare_chat(ctx: ServingContext, request: ChatCompletionRequest, request_id
             request, max_tokens=ctx.max_tokens(requested, len(prompt_ids)),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             skip_special_tokens=False if parses else request.skip_special_tokens,
-            structured_outputs=constraint, prompt_logprobs=request.prompt_logprobs)
+            structured_outputs=constraint, prompt_logprobs=request.prompt_logprobs,
+            defaults=ctx.config.sampling_defaults)
     except ValueError as error:
         raise from_value_error(error, _REQUEST_FIELDS) from error
 

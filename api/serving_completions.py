@@ -127,7 +127,8 @@ def prepare_prompts(ctx: ServingContext, request: CompletionRequest) -> list[Pre
             max_tokens = 1 if echo_only(request) else ctx.max_tokens(request.max_tokens, len(ids))
             params = sampling_params(request, max_tokens=max_tokens,
                                      logprobs=request.logprobs, skip_special_tokens=request.skip_special_tokens,
-                                     structured_outputs=found[0] if found else None, prompt_logprobs=prompt_logprobs)
+                                     structured_outputs=found[0] if found else None, prompt_logprobs=prompt_logprobs,
+                                     defaults=ctx.config.sampling_defaults)
         except ValueError as error:
             raise from_value_error(error, _REQUEST_FIELDS) from error
         prepared.append(PreparedPrompt(ids, text, params))

@@ -171,6 +171,7 @@ def _vllm_server_fields(args: argparse.Namespace) -> dict:
         "ssl_ca_certs": args.vllm_ssl_ca_certs, "access_log": not args.vllm_disable_uvicorn_access_log,
         "request_id_headers": bool(args.vllm_enable_request_id_headers),
         "force_include_usage": bool(args.vllm_enable_force_include_usage),
+        "sampling_defaults": cli_vllm.generation_defaults(args.vllm_override_generation_config),
     }
 
 

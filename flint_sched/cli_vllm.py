@@ -81,6 +81,9 @@ COMPAT_FLAGS = (
     CompatFlag(("--enable-sleep-mode",), None, "refused: no sleep mode (the weights stay on the GPU)"),
     CompatFlag(("--tool-parser-plugin",), "PATH", "refused: no parser plugins (glm47 is built in)"),
     CompatFlag(("--hf-overrides",), "JSON", "refused: the model's configuration is not overridden"),
+    CompatFlag(("--override-generation-config",), "JSON",
+               "supported: sampling defaults for the fields a request leaves out (temperature, top_p, top_k, "
+               "min_p, repetition_penalty; max_new_tokens caps a request that gives no max_tokens)"),
 )
 
 # vLLM flags that flint-sched has as flags of its own (docs/vllm.md lists them as supported)
@@ -129,6 +132,28 @@ def json_strings(flag: CompatFlag, value: str | None, default: tuple[str, ...] =
     return tuple(items)
 
 
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(value: str | None) -> dict:
+    """--override-generation-config's JSON object as the server's sampling defaults (its Hugging
+    Face names: max_new_tokens is max_tokens); ValueError for anything else."""
+    if value is None:
+        return {}
+    try:
+        fields = json.loads(value)
+    except json.JSONDecodeError:
+        fields = None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--override-generation-config: expected a JSON object, got {value!r}")
+    unknown = sorted(set(fields) - set(GENERATION_FIELDS))
+    if unknown:
+        raise ValueError(f"--override-generation-config: {unknown} are not sampling defaults here; known: "
+                         f"{sorted(GENERATION_FIELDS)}")
+    return {GENERATION_FIELDS[name]: value for name, value in fields.items()}
+
+
 def flag(name: str) -> CompatFlag:
     return next(f for f in COMPAT_FLAGS if f.names[0] == name)
 
@@ -161,6 +186,9 @@ def check(args: argparse.Namespace) -> list[str]:
             continue
         elif name in ("--allowed-origins", "--allowed-methods", "--allowed-headers"):
             json_strings(flag, value)
+            continue
+        elif name == "--override-generation-config":
+            generation_defaults(value)
             continue
         elif flag.what_happens.startswith(SUPPORTED):
             continue

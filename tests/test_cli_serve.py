@@ -150,6 +150,39 @@ async def test_cors_request_id_headers_root_path_and_forced_usage(tiny_config):
             assert len((await client.get("/llm/health")).headers["x-request-id"]) == 32
 
 
+async def test_generation_config_overrides_are_the_defaults_of_what_a_request_leaves_out(tiny_config):
+    import httpx
+
+    from flint_sched.api.server import EngineState, ServerConfig, build_app
+    from flint_sched.checkpoint.make import dummy_checkpoint
+    from flint_sched.engine.builder import build_parts
+    from flint_sched.engine.config import EngineConfig
+    args = serve_args("--override-generation-config", '{"temperature": 0, "max_new_tokens": 3}')
+    assert cli_vllm.check(args) == []
+    defaults = cli_vllm.generation_defaults(args.vllm_override_generation_config)
+    assert defaults == {"temperature": 0, "max_tokens": 3}
+    with pytest.raises(ValueError, match="do_sample"):
+        cli_vllm.generation_defaults('{"do_sample": true}')
+    with pytest.raises(ValueError, match="override-generation-config.*temperature"):
+        ServerConfig(sampling_defaults={"temperature": -1})
+    ckpt = dummy_checkpoint(tiny_config, "bf16", seed=3, device="cpu")
+    parts = build_parts(EngineConfig(device="cpu", max_num_seqs=4, num_kv_blocks=64, max_model_len=128),
+                        progress=False, checkpoint=ckpt)
+    app = build_app(EngineState(parts, "dummy"), ServerConfig(sampling_defaults=defaults))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+            async def ask(**fields):
+                answer = (await client.post("/v1/chat/completions", json={**chat, **fields})).json()
+                return answer["choices"][0]["message"]["content"], answer["usage"]["completion_tokens"]
+
+            first, second = await ask(), await ask()
+            assert first == second and first[1] == 3                 # greedy, and capped at max_new_tokens
+            assert (await ask(max_tokens=5))[1] == 5
+            sampled = {(await ask(temperature=1.0, seed=seed))[0] for seed in range(4)}
+            assert len(sampled) > 1                                    # a request's own temperature wins
+
+
 async def test_max_logprobs_caps_what_a_request_may_ask(tiny_config):
     import httpx
 
