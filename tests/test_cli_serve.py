@@ -15,6 +15,18 @@ def serve_args(*argv):
     return build_parser().parse_args(["serve", *argv])
 
 
+def tiny_app(tiny_config, server_config, **engine_fields):
+    """The server's app in process, over dummy bf16 weights of flint-tiny's shapes on the CPU."""
+    from flint_sched.api.server import EngineState, build_app
+    from flint_sched.checkpoint.make import dummy_checkpoint
+    from flint_sched.engine.builder import build_parts
+    from flint_sched.engine.config import EngineConfig
+    ckpt = dummy_checkpoint(tiny_config, "bf16", seed=3, device="cpu")
+    parts = build_parts(EngineConfig(device="cpu", max_num_seqs=4, num_kv_blocks=64, max_model_len=128,
+                                     **engine_fields), progress=False, checkpoint=ckpt)
+    return build_app(EngineState(parts, "dummy"), server_config)
+
+
 def test_common_vllm_launch_flags_are_accepted_with_notices():
     args = serve_args("-tp", "1", "--disable-log-requests", "--dtype", "auto", "--trust-remote-code",
                       "--enable-prompt-tokens-details", "--max-logprobs", "5",
@@ -125,15 +137,9 @@ def test_vllm_server_flags_reach_the_server_config():
 async def test_cors_request_id_headers_root_path_and_forced_usage(tiny_config):
     import httpx
 
-    from flint_sched.api.server import EngineState, ServerConfig, build_app
-    from flint_sched.checkpoint.make import dummy_checkpoint
-    from flint_sched.engine.builder import build_parts
-    from flint_sched.engine.config import EngineConfig
-    ckpt = dummy_checkpoint(tiny_config, "bf16", seed=3, device="cpu")
-    parts = build_parts(EngineConfig(device="cpu", max_num_seqs=4, num_kv_blocks=64, max_model_len=128),
-                        progress=False, checkpoint=ckpt)
+    from flint_sched.api.server import ServerConfig
     config = ServerConfig(api_key="k", request_id_headers=True, force_include_usage=True, root_path="/llm")
-    app = build_app(EngineState(parts, "dummy"), config)
+    app = tiny_app(tiny_config, config)
     preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, content-type"}
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
@@ -153,10 +159,7 @@ async def test_cors_request_id_headers_root_path_and_forced_usage(tiny_config):
 async def test_generation_config_overrides_are_the_defaults_of_what_a_request_leaves_out(tiny_config):
     import httpx
 
-    from flint_sched.api.server import EngineState, ServerConfig, build_app
-    from flint_sched.checkpoint.make import dummy_checkpoint
-    from flint_sched.engine.builder import build_parts
-    from flint_sched.engine.config import EngineConfig
+    from flint_sched.api.server import ServerConfig
     args = serve_args("--override-generation-config", '{"temperature": 0, "max_new_tokens": 3}')
     assert cli_vllm.check(args) == []
     defaults = cli_vllm.generation_defaults(args.vllm_override_generation_config)
@@ -165,10 +168,7 @@ async def test_generation_config_overrides_are_the_defaults_of_what_a_request_le
         cli_vllm.generation_defaults('{"do_sample": true}')
     with pytest.raises(ValueError, match="override-generation-config.*temperature"):
         ServerConfig(sampling_defaults={"temperature": -1})
-    ckpt = dummy_checkpoint(tiny_config, "bf16", seed=3, device="cpu")
-    parts = build_parts(EngineConfig(device="cpu", max_num_seqs=4, num_kv_blocks=64, max_model_len=128),
-                        progress=False, checkpoint=ckpt)
-    app = build_app(EngineState(parts, "dummy"), ServerConfig(sampling_defaults=defaults))
+    app = tiny_app(tiny_config, ServerConfig(sampling_defaults=defaults))
     chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
@@ -186,14 +186,8 @@ async def test_generation_config_overrides_are_the_defaults_of_what_a_request_le
 async def test_max_logprobs_caps_what_a_request_may_ask(tiny_config):
     import httpx
 
-    from flint_sched.api.server import EngineState, ServerConfig, build_app
-    from flint_sched.checkpoint.make import dummy_checkpoint
-    from flint_sched.engine.builder import build_parts
-    from flint_sched.engine.config import EngineConfig
-    ckpt = dummy_checkpoint(tiny_config, "bf16", seed=3, device="cpu")
-    parts = build_parts(EngineConfig(device="cpu", max_num_seqs=4, num_kv_blocks=64, max_model_len=128),
-                        progress=False, checkpoint=ckpt)
-    app = build_app(EngineState(parts, "dummy"), ServerConfig(max_logprobs=2))
+    from flint_sched.api.server import ServerConfig
+    app = tiny_app(tiny_config, ServerConfig(max_logprobs=2))
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True}
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
@@ -232,19 +226,13 @@ async def test_stream_interval_groups_the_server_sent_events(tiny_config):
 
     import httpx
 
-    from flint_sched.api.server import EngineState, ServerConfig, build_app
-    from flint_sched.checkpoint.make import dummy_checkpoint
-    from flint_sched.engine.builder import build_parts
-    from flint_sched.engine.config import EngineConfig
+    from flint_sched.api.server import ServerConfig
     assert serve_args().stream_interval == 1 and serve_args("--stream-interval", "4").stream_interval == 4
-    ckpt = dummy_checkpoint(tiny_config, "bf16", seed=3, device="cpu")
     body = {"prompt": "tell me", "max_tokens": 11, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, "logprobs": 1}
 
     async def stream(interval):
-        parts = build_parts(EngineConfig(device="cpu", max_num_seqs=4, num_kv_blocks=64, max_model_len=128,
-                                         stream_interval=interval), progress=False, checkpoint=ckpt)
-        app = build_app(EngineState(parts, "dummy"), ServerConfig())
+        app = tiny_app(tiny_config, ServerConfig(), stream_interval=interval)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
                 r = await client.post("/v1/completions", json=body)
@@ -260,5 +248,6 @@ async def test_stream_interval_groups_the_server_sent_events(tiny_config):
     assert usage_4 == usage_1 and usage_4["completion_tokens"] == 11
     per_chunk = [len(c["logprobs"]["tokens"]) for c in grouped if c["logprobs"]]
     assert per_chunk == [1, 4, 4, 2] and len([c for c in every if c["logprobs"]]) == 11
+    from flint_sched.engine.config import EngineConfig
     with pytest.raises(ValueError, match="stream_interval"):
         EngineConfig(stream_interval=0)
