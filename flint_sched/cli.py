@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -215,7 +216,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=int(args.vllm_block_size or 16),
         enable_prefix_caching=args.enable_prefix_caching, num_ring_snapshots=args.num_ring_snapshots,
         long_prefill_token_threshold=args.long_prefill_token_threshold, stream_interval=args.stream_interval,
-        **_engine_args(args))
+        generation_config=args.vllm_generation_config or "auto", **_engine_args(args))
     step_timeout_s = args.engine_iteration_timeout_s
     step_timeout_s = DEFAULT_ENGINE_ITERATION_TIMEOUT_S if step_timeout_s is None else step_timeout_s
     if not step_timeout_s >= 0:
@@ -224,6 +225,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"flint-sched: loading {model or 'flint-tiny'} (device {args.device}); a summary follows", file=sys.stderr,
           flush=True)
     state = load_engine_state(engine_config, args.scripted_executor, step_timeout_s)
+    server_config = dataclasses.replace(server_config, sampling_defaults={     # the flag's over the checkpoint's
+        **state.parts.sampling_defaults, **server_config.sampling_defaults})
     print_summary(state.parts, server_config)
     api_server_count = 0 if args.vllm_disable_frontend_multiprocessing else args.api_server_count
     if api_server_count is None:

@@ -10,6 +10,8 @@ import argparse
 import json
 from dataclasses import dataclass
 
+from flint_sched.checkpoint import generation_config
+
 SUPPORTED, IGNORED, REFUSED = "supported", "ignored", "refused"
 
 
@@ -46,7 +48,9 @@ COMPAT_FLAGS = (
                "ignored: no weight offload"),
     CompatFlag(("--block-size",), "N", "supported: tokens per KV-cache block (16 if not given)"),
     CompatFlag(("--tokenizer-mode",), "MODE", "ignored: the tokenizer is always tokenizers' fast one"),
-    CompatFlag(("--generation-config",), "PATH", "ignored: request fields and server defaults decide"),
+    CompatFlag(("--generation-config",), "PATH",
+               "supported: auto (the default) takes the checkpoint's generation_config.json sampling fields as the "
+               "defaults of requests that leave them out, as vLLM does; vllm: not; a folder: its file"),
     CompatFlag(("--max-seq-len-to-capture",), "N", "ignored: CUDA graphs cover every decode batch"),
     CompatFlag(("--distributed-executor-backend",), "NAME", "ignored: one process, one GPU"),
     CompatFlag(("--disable-custom-all-reduce",), None, "ignored: one GPU, no all-reduce"),
@@ -132,10 +136,6 @@ def json_strings(flag: CompatFlag, value: str | None, default: tuple[str, ...] =
     return tuple(items)
 
 
-GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
 def generation_defaults(value: str | None) -> dict:
     """--override-generation-config's JSON object as the server's sampling defaults (its Hugging
     Face names: max_new_tokens is max_tokens); ValueError for anything else."""
@@ -147,11 +147,11 @@ def generation_defaults(value: str | None) -> dict:
         fields = None
     if not isinstance(fields, dict):
         raise ValueError(f"--override-generation-config: expected a JSON object, got {value!r}")
-    unknown = sorted(set(fields) - set(GENERATION_FIELDS))
+    unknown = sorted(set(fields) - set(generation_config.FIELDS))
     if unknown:
         raise ValueError(f"--override-generation-config: {unknown} are not sampling defaults here; known: "
-                         f"{sorted(GENERATION_FIELDS)}")
-    return {GENERATION_FIELDS[name]: value for name, value in fields.items()}
+                         f"{sorted(generation_config.FIELDS)}")
+    return {generation_config.FIELDS[name]: value for name, value in fields.items()}
 
 
 def flag(name: str) -> CompatFlag:

@@ -183,6 +183,30 @@ async def test_generation_config_overrides_are_the_defaults_of_what_a_request_le
             assert len(sampled) > 1                                    # a request's own temperature wins
 
 
+def test_a_checkpoints_generation_config_becomes_the_servers_sampling_defaults(tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    from flint_sched.api.server import ServerConfig
+    from flint_sched.api.startup import server_lines
+    from flint_sched.checkpoint.make import default_checkpoint_path
+    from flint_sched.engine.builder import build_parts
+    from flint_sched.engine.config import EngineConfig
+    monkeypatch.setenv("FLINT_SCHED_CACHE", str(tmp_path / "cache"))
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(default_checkpoint_path("flint-tiny", progress=False), checkpoint)
+    (checkpoint / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "eos_token_id": [0]}))
+
+    def defaults(choice):
+        config = EngineConfig(model=str(checkpoint), device="cpu", max_num_seqs=2, num_kv_blocks=16,
+                              max_model_len=64, generation_config=choice)
+        return build_parts(config, progress=False).sampling_defaults
+
+    assert defaults("auto") == {"temperature": 0.3} and defaults("vllm") == {}
+    line = server_lines(ServerConfig(sampling_defaults={"temperature": 0.3}))["sampling defaults"]
+    assert line.startswith("temperature 0.3") and server_lines(ServerConfig())["sampling defaults"] == "vLLM's"
+
+
 async def test_max_logprobs_caps_what_a_request_may_ask(tiny_config):
     import httpx
 

@@ -76,6 +76,29 @@ def test_config_and_tokenizer_names(offline_cache):
     assert Path(hub.resolve_tokenizer("org/flint", download_dir=str(offline_cache)).path) == snapshot
 
 
+def test_a_config_repositorys_generation_config_sets_the_sampling_defaults(offline_cache, tmp_path):
+    from flint_sched.checkpoint import generation_config
+    generation = {"temperature": 0.6, "top_p": 0.95, "top_k": 50, "max_new_tokens": 100, "do_sample": True,
+                  "eos_token_id": [1, 2]}
+    add_repo(offline_cache, "org/with-gen", {"config.json": b"{}", "generation_config.json":
+                                             json.dumps(generation).encode()})
+    add_repo(offline_cache, "org/no-gen", {"config.json": b"{}"})
+    found = hub.resolve_config("org/with-gen", download_dir=str(offline_cache)).path
+    path = generation_config.find("auto", "model.gguf", found)
+    # top_k 50 is transformers' own default: a file repeating it sets nothing (as vLLM reads it)
+    assert generation_config.sampling_defaults(path) == {"temperature": 0.6, "top_p": 0.95, "max_tokens": 100}
+    assert generation_config.find("vllm", "model.gguf", found) is None
+    bare = hub.resolve_config("org/no-gen", download_dir=str(offline_cache)).path
+    assert generation_config.find("auto", "model.gguf", bare) is None
+    assert generation_config.find("auto", "flint-tiny", None) is None       # a preset's name, not a path
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "generation_config.json").write_text('{"temperature": 0.2}')
+    assert generation_config.sampling_defaults(generation_config.find(str(tmp_path / "mine"), None, None)) == {
+        "temperature": 0.2}
+    with pytest.raises(ValueError, match="auto, vllm or a folder"):
+        generation_config.find(str(tmp_path / "nowhere"), None, None)
+
+
 def test_a_repository_missing_from_the_cache_is_a_clear_error(offline_cache):
     add_repo(offline_cache, "org/other", {"x.gguf": b"GGUF"})
     with pytest.raises(CheckpointError, match="not in the Hugging Face cache.*HF_HUB_OFFLINE"):

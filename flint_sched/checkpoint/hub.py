@@ -68,12 +68,19 @@ def resolve_model(name: str | None, revision: str | None = None, download_dir: s
 
 
 def resolve_config(name: str | None, revision: str | None = None, download_dir: str | None = None) -> Resolved | None:
-    """A hub name given as --hf-config-path: the repository's config.json (or the named file)."""
+    """A hub name given as --hf-config-path: the repository's config.json (or the named file), and
+    its generation_config.json beside it where the repository has one (checkpoint/generation_config.py)."""
     ref = parse_hub_name(name)
     if ref is None:
         return None
     filename = ref.filename or "config.json"
-    return Resolved(_download(ref.repo_id, filename, revision, download_dir), _origin(ref, revision, filename))
+    path = _download(ref.repo_id, filename, revision, download_dir)
+    if filename == "config.json":
+        try:
+            _download(ref.repo_id, "generation_config.json", revision, download_dir)
+        except CheckpointError:                # none: vLLM's sampling defaults
+            pass
+    return Resolved(path, _origin(ref, revision, filename))
 
 
 def resolve_tokenizer(name: str | None, revision: str | None = None,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flint_sched.checkpoint import hub
+from flint_sched.checkpoint import generation_config, hub
 from flint_sched.checkpoint.common import Checkpoint
 from flint_sched.checkpoint.loader import load_checkpoint, peek_config
 from flint_sched.checkpoint.make import default_checkpoint_location, resolve_device
@@ -41,6 +41,8 @@ class EngineParts:
     async_scheduling: bool = False    # schedule and launch step N+1 before step N's tokens are read back
     launch_margin_s: float = 0.0      # late launch-ahead (engine/async_engine.py); 0: off
     stream_interval: int = 1          # a stream's outputs every this many tokens (engine/async_engine.py)
+    # the checkpoint's generation_config.json sampling fields (checkpoint/generation_config.py)
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -134,9 +136,12 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
     dtype = _dtype(config, device)
     check_executor_possible(config, device, dtype)
     origins: dict[str, str] = {}
+    sampling_defaults: dict = {}
     if checkpoint is None:
         sources = resolve_sources(config)
         origins = sources.origins
+        found = generation_config.find(config.generation_config, sources.model, sources.hf_config_path)
+        sampling_defaults = generation_config.sampling_defaults(found)
         check_weights_fit(peek_config(sources.model, config.load_format, sources.hf_config_path), device, dtype)
         checkpoint = load_checkpoint(sources.model, config.load_format, device, sources.hf_config_path,
                                      sources.tokenizer, config.weight_format, config.seed, progress)
@@ -182,7 +187,7 @@ def build_parts(config: EngineConfig, progress: bool = True, checkpoint: Checkpo
     # executor (on by default). The torch executor computes its step in launch, so it gains nothing.
     use_async = config.async_scheduling if config.async_scheduling is not None else not isinstance(executor, TorchExecutor)
     return EngineParts(ckpt, scheduler_config, executor, device, origins, compiler, use_async,
-                       config.launch_margin_ms / 1e3, config.stream_interval)
+                       config.launch_margin_ms / 1e3, config.stream_interval, sampling_defaults)
 
 
 def _warm_up(executor, max_prompt_tokens: int, max_num_seqs: int, progress: bool) -> None:

@@ -37,6 +37,8 @@ class EngineConfig:
     seed: int = 0
     executor: str = "auto"                   # auto: cuda kernels on a GPU when the shapes allow, else torch
     revision: str | None = None              # of Hugging Face Hub names (model, config, tokenizer)
+    # vLLM's --generation-config: auto (the checkpoint's generation_config.json), vllm (none), a folder
+    generation_config: str = "auto"
     download_dir: str | None = None          # the Hugging Face cache to use; None: huggingface_hub's
     enforce_eager: bool = False              # CUDA executor: no CUDA graphs
     enable_prefix_caching: bool = True       # as vLLM v1: on unless turned off
