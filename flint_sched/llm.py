@@ -43,12 +43,17 @@ class LLM:
     def tokenizer(self):
         return self.parts.checkpoint.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without sampling params, as vLLM's: the checkpoint's
+        generation_config.json sampling fields over SamplingParams' own defaults."""
+        return SamplingParams(**self.parts.sampling_defaults)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in order; a prompt is text or token ids."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")

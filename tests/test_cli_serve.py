@@ -183,7 +183,7 @@ async def test_generation_config_overrides_are_the_defaults_of_what_a_request_le
             assert len(sampled) > 1                                    # a request's own temperature wins
 
 
-def test_a_checkpoints_generation_config_becomes_the_servers_sampling_defaults(tmp_path, monkeypatch):
+def test_a_checkpoints_generation_config_becomes_the_sampling_defaults(tmp_path, monkeypatch):
     import json
     import shutil
 
@@ -203,6 +203,9 @@ def test_a_checkpoints_generation_config_becomes_the_servers_sampling_defaults(t
         return build_parts(config, progress=False).sampling_defaults
 
     assert defaults("auto") == {"temperature": 0.3} and defaults("vllm") == {}
+    from flint_sched import LLM
+    llm = LLM(str(checkpoint), progress=False, device="cpu", max_num_seqs=2, num_kv_blocks=16, max_model_len=64)
+    assert llm.get_default_sampling_params().temperature == 0.3      # what generate() uses without params
     line = server_lines(ServerConfig(sampling_defaults={"temperature": 0.3}))["sampling defaults"]
     assert line.startswith("temperature 0.3") and server_lines(ServerConfig())["sampling defaults"] == "vLLM's"
 
