@@ -297,6 +297,11 @@ def output_items(reasoning: str | None, content: str | None, calls: list[tuple[s
     return items
 
 
+# the items with one text part: (id prefix, part, event name, what its delta and done events add)
+TEXT_ITEMS = {ReasoningItem: ("rs", ReasoningText, "reasoning_text", {}),
+              MessageItem: ("msg", OutputText, "output_text", {"logprobs": []})}
+
+
 class EventStream:
     """The events of a streamed response, from the parser's deltas: at most one item is open."""
 
@@ -338,16 +343,11 @@ class EventStream:
         index = len(self.items) - 1
         item.status = status
         events = []
-        if isinstance(item, MessageItem):
+        if type(item) in TEXT_ITEMS:
+            _, _, kind, extra = TEXT_ITEMS[type(item)]
             part = item.content[0]
-            events += [self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
-                                  text=part.text, logprobs=[]),
-                       self.event("response.content_part.done", item_id=item.id, output_index=index,
-                                  content_index=0, part=part)]
-        elif isinstance(item, ReasoningItem):
-            part = item.content[0]
-            events += [self.event("response.reasoning_text.done", item_id=item.id, output_index=index,
-                                  content_index=0, text=part.text),
+            events += [self.event(f"response.{kind}.done", item_id=item.id, output_index=index, content_index=0,
+                                  text=part.text, **extra),
                        self.event("response.content_part.done", item_id=item.id, output_index=index,
                                   content_index=0, part=part)]
         else:
@@ -356,23 +356,22 @@ class EventStream:
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
 
+    def _text(self, item_type: type, text: str) -> list[bytes]:
+        """Text for the open reasoning or message item (one opened first when another is open)."""
+        prefix, part_type, kind, extra = TEXT_ITEMS[item_type]
+        events = []
+        if not isinstance(self.open, item_type):
+            events += self._open(item_type(id=_item_id(prefix), status="in_progress", content=[]), part_type(text=""))
+        self.open.content[0].text += text
+        events.append(self.event(f"response.{kind}.delta", item_id=self.open.id, output_index=len(self.items) - 1,
+                                 content_index=0, delta=text, **extra))
+        return events
+
     def feed(self, delta: OutputDelta) -> list[bytes]:
         events: list[bytes] = []
-        if delta.reasoning:
-            if not isinstance(self.open, ReasoningItem):
-                events += self._open(ReasoningItem(id=_item_id("rs"), status="in_progress", content=[]),
-                                     ReasoningText(text=""))
-            self.open.content[0].text += delta.reasoning
-            events.append(self.event("response.reasoning_text.delta", item_id=self.open.id,
-                                     output_index=len(self.items) - 1, content_index=0, delta=delta.reasoning))
-        if delta.content:
-            if not isinstance(self.open, MessageItem):
-                events += self._open(MessageItem(id=_item_id("msg"), status="in_progress", content=[]),
-                                     OutputText(text=""))
-            self.open.content[0].text += delta.content
-            events.append(self.event("response.output_text.delta", item_id=self.open.id,
-                                     output_index=len(self.items) - 1, content_index=0, delta=delta.content,
-                                     logprobs=[]))
+        for item_type, text in ((ReasoningItem, delta.reasoning), (MessageItem, delta.content)):
+            if text:
+                events += self._text(item_type, text)
         for call in delta.tool_calls:
             function = call.get("function") or {}
             if call.get("id") is not None and call["index"] != self.call_index:
