@@ -165,7 +165,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 def _vllm_server_fields(args: argparse.Namespace) -> dict:
     """ServerConfig's fields from vLLM's server flags (cli_vllm: CORS, the proxy prefix, TLS, logs)."""
     return {
-        **{name: cli_vllm.json_strings(cli_vllm.flag(f"--{name.replace('_', '-')}"), getattr(args, f"vllm_{name}"))
+        **{name: cli_vllm.json_strings(f"--{name.replace('_', '-')}", getattr(args, f"vllm_{name}"))
            for name in ("allowed_origins", "allowed_methods", "allowed_headers")},
         "allow_credentials": bool(args.vllm_allow_credentials), "root_path": args.vllm_root_path or "",
         "ssl_keyfile": args.vllm_ssl_keyfile, "ssl_certfile": args.vllm_ssl_certfile,

@@ -123,17 +123,22 @@ def _int(flag: CompatFlag, value: str) -> int:
         raise ValueError(f"{flag.names[0]}: expected an integer, got {value!r}") from None
 
 
-def json_strings(flag: CompatFlag, value: str | None, default: tuple[str, ...] = ("*",)) -> tuple[str, ...]:
-    """A flag's JSON list of strings (vLLM's CORS flags); the default when not given."""
+def _json_value(name: str, value: str, expected: type, what: str, each: type = object):
+    """Flag `name`'s JSON value, of type `expected` (its items of type `each`); ValueError saying `what`."""
+    try:
+        loaded = json.loads(value)
+    except json.JSONDecodeError:
+        loaded = None
+    if not isinstance(loaded, expected) or not all(isinstance(item, each) for item in loaded):
+        raise ValueError(f"{name}: expected {what}, got {value!r}")
+    return loaded
+
+
+def json_strings(name: str, value: str | None, default: tuple[str, ...] = ("*",)) -> tuple[str, ...]:
+    """Flag `name`'s JSON list of strings (vLLM's CORS flags); the default when not given."""
     if value is None:
         return default
-    try:
-        items = json.loads(value)
-    except json.JSONDecodeError:
-        items = None
-    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
-        raise ValueError(f"{flag.names[0]}: expected a JSON list of strings, e.g. '[\"*\"]', got {value!r}")
-    return tuple(items)
+    return tuple(_json_value(name, value, list, "a JSON list of strings, e.g. '[\"*\"]'", str))
 
 
 def generation_defaults(value: str | None) -> dict:
@@ -141,21 +146,12 @@ def generation_defaults(value: str | None) -> dict:
     Face names: max_new_tokens is max_tokens); ValueError for anything else."""
     if value is None:
         return {}
-    try:
-        fields = json.loads(value)
-    except json.JSONDecodeError:
-        fields = None
-    if not isinstance(fields, dict):
-        raise ValueError(f"--override-generation-config: expected a JSON object, got {value!r}")
+    fields = _json_value("--override-generation-config", value, dict, "a JSON object")
     unknown = sorted(set(fields) - set(generation_config.FIELDS))
     if unknown:
         raise ValueError(f"--override-generation-config: {unknown} are not sampling defaults here; known: "
                          f"{sorted(generation_config.FIELDS)}")
     return {generation_config.FIELDS[name]: value for name, value in fields.items()}
-
-
-def flag(name: str) -> CompatFlag:
-    return next(f for f in COMPAT_FLAGS if f.names[0] == name)
 
 
 def check(args: argparse.Namespace) -> list[str]:
@@ -185,7 +181,7 @@ def check(args: argparse.Namespace) -> list[str]:
                 raise ValueError(f"{spelled}: must be in [0, 20] (20 is the most this server computes)")
             continue
         elif name in ("--allowed-origins", "--allowed-methods", "--allowed-headers"):
-            json_strings(flag, value)
+            json_strings(name, value)
             continue
         elif name == "--override-generation-config":
             generation_defaults(value)
