@@ -37,8 +37,9 @@ def server_lines(config) -> dict[str, str]:
         "tool-call parser": tools,
         "reasoning parser": config.reasoning_parser or "none",
         "API key": "required" if config.api_key else "none",
-        "sampling defaults": ", ".join(f"{k} {v}" for k, v in config.sampling_defaults.items()) + " (generation "
-                             "config; --generation-config vllm: none)" if config.sampling_defaults else "vLLM's",
+        "sampling defaults": ", ".join(f"{k} {v}" for k, v in config.sampling_defaults.items()) + " (the "
+                             "checkpoint's generation_config.json, --override-generation-config over it)"
+                             if config.sampling_defaults else "vLLM's",
         "listening on": f"http://{config.host}:{config.port}",
     }
 

@@ -95,6 +95,9 @@ def test_a_config_repositorys_generation_config_sets_the_sampling_defaults(offli
     (tmp_path / "mine" / "generation_config.json").write_text('{"temperature": 0.2}')
     assert generation_config.sampling_defaults(generation_config.find(str(tmp_path / "mine"), None, None)) == {
         "temperature": 0.2}
+    (tmp_path / "mine" / "generation_config.json").write_text('{"temperature": -1}')
+    with pytest.raises(ValueError, match="generation_config.json: temperature must be >= 0"):
+        generation_config.sampling_defaults(tmp_path / "mine" / "generation_config.json")
     with pytest.raises(ValueError, match="auto, vllm or a folder"):
         generation_config.find(str(tmp_path / "nowhere"), None, None)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flint_sched.sampling_params import SamplingParams
+
 FILE = "generation_config.json"
 # generation_config.json's names -> SamplingParams' names
 FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -44,5 +46,10 @@ def sampling_defaults(path: Path | None) -> dict:
         raise ValueError(f"{path}: cannot read it as JSON ({error})") from None
     if not isinstance(fields, dict):
         raise ValueError(f"{path}: expected a JSON object")
-    return {FIELDS[name]: value for name, value in fields.items()
-            if name in FIELDS and value is not None and HF_DEFAULTS.get(name) != value}
+    defaults = {FIELDS[name]: value for name, value in fields.items()
+                if name in FIELDS and value is not None and HF_DEFAULTS.get(name) != value}
+    try:
+        SamplingParams(**defaults)                     # checked here, before the weights load
+    except ValueError as error:
+        raise ValueError(f"{path}: {error} (--generation-config vllm leaves the file out)") from None
+    return defaults
