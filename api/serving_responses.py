@@ -50,7 +50,7 @@ from flint_sched.api.protocol_responses import (
 )
 from flint_sched.api.serving_chat import PreparedChat, StreamedChoice, prepare_chat
 from flint_sched.api.streaming import SSEResponse, engine_failed, exchange_ids, last_output, one_request
-from flint_sched.engine.outputs import CompletionOutput, EngineError, RequestOutput
+from flint_sched.engine.outputs import EngineError, RequestOutput
 
 if TYPE_CHECKING:
     from flint_sched.api.server import ServingContext
@@ -242,8 +242,8 @@ class Exchange:
             tools=[msgspec.to_builtins(t) for t in req.tools or ()], top_p=params.top_p, truncation="disabled",
             usage=usage, user=req.user, metadata=dict(req.metadata or {}))
 
-    def usage(self, final: RequestOutput, out: CompletionOutput, tokenizer) -> ResponseUsage:
-        reasoning, parser = 0, self.prepared.new_parser().reasoning
+    def usage(self, final: RequestOutput, tokenizer) -> ResponseUsage:
+        out, reasoning, parser = final.outputs[0], 0, self.prepared.new_parser().reasoning
         if parser is not None and parser.thinking:            # the output starts inside reasoning
             end = tokenizer.token_id(THINK_END)
             reasoning = out.token_ids.index(end) if end in out.token_ids else len(out.token_ids)
@@ -252,9 +252,14 @@ class Exchange:
             cached_tokens=final.num_cached_tokens), output_tokens=generated,
             output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning), total_tokens=prompt + generated)
 
-    def store(self, ctx: ServingContext, response: ResponseObject) -> None:
+    def finish(self, ctx: ServingContext, status: str, output: list[OutputItem],
+               final: RequestOutput) -> ResponseObject:
+        """The finished response (`status` from status_of), stored where the request asks."""
+        response = self.response(status, output, self.usage(final, ctx.tokenizer),
+                                 ABORTED if status == "failed" else None)
         if self.request.store:
             ctx.responses.put(response.id, Stored(self.conversation + output_messages(response.output), response))
+        return response
 
 
 def status_of(finish_reason: str | None) -> str:
@@ -405,14 +410,10 @@ async def response_events(ctx: ServingContext, exchange: Exchange, stream) -> As
         return
     finally:
         await stream.aclose()
-    out = final.outputs[0]
-    status = status_of(out.finish_reason)
+    status = status_of(final.outputs[0].finish_reason)
     for event in events.close("completed" if status == "completed" else "incomplete"):
         yield event
-    response = exchange.response(status, events.items, exchange.usage(final, out, ctx.tokenizer),
-                                 ABORTED if status == "failed" else None)
-    exchange.store(ctx, response)
-    yield events.event(f"response.{status}", response=response)
+    yield events.event(f"response.{status}", response=exchange.finish(ctx, status, events.items, final))
 
 
 async def create_response(ctx: ServingContext, request: Request, body: bytes) -> Response:
@@ -438,9 +439,7 @@ async def create_response(ctx: ServingContext, request: Request, body: bytes) ->
     calls = [(call.id, call.name, call.arguments_json) for call in parsed.tool_calls]
     status = status_of(out.finish_reason)
     output = output_items(parsed.reasoning, parsed.content, calls, incomplete=status != "completed")
-    response = exchange.response(status, output, exchange.usage(final, out, ctx.tokenizer),
-                                 ABORTED if status == "failed" else None)
-    exchange.store(ctx, response)
+    response = exchange.finish(ctx, status, output, final)
     return Response(msgspec.json.encode(response), media_type="application/json")
 
 
