@@ -59,6 +59,11 @@ class StreamOptions(Schema, kw_only=True):
     continuous_usage_stats: bool = False       # vLLM's: with include_usage, every chunk carries its usage
 
 
+def final_usage(options: StreamOptions | None, forced: bool) -> bool:
+    """Whether a stream ends with a usage chunk: asked for, or forced (vLLM's --enable-force-include-usage)."""
+    return forced or (options is not None and options.include_usage)
+
+
 def continuous_usage(options: StreamOptions | None) -> bool:
     """Whether every chunk of a stream carries its choice's usage so far (vLLM's continuous_usage_stats)."""
     return options is not None and options.include_usage and options.continuous_usage_stats

@@ -25,6 +25,7 @@ from flint_sched.api.protocol import (
     ChatMessage,
     clamp_logprob,
     continuous_usage,
+    final_usage,
     logprob_names,
     message_dicts,
     prompt_logprobs_json,
@@ -303,8 +304,7 @@ async def chat_events(ctx: ServingContext, prepared: PreparedChat, stream) -> As
         return
     finally:
         await stream.aclose()
-    options = prepared.request.stream_options
-    if (options is not None and options.include_usage) or ctx.config.force_include_usage:
+    if final_usage(prepared.request.stream_options, ctx.config.force_include_usage):
         yield prepared.chunk([], usage(len(prepared.prompt_token_ids), sum(num_tokens), num_cached_tokens))
     yield SSE_DONE
 

@@ -26,6 +26,7 @@ from flint_sched.api.protocol import (
     MIN_LOGPROB,
     clamp_logprob,
     continuous_usage,
+    final_usage,
     logprob_names,
     prompt_logprobs_json,
     sampling_params,
@@ -172,14 +173,13 @@ def echoed_logprobs(tokenizer, prompt_ids: list[int], entries: list[TokenLogprob
 def full_choice(ctx: ServingContext, index: int, prompt: PreparedPrompt, request: CompletionRequest,
                 final: RequestOutput, out: CompletionOutput) -> CompletionChoice:
     logprobs, names = None, logprob_names(ctx.tokenizer, request)
-    ids = {"prompt_token_ids": prompt.token_ids, "token_ids": []} if request.return_token_ids else {}
+    generated = [] if echo_only(request) else list(out.token_ids)
+    ids = {"prompt_token_ids": prompt.token_ids, "token_ids": generated} if request.return_token_ids else {}
     if echo_only(request):
         if request.logprobs is not None and final.prompt_logprobs is not None:
             logprobs, _ = prompt_token_logprobs(names, prompt.token_ids, final.prompt_logprobs)
         return CompletionChoice(index=index, text=prompt.text, logprobs=logprobs, finish_reason="length",
                                 stop_reason=None, prompt_logprobs=prompt_logprobs_of(ctx, request, final), **ids)
-    if ids:
-        ids["token_ids"] = list(out.token_ids)
     if request.echo and out.logprobs is not None and final.prompt_logprobs is not None:
         logprobs = echoed_logprobs(names, prompt.token_ids, final.prompt_logprobs, out)
     elif out.logprobs is not None:
@@ -282,8 +282,7 @@ async def completion_events(s: Stream, streams: list[AsyncIterator[RequestOutput
     finally:
         if merged is None:
             await streams[0].aclose()
-    options = s.request.stream_options
-    if (options is not None and options.include_usage) or s.ctx.config.force_include_usage:
+    if final_usage(s.request.stream_options, s.ctx.config.force_include_usage):
         yield s.chunk([], usage(sum(len(p.token_ids) for p in s.prompts), sum(num_tokens), sum(num_cached_tokens)))
     yield SSE_DONE
 
