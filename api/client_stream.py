@@ -177,7 +177,8 @@ def add_tool_call_delta(state: _ChatChoiceState, delta: ToolCallDelta) -> None:
 
 def accumulate_chat(chunks: Iterable[ChatCompletionChunk]) -> ChatCompletion:
     """Folds chat chunks into a `ChatCompletion`: content and reasoning concatenated per choice index (empty
-    becomes null, as in a non-streamed message), tool calls completed, the last finish_reason and usage kept; return_token_ids: the token ids too."""
+    becomes null, as in a non-streamed message), tool calls completed, the last finish_reason and usage kept;
+    with return_token_ids, the token ids too."""
     states: dict[int, _ChatChoiceState] = {}
     head = ChatCompletionChunk()
     usage: Usage | None = None

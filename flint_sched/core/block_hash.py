@@ -5,8 +5,9 @@
 
 Two blocks have one key only when every token up to their end is equal and so is the extra key
 (the model and its revision: whatever else changes the KV). A request with a cache salt starts
-from H(root, "salt", salt) instead, so it shares blocks only with requests of the same salt. SHA-256, not Python's hash(): one
-server holds many users' prompts, and a collision would serve one user's KV to another.
+from H(root, "salt", salt) instead, so it shares blocks only with requests of the same salt.
+SHA-256, not Python's hash(): one server holds many users' prompts, and a collision would serve one
+user's KV to another.
 """
 
 from __future__ import annotations

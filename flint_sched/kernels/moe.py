@@ -247,7 +247,8 @@ def moe_split(x: torch.Tensor, ids: torch.Tensor, routing_weights: torch.Tensor,
             + weight_args(up, "up", (num_experts, i, k), x.device, num_experts)
             + weight_args(down, "down", (num_experts, n, i), x.device, num_experts))
     shared_args, has_shared = _shared_expert_args(fmt, x.device, ("shared_gate", shared_gate, (i, k)),
-                                                  ("shared_up", shared_up, (i, k)), ("shared_down", shared_down, (n, i)))
+                                                  ("shared_up", shared_up, (i, k)),
+                                                  ("shared_down", shared_down, (n, i)))
     args += shared_args
     if acc is None:
         acc = torch.zeros(t, n, dtype=torch.int64, device=x.device)
