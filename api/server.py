@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -34,11 +32,11 @@ from starlette.routing import Route
 
 from flint_sched import __version__
 from flint_sched.api import errors
-from flint_sched.api.errors import error_response
 from flint_sched.api.gc_pauses import PauseWatch, freeze_startup_heap
 from flint_sched.api.lifecycle import FlintServer, Lifecycle
 from flint_sched.api.limits import check_json_depth, check_text_fits, max_chars_per_token
 from flint_sched.api.metrics import CONTENT_TYPE, ServerMetrics
+from flint_sched.api.middleware import APIKeyMiddleware, RequestIdHeaderMiddleware
 from flint_sched.api.openapi import openapi_document
 from flint_sched.api.parsers import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
 from flint_sched.api.protocol import SAMPLING_DEFAULTS, ModelCard, ModelList, VersionResponse, decode_request
@@ -336,49 +334,6 @@ def version(ctx: ServingContext) -> Response:
 
 def openapi(ctx: ServingContext) -> Response:
     return Response(openapi_document(), media_type="application/json")
-
-
-def route_path(scope) -> str:
-    """The request's path below --root-path (a proxy may or may not have cut the prefix off)."""
-    path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
-
-
-class RequestIdHeaderMiddleware:
-    """vLLM's --enable-request-id-headers: every response carries X-Request-Id (the request's own
-    header, else a new id)."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"x-request-id")
-        request_id = given or uuid.uuid4().hex.encode()
-
-        async def send_with_id(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-class APIKeyMiddleware:
-    """401 on `/v1/*` without `Authorization: Bearer <key>`."""
-
-    def __init__(self, app, api_key: str | None):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def __call__(self, scope, receive, send):
-        if self.expected is not None and scope["type"] == "http" and route_path(scope).startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                await error_response(errors.unauthorized(), {"www-authenticate": "Bearer"})(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class InvocationFields(msgspec.Struct):
